@@ -1,0 +1,1 @@
+"""The agent that writes, verifies and tunes an LLM inference engine."""

@@ -1,0 +1,86 @@
+"""Plans: one choice per kernel slot plus the engine's parameters.
+
+The menu is read from the template tree, so adding a kernel variant is adding one file:
+`templates/kernels/<slot>/<variant>.py.j2`, whose header line says where it runs:
+
+    # slot: decode_attention    variant: triton_split    devices: cuda
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+KERNELS = TEMPLATES / "kernels"
+ENGINES = TEMPLATES / "engine"
+
+SLOTS = ("norm", "rope_cache", "prefill_attention", "decode_attention", "silu_mul")
+REFERENCE_VARIANT = "torch"
+_HEADER = re.compile(r"#\s*slot:\s*(\w+)\s+variant:\s*(\w+)\s+devices:\s*([\w, ]+)")
+
+
+@dataclass(frozen=True)
+class Variant:
+    slot: str
+    name: str
+    devices: tuple[str, ...]
+    path: Path | None  # None for a variant that lives only in memory (an LLM proposal)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to render: an engine skeleton, a variant per slot, and the skeleton's params."""
+
+    engine: str
+    slots: dict[str, str] = field(default_factory=dict)
+    params: dict[str, object] = field(default_factory=dict)
+
+    def key(self) -> str:
+        """A stable identity, so the same plan is never judged twice."""
+        return json.dumps({"engine": self.engine, "slots": self.slots, "params": self.params}, sort_keys=True)
+
+    def describe(self) -> str:
+        slots = " ".join(f"{s}={v}" for s, v in sorted(self.slots.items()) if v != REFERENCE_VARIANT)
+        params = " ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return " ".join(p for p in (self.engine, slots, params) if p)
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "slots": dict(self.slots), "params": dict(self.params)}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Plan":
+        return Plan(engine=d["engine"], slots=dict(d.get("slots", {})), params=dict(d.get("params", {})))
+
+
+def parse_header(text: str, path: Path | None = None) -> Variant:
+    """Read the `# slot: ... variant: ... devices: ...` line that starts every variant."""
+    for line in text.splitlines()[:5]:
+        m = _HEADER.search(line)
+        if m:
+            devices = tuple(d.strip() for d in m.group(3).split(",") if d.strip())
+            return Variant(m.group(1), m.group(2), devices, path)
+    where = path or "variant source"
+    raise ValueError(f"{where}: no '# slot: S variant: V devices: D' header in its first lines")
+
+
+def menu() -> dict[str, list[Variant]]:
+    """Every kernel variant on disk, by slot, the reference (torch) variant first."""
+    out: dict[str, list[Variant]] = {s: [] for s in SLOTS}
+    for path in sorted(KERNELS.glob("*/*.py.j2")):
+        v = parse_header(path.read_text(), path)
+        if v.slot != path.parent.name or v.name != path.name.removesuffix(".py.j2"):
+            raise ValueError(f"{path}: header says slot={v.slot} variant={v.name}, file name disagrees")
+        out.setdefault(v.slot, []).append(v)
+    for variants in out.values():
+        variants.sort(key=lambda v: (v.name != REFERENCE_VARIANT, v.name))
+    return out
+
+
+def engines() -> list[str]:
+    return sorted(p.name.removesuffix(".py.j2") for p in ENGINES.glob("*.py.j2"))
+
+
+def reference_slots() -> dict[str, str]:
+    return {s: REFERENCE_VARIANT for s in SLOTS}

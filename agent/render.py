@@ -1,0 +1,74 @@
+"""Plan → engine source. The rendered engine imports only torch, triton and the stdlib."""
+from __future__ import annotations
+
+import jinja2
+
+from agent.plan import KERNELS, REFERENCE_VARIANT, SLOTS, TEMPLATES, Plan
+
+ExtraVariants = dict[tuple[str, str], str]
+
+
+class _Loader(jinja2.FileSystemLoader):
+    """Templates from disk, plus in-memory kernel variants (LLM proposals) by their would-be path."""
+
+    def __init__(self, extra: ExtraVariants):
+        super().__init__(str(TEMPLATES))
+        self.extra = {f"kernels/{slot}/{name}.py.j2": text for (slot, name), text in extra.items()}
+
+    def get_source(self, environment, template):
+        if template in self.extra:
+            return self.extra[template], None, lambda: True
+        return super().get_source(environment, template)
+
+
+def _env(extra: ExtraVariants) -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=_Loader(extra), undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+        trim_blocks=True, lstrip_blocks=True,
+    )
+
+
+# The imports every rendered module starts with: triton only where CUDA is present.
+PRELUDE = '''import math
+import torch
+import torch.nn.functional as F
+try:
+    if not torch.cuda.is_available():
+        raise ImportError
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+    tl = None
+'''
+
+
+def _variant_includes(slots: dict[str, str]) -> list[str]:
+    """Template paths of every slot's torch variant and chosen variant (torch is the CPU path)."""
+    out = []
+    for slot in SLOTS:
+        chosen = slots.get(slot, REFERENCE_VARIANT)
+        for name in dict.fromkeys((REFERENCE_VARIANT, chosen)):
+            out.append(f"kernels/{slot}/{name}.py.j2")
+    return out
+
+
+def render_engine(plan: Plan, extra_variants: ExtraVariants | None = None) -> str:
+    extra = extra_variants or {}
+    slots = {s: plan.slots.get(s, REFERENCE_VARIANT) for s in SLOTS}
+    template = _env(extra).get_template(f"engine/{plan.engine}.py.j2")
+    return template.render(plan=plan, slots=slots, params=plan.params,
+                           kernel_includes=_variant_includes(slots), prelude=PRELUDE)
+
+
+
+def render_slot_module(slot: str, variant: str, params: dict | None = None,
+                       extra_variants: ExtraVariants | None = None) -> str:
+    """One slot's variant as a standalone module (prelude + the variant), for unit checks."""
+    env = _env(extra_variants or {})
+    body = env.get_template(f"kernels/{slot}/{variant}.py.j2").render(params=params or {})
+    return PRELUDE + "\n\n" + body
+
+
+def kernel_path(slot: str, variant: str):
+    return KERNELS / slot / f"{variant}.py.j2"
