@@ -19,6 +19,7 @@ ENGINES = TEMPLATES / "engine"
 SLOTS = ("norm", "rope_cache", "prefill_attention", "decode_attention", "silu_mul")
 REFERENCE_VARIANT = "torch"
 _HEADER = re.compile(r"#\s*slot:\s*(\w+)\s+variant:\s*(\w+)\s+devices:\s*([\w, ]+)")
+_PARAM = re.compile(r"#\s*param:\s*(\w+)\s*=\s*(\S+)\s+choices:\s*(.+)")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,37 @@ def menu() -> dict[str, list[Variant]]:
         out.setdefault(v.slot, []).append(v)
     for variants in out.values():
         variants.sort(key=lambda v: (v.name != REFERENCE_VARIANT, v.name))
+    return out
+
+
+def _literal(text: str) -> object:
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    default: object
+    choices: tuple
+
+
+def engine_params(engine: str) -> dict[str, Param]:
+    """The tunables an engine skeleton declares in its header, one per line:
+
+        # param: block_size = 16  choices: 16, 32, 64
+    """
+    out = {}
+    for line in (ENGINES / f"{engine}.py.j2").read_text().splitlines()[:60]:
+        m = _PARAM.search(line)
+        if m:
+            choices = tuple(_literal(c) for c in m.group(3).split(","))
+            out[m.group(1)] = Param(m.group(1), _literal(m.group(2)), choices)
     return out
 
 
