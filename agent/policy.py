@@ -1,0 +1,291 @@
+"""Static policy on generated code, checked before anything of it runs.
+
+LLM-written kernels have fooled their judges by timing work on side streams, patching the
+timer or `synchronize`, reading the caller's frames, caching by pointer, or spawning
+threads (docs: LESSONS.md §B). The evaluator catches most of that by construction; this
+policy stops the known tricks before the code is even imported, and tells the model in
+words which line broke which rule, so a repair round can fix it.
+
+Two levels share the rules:
+- `kernel`: one slot variant. Imports limited to torch, triton, math and a few harmless
+  standard modules; no streams, events, graphs, host syncs, file/network/process access.
+- `engine`: a whole rendered engine. Slightly wider: CUDA graphs and the side stream
+  their capture needs, `torch.load` of the weights, `os.path`/`pathlib` for the weight
+  path, host syncs (the engine may synchronize in `create_engine`).
+
+The analysis is by AST and name resolution through imports; it cannot see through
+aliases built at run time, which is why `getattr` with a computed name, `setattr`,
+`globals()` and friends are banned outright.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+KERNEL = "kernel"
+ENGINE = "engine"
+LEVELS = (KERNEL, ENGINE)
+
+# Top-level modules a kernel may import. Everything else is refused.
+KERNEL_IMPORTS = frozenset({
+    "torch", "triton", "math", "__future__", "functools", "itertools", "typing",
+    "dataclasses", "collections", "operator", "enum", "numbers", "abc",
+})
+# An engine also needs to find its weight file.
+ENGINE_IMPORTS = KERNEL_IMPORTS | {"os", "pathlib"}
+
+# Builtins whose only use in a kernel is reaching outside it.
+BANNED_BUILTINS = frozenset({
+    "open", "exec", "eval", "compile", "__import__", "globals", "locals", "vars",
+    "setattr", "delattr", "breakpoint", "exit", "quit",
+    "__builtins__", "__loader__", "__spec__", "__file__",
+})
+
+# Attribute names that lead to frames, code objects or the interpreter's internals.
+BANNED_ATTRIBUTES = frozenset({
+    "f_globals", "f_locals", "f_back", "f_builtins", "f_code", "gi_frame", "cr_frame",
+    "tb_frame", "co_code", "_getframe", "__globals__", "__builtins__", "__code__",
+    "__closure__", "__subclasses__", "__dict__", "__bases__", "__mro__", "__class__",
+    "__getattribute__", "__setattr__", "__delattr__", "__reduce__", "__reduce_ex__",
+    "__self__", "__func__", "__wrapped__", "__import__", "__loader__", "__spec__",
+    "__torch_function__", "__torch_dispatch__",
+})
+
+# Dotted names (after resolving import aliases) refused at every level. A name matches its
+# entry and everything under it; a trailing `*` also matches longer names (`os.execv`).
+BANNED_EVERYWHERE = {
+    "os.system": "process access", "os.popen": "process access", "os.spawn*": "process access",
+    "os.exec*": "process access", "os.fork*": "process access", "os.kill*": "process access",
+    "os.environ": "environment access", "os.putenv": "environment access",
+    "os.remove": "file access", "os.unlink": "file access", "os.rename": "file access",
+    "os.replace": "file access", "os.mkdir": "file access", "os.makedirs": "file access",
+    "os.rmdir": "file access", "os.open": "file access", "os.write": "file access",
+    "os.chdir": "file access", "os.listdir": "file access", "os.scandir": "file access",
+    "os.walk": "file access", "os._exit": "process access",
+    "pathlib.Path.write*": "file access", "pathlib.Path.unlink": "file access",
+    "pathlib.Path.open": "file access", "pathlib.Path.read*": "file access",
+    "operator.attrgetter": "getattr by name", "operator.methodcaller": "getattr by name",
+    "torch.save": "file access", "torch.hub": "network access",
+    "torch.utils.cpp_extension": "native code", "torch.ops.load_library": "native code",
+    "torch.multiprocessing": "process access", "torch.distributed": "process access",
+    "torch.cuda.set_stream": "stream switching", "torch.cuda.set_sync_debug_mode": "timer tricks",
+    "torch.cuda.cudart": "native code", "torch._C": "interpreter internals",
+    "torch.compiler.disable": "interpreter internals",
+}
+
+# Refused in a kernel, allowed in an engine (graph capture, weight loading, setup syncs).
+BANNED_IN_KERNELS = {
+    "torch.cuda.Stream": "side streams", "torch.cuda.stream": "side streams",
+    "torch.cuda.current_stream": "side streams", "torch.cuda.default_stream": "side streams",
+    "torch.cuda.Event": "events (timer tricks)", "torch.cuda.graph": "graph capture",
+    "torch.cuda.CUDAGraph": "graph capture", "torch.cuda.graph_pool_handle": "graph capture",
+    "torch.cuda.make_graphed_callables": "graph capture", "torch.cuda.synchronize": "host sync",
+    "torch.load": "file access", "torch.cuda.empty_cache": "allocator tricks",
+    "torch.cuda.memory": "allocator tricks", "torch.cuda.caching_allocator_alloc": "allocator tricks",
+}
+
+# Tensor methods that wait for the device: a kernel must not synchronize with the host.
+HOST_SYNC_METHODS = frozenset({"item", "tolist", "cpu", "numpy", "synchronize"})
+
+# Methods that touch files whatever object they are called on (`Path(...).write_text`): the
+# receiver is beyond static resolution, so the method name alone is enough.
+FILE_METHODS = frozenset({
+    "write_text", "write_bytes", "read_text", "read_bytes", "unlink", "rmdir", "touch",
+    "mkdir", "rename", "symlink_to", "chmod", "open",
+})
+
+# Attribute assignments the engine may make: backend switches, not function patches.
+ASSIGNABLE_PREFIXES = ("torch.backends.",)
+
+
+@dataclass(frozen=True)
+class Violation:
+    line: int
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message} [{self.rule}]"
+
+
+def check(source: str, level: str = KERNEL) -> list[Violation]:
+    """Every rule `source` breaks at `level`, in line order. A syntax error is one violation."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown policy level {level!r}; one of {LEVELS}")
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        return [Violation(e.lineno or 0, "syntax", f"syntax error: {e.msg}")]
+    checker = _Checker(level, _bound_names(tree))
+    checker.visit(tree)
+    return sorted(set(checker.violations), key=lambda v: (v.line, v.rule, v.message))
+
+
+def check_kernel(source: str) -> list[Violation]:
+    return check(source, KERNEL)
+
+
+def check_engine(source: str) -> list[Violation]:
+    return check(source, ENGINE)
+
+
+def describe(violations: list[Violation]) -> str:
+    """The violations as the lines a model (or a log) reads."""
+    return "\n".join(str(v) for v in violations)
+
+
+def _matches(dotted: str, pattern: str) -> bool:
+    if pattern.endswith("*"):
+        return dotted.startswith(pattern[:-1])
+    return dotted == pattern or dotted.startswith(pattern + ".")
+
+
+def _bound_names(tree: ast.AST) -> set[str]:
+    """Arguments and defs the code names itself: these shadow builtins. Plain assignments do
+    not count, or `open = open` would launder the builtin."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+    return out
+
+
+class _Checker(ast.NodeVisitor):
+    def __init__(self, level: str, bound: set[str]):
+        self.level = level
+        self.bound = bound
+        self.allowed_imports = KERNEL_IMPORTS if level == KERNEL else ENGINE_IMPORTS
+        self.banned = dict(BANNED_EVERYWHERE)
+        if level == KERNEL:
+            self.banned.update(BANNED_IN_KERNELS)
+        self.aliases: dict[str, str] = {}  # local name -> dotted module path
+        self.violations: list[Violation] = []
+
+    def _add(self, node: ast.AST, rule: str, message: str) -> None:
+        self.violations.append(Violation(getattr(node, "lineno", 0), rule, message))
+
+    # --- imports ---------------------------------------------------------------------
+    def _import_allowed(self, node: ast.AST, module: str) -> bool:
+        top = module.split(".")[0]
+        if top not in self.allowed_imports:
+            self._add(node, "import", f"import of '{module}' is not allowed "
+                      f"(allowed: {', '.join(sorted(self.allowed_imports))})")
+            return False
+        self._check_dotted(node, module)
+        return True
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if self._import_allowed(node, alias.name):
+                if alias.asname:
+                    self.aliases[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    self.aliases[top] = top
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level:
+            self._add(node, "import", "relative imports are not allowed")
+            return
+        module = node.module or ""
+        if not self._import_allowed(node, module):
+            return
+        for alias in node.names:
+            if alias.name == "*":
+                self._add(node, "import", f"'from {module} import *' is not allowed")
+                continue
+            full = f"{module}.{alias.name}"
+            self._check_dotted(node, full)
+            self.aliases[alias.asname or alias.name] = full
+
+    # --- names and attributes ----------------------------------------------------------
+    def _dotted(self, node: ast.AST) -> str | None:
+        """`a.b.c` with the import alias of `a` resolved, or None when not a plain chain."""
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name) or node.id not in self.aliases:
+            return None
+        return ".".join([self.aliases[node.id], *reversed(parts)])
+
+    def _check_dotted(self, node: ast.AST, dotted: str) -> None:
+        for prefix, why in self.banned.items():
+            if _matches(dotted, prefix):
+                self._add(node, "banned_api", f"'{dotted}' is not allowed ({why})")
+                return
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if node.id in BANNED_BUILTINS and node.id not in self.bound and node.id not in self.aliases:
+            self._add(node, "banned_builtin", f"'{node.id}' is not allowed")
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if node.attr in BANNED_ATTRIBUTES:
+            self._add(node, "introspection", f"attribute '{node.attr}' is not allowed "
+                      "(frames, code objects and class internals are off limits)")
+        dotted = self._dotted(node)
+        if dotted is not None:
+            self._check_dotted(node, dotted)
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "getattr" and "getattr" not in self.bound:
+            name = node.args[1] if len(node.args) > 1 else None
+            if not (isinstance(name, ast.Constant) and isinstance(name.value, str)
+                    and not name.value.startswith("__")):
+                self._add(node, "getattr", "getattr is allowed only with a literal, non-dunder name")
+        if isinstance(func, ast.Attribute) and func.attr in FILE_METHODS:
+            self._add(node, "file_access", f"'.{func.attr}()' touches files; not allowed")
+        if (self.level == KERNEL and isinstance(func, ast.Attribute)
+                and func.attr in HOST_SYNC_METHODS and not node.args):
+            self._add(node, "host_sync", f"'.{func.attr}()' synchronizes with the host; "
+                      "a kernel must not")
+        self.generic_visit(node)
+
+    # --- assignments: no patching of modules or classes --------------------------------
+    def _check_target(self, target: ast.AST) -> None:
+        if isinstance(target, (ast.Tuple, ast.List)):
+            for t in target.elts:
+                self._check_target(t)
+            return
+        if isinstance(target, ast.Attribute):
+            dotted = self._dotted(target)
+            if dotted is not None and not any(dotted.startswith(p) for p in ASSIGNABLE_PREFIXES):
+                self._add(target, "patching", f"assigning to '{dotted}' patches a module; not allowed")
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        for t in node.targets:
+            self._check_target(t)
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        self._check_target(node.target)
+        self.generic_visit(node)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self._check_target(node.target)
+        self.generic_visit(node)
+
+    def visit_Delete(self, node: ast.Delete) -> None:
+        for t in node.targets:
+            self._check_target(t)
+        self.generic_visit(node)
+
+    # --- classes: no tensor subclasses (lazy outputs that compute when compared) -------
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        for base in node.bases:
+            dotted = self._dotted(base)
+            if dotted is not None and dotted.startswith("torch.") and dotted.split(".")[-1] == "Tensor":
+                self._add(node, "tensor_subclass", "subclassing torch.Tensor is not allowed")
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef) and item.name in BANNED_ATTRIBUTES:
+                self._add(item, "introspection", f"defining '{item.name}' is not allowed")
+        self.generic_visit(node)
+
+    def visit_Global(self, node: ast.Global) -> None:
+        for name in node.names:
+            if name in self.aliases:
+                self._add(node, "patching", f"rebinding the imported name '{name}' is not allowed")
