@@ -19,7 +19,8 @@ ENGINES = TEMPLATES / "engine"
 SLOTS = ("norm", "rope_cache", "prefill_attention", "decode_attention", "silu_mul")
 REFERENCE_VARIANT = "torch"
 _HEADER = re.compile(r"#\s*slot:\s*(\w+)\s+variant:\s*(\w+)\s+devices:\s*([\w, ]+)")
-_PARAM = re.compile(r"#\s*param:\s*(\w+)\s*=\s*(\S+)\s+choices:\s*(.+)")
+_PARAM = re.compile(r"#\s*param:\s*(\w+)\s*=\s*(\S+)\s+choices:\s*(.+?)(?:\s+devices:\s*([\w, ]+?))?\s*$")
+ALL_DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -94,19 +95,23 @@ class Param:
     name: str
     default: object
     choices: tuple
+    devices: tuple[str, ...] = ALL_DEVICES  # where changing it can matter (e.g. CUDA graphs: cuda)
 
 
 def engine_params(engine: str) -> dict[str, Param]:
-    """The tunables an engine skeleton declares in its header, one per line:
+    """The tunables an engine skeleton declares in its header, one per line, optionally
+    saying on which devices trying other values is worth a candidate:
 
         # param: block_size = 16  choices: 16, 32, 64
+        # param: decode_graphs = true  choices: true, false  devices: cuda
     """
     out = {}
     for line in (ENGINES / f"{engine}.py.j2").read_text().splitlines()[:60]:
         m = _PARAM.search(line)
         if m:
             choices = tuple(_literal(c) for c in m.group(3).split(","))
-            out[m.group(1)] = Param(m.group(1), _literal(m.group(2)), choices)
+            devices = tuple(d.strip() for d in (m.group(4) or "").split(",") if d.strip()) or ALL_DEVICES
+            out[m.group(1)] = Param(m.group(1), _literal(m.group(2)), choices, devices)
     return out
 
 
