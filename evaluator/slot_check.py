@@ -1,0 +1,693 @@
+"""Unit checks for one kernel variant of one slot (docs/design.md §5).
+
+For each slot this module holds
+
+* a reference op written from SPEC §3 numerics, independently of any template
+  (``ref_rmsnorm``, ``ref_add_rmsnorm``, ``ref_rope_cache``, ``ref_prefill_attention``,
+  ``ref_decode_attention``, ``ref_silu_mul``);
+* a list of cases (sizes) covering the edges: N=1, odd N, head_dim 64/80/128/192,
+  MHA/GQA/MQA, contexts that cross block boundaries, block sizes 16/32/64, long
+  contexts and prompts (CUDA), ragged batches;
+* an input builder (seeded, fresh seed by default) that *poisons* what a correct
+  kernel must not read: unused KV-cache slots and unused block-table columns hold NaN
+  or point at NaN blocks, so a kernel that reads past ``context_lens`` returns NaN;
+  on CUDA the allocator is primed with NaN blocks of the output sizes before each
+  call, so an output element the kernel forgot to write shows up as NaN;
+* tolerances per compute dtype, in ulps of that dtype.
+
+``check_variant(slot, source, device, seed=None)`` loads a variant (a template file,
+template text, or a module already rendered by ``agent.render.render_slot_module``),
+calls its ``<fn>__<variant>`` functions on every case and returns a
+``SlotCheckResult``. Failure messages name the case, the output, the index of the worst
+element, got/want and the tolerance, so that they can go back to an LLM proposer as is.
+
+CLI::
+
+    python3 -m evaluator.slot_check --slot decode_attention --variant triton_split --device cuda
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+import secrets
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+SLOT_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "norm": ("rmsnorm", "add_rmsnorm"),
+    "rope_cache": ("rope_cache",),
+    "prefill_attention": ("prefill_attention",),
+    "decode_attention": ("decode_attention",),
+    "silu_mul": ("silu_mul",),
+}
+
+# (atol, rtol) per compute dtype: about two units in the last place of the dtype, so a
+# kernel that rounds once where the reference rounds twice passes, and one that drops a
+# mask, a scale or a rounding step does not.
+TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_NAME_OF_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
+_HEADER = re.compile(r"#\s*slot:\s*(\w+)\s+variant:\s*(\w+)\s+devices:\s*([\w, ]+)")
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class CaseResult:
+    name: str
+    passed: bool
+    max_abs_err: float
+    ratio: float  # max over elements of |out - ref| / (atol + rtol * |ref|); <= 1 passes
+    message: str = ""  # empty when passed
+
+
+@dataclass
+class SlotCheckResult:
+    slot: str
+    variant: str
+    device: str
+    seed: int
+    passed: bool
+    max_abs_err: float
+    worst_case: str  # the first failure's message, else the case closest to its tolerance
+    cases: list[CaseResult] = field(default_factory=list)
+    error: str | None = None  # the variant could not be loaded or does not run on device
+
+    def summary(self) -> str:
+        n_ok = sum(c.passed for c in self.cases)
+        head = (f"{self.slot}/{self.variant} on {self.device} (seed {self.seed}): "
+                f"{'PASSED' if self.passed else 'FAILED'} {n_ok}/{len(self.cases)} cases, "
+                f"max_abs_err={self.max_abs_err:.3g}")
+        if self.error:
+            return f"{head}\n  error: {self.error}"
+        return f"{head}\n  worst: {self.worst_case}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- references
+# Written from SPEC §3, not copied from a template: the point is two independent readings.
+
+
+def ref_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return y.to(x.dtype) * w
+
+
+def ref_add_rmsnorm(x, residual, w, eps):
+    r = x + residual
+    return ref_rmsnorm(r, w, eps), r
+
+
+def ref_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE of x[N, H, D]; cos/sin[P, D/2] already in x's dtype."""
+    c = cos[positions].unsqueeze(1)
+    s = sin[positions].unsqueeze(1)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
+
+
+def ref_rope_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache):
+    """Returns (q_rot, k_rot, new_k_cache, new_v_cache) without touching the inputs."""
+    q_rot = ref_rope(q, cos, sin, positions)
+    k_rot = ref_rope(k, cos, sin, positions)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    kc[slot_mapping] = k_rot
+    vc[slot_mapping] = v
+    return q_rot, k_rot, kc, vc
+
+
+def _ref_attention(q, k, v, scale, causal):
+    """q[L, Hq, D], k/v[T, Hkv, D] → o[L, Hq, D], the reference's order of operations."""
+    group = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1).float()
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
+    s = torch.matmul(qh, kh.float().transpose(-1, -2)) * scale
+    if causal:
+        L, T = q.shape[0], k.shape[0]
+        mask = torch.ones(L, T, dtype=torch.bool, device=q.device).triu(T - L + 1)
+        s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(q.dtype)
+    return torch.matmul(p, vh).transpose(0, 1)
+
+
+def ref_prefill_attention(q, k, v, cu_seqlens, seq_lens, max_seqlen, scale):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    start = 0
+    for n in seq_lens:
+        out[start:start + n] = _ref_attention(q[start:start + n], k[start:start + n], v[start:start + n],
+                                              scale, causal=True)
+        start += n
+    return out
+
+
+def ref_decode_attention(q, k_cache, v_cache, block_table, context_lens, max_context, block_size, scale):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    table = block_table.cpu()
+    for b, n in enumerate(context_lens.cpu().tolist()):
+        j = torch.arange(n)
+        slots = (table[b, j // block_size].long() * block_size + j % block_size).to(q.device)
+        out[b] = _ref_attention(q[b:b + 1], k_cache[slots], v_cache[slots], scale, causal=False)[0]
+    return out
+
+
+def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def _compare(label: str, out, ref: torch.Tensor, dtype: torch.dtype) -> tuple[float, float, str]:
+    """(max_abs_err, ratio, message); message is empty when `out` is within tolerance.
+
+    NaN where the reference has NaN (poisoned cache slots nobody may write) counts as equal."""
+    atol, rtol = TOLERANCE[dtype]
+    if not isinstance(out, torch.Tensor):
+        return math.inf, math.inf, f"{label}: returned {type(out).__name__}, want a tensor"
+    if tuple(out.shape) != tuple(ref.shape):
+        return math.inf, math.inf, f"{label}: shape {tuple(out.shape)}, want {tuple(ref.shape)}"
+    if out.dtype != ref.dtype:
+        return math.inf, math.inf, f"{label}: dtype {out.dtype}, want {ref.dtype}"
+    if out.device != ref.device:
+        return math.inf, math.inf, f"{label}: on {out.device}, want {ref.device}"
+    if out.numel() == 0:
+        return 0.0, 0.0, ""
+    o, r = out.detach().float(), ref.detach().float()
+    both_nan = torch.isnan(o) & torch.isnan(r)
+    diff = torch.nan_to_num((o - r).abs(), nan=math.inf, posinf=math.inf)
+    diff = torch.where(both_nan, torch.zeros_like(diff), diff)
+    bound = atol + rtol * torch.nan_to_num(r.abs(), nan=0.0, posinf=0.0)
+    ratio_t = diff / bound
+    worst = int(torch.argmax(ratio_t).item())
+    ratio = float(ratio_t.flatten()[worst].item())
+    max_abs = float(diff.max().item())
+    if ratio <= 1.0:
+        return max_abs, ratio, ""
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), tuple(out.shape)))
+    got, want = float(o.flatten()[worst].item()), float(r.flatten()[worst].item())
+    n_bad = int((ratio_t > 1).sum().item())
+    kind = "non-finite value" if not math.isfinite(got) and math.isfinite(want) else "mismatch"
+    return max_abs, ratio, (f"{label}: {kind} at index {idx}: got {got:.6g}, want {want:.6g} "
+                            f"(|err|={abs(got - want):.3g}, {n_bad}/{out.numel()} elements out of "
+                            f"atol={atol:g} rtol={rtol:g}; max_abs_err={max_abs:.3g})")
+
+
+_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        return t.detach().contiguous().view(_INT_VIEW[t.element_size()])
+    return t.detach().contiguous()
+
+
+def _unchanged(label: str, before: torch.Tensor, after: torch.Tensor) -> str:
+    """Empty when `after` holds exactly the bits of `before`, NaN payloads included."""
+    a, b = _bits(before), _bits(after)
+    if torch.equal(a, b):
+        return ""
+    first = int(torch.nonzero((a != b).flatten())[0].item())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tuple(before.shape)))
+    return f"{label}: input modified at index {idx} (was {before.flatten()[first].item():.6g}, " \
+           f"now {after.flatten()[first].item():.6g}); this slot must not write it"
+
+
+def _prime_allocator_with_nan(like: list[torch.Tensor]) -> None:
+    """Free NaN-filled blocks of the outputs' sizes, so a fresh `torch.empty` in the variant
+    most likely gets NaN memory back and an unwritten element cannot pass by luck."""
+    if not like or like[0].device.type != "cuda":
+        return
+    blocks = [torch.full_like(t, float("nan"), memory_format=torch.contiguous_format) for t in like
+              if t.is_floating_point()]
+    del blocks
+
+
+# --------------------------------------------------------------------------- slots
+# Each slot: specs(rng, full) → concrete size dicts; build(spec, dtype, device, gen, cpu_gen) → inputs;
+# run(fns, spec, inputs, dtype) → list of (max_abs, ratio, message) per compared output.
+
+
+def _randn(shape, dtype, device, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def _view_of_fused(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy [N, H_i, D] tensors into one [N, sum(H_i)*D] buffer and return strided views of it,
+    the way an engine slices q, k, v out of a fused QKV projection."""
+    n, d = parts[0].shape[0], parts[0].shape[2]
+    fused = torch.cat([p.reshape(n, -1) for p in parts], dim=1)
+    out, col = [], 0
+    for p in parts:
+        width = p.shape[1] * d
+        out.append(fused[:, col:col + width].view(n, p.shape[1], d))
+        col += width
+    return out
+
+
+class _Slot:
+    name: str
+
+    def specs(self, rng: random.Random, full: bool) -> list[dict]:
+        raise NotImplementedError
+
+    def case_name(self, spec: dict) -> str:
+        return " ".join(f"{k}={v}" for k, v in spec.items())
+
+    def build(self, spec: dict, dtype, device, gen, cpu_gen) -> dict:
+        raise NotImplementedError
+
+    def run(self, fns: dict[str, Callable], spec: dict, inp: dict, dtype) -> list[tuple[float, float, str]]:
+        raise NotImplementedError
+
+
+def _pure_call(fn, args: dict, outputs_like: list[torch.Tensor], device, twice: bool):
+    """Call fn(**args) with the allocator primed; on CUDA call it twice and demand the same bits."""
+    _prime_allocator_with_nan(outputs_like)
+    first = fn(**args)
+    if not twice:
+        return first, ""
+    first_bits = [(_bits(t) if isinstance(t, torch.Tensor) else t)
+                  for t in (first if isinstance(first, tuple) else (first,))]
+    _prime_allocator_with_nan(outputs_like)
+    second = fn(**args)
+    for i, t in enumerate(second if isinstance(second, tuple) else (second,)):
+        if isinstance(t, torch.Tensor) and isinstance(first_bits[i], torch.Tensor) \
+                and t.shape == first_bits[i].shape and not torch.equal(_bits(t), first_bits[i]):
+            return first, f"output {i}: two calls on the same inputs differ (a race, or unwritten memory)"
+    return first, ""
+
+
+class _Norm(_Slot):
+    name = "norm"
+
+    def specs(self, rng, full):
+        sizes = [(1, 768), (7, 80), (33, 1000)]
+        if full:
+            sizes += [(64, 4096), (300, 2048), (5, 8192)]
+        return [{"N": n, "H": h, "eps": rng.choice([1e-5, 1e-6]), "x_scale": rng.choice([0.5, 3.0]),
+                 "row_strided": i % 2 == 1} for i, (n, h) in enumerate(sizes)]
+
+    def build(self, spec, dtype, device, gen, cpu_gen):
+        n, h = spec["N"], spec["H"]
+        wide = _randn((n, h + (13 if spec["row_strided"] else 0)), dtype, device, gen, spec["x_scale"])
+        return {"x": wide[:, :h], "residual": _randn((n, h), dtype, device, gen),
+                "w": (1.0 + 0.3 * torch.randn(h, generator=gen, device=device)).to(dtype), "eps": spec["eps"]}
+
+    def run(self, fns, spec, inp, dtype):
+        twice = inp["x"].device.type == "cuda"
+        res = []
+        x, w, eps, residual = inp["x"], inp["w"], inp["eps"], inp["residual"]
+        want = ref_rmsnorm(x, w, eps)
+        before = [x.clone(), w.clone()]
+        y, err = _pure_call(fns["rmsnorm"], {"x": x, "w": w, "eps": eps}, [want], x.device, twice)
+        res.append(_compare("rmsnorm y", y, want, dtype))
+        res += [(0, 0, e) for e in (err, _unchanged("rmsnorm x", before[0], x),
+                                    _unchanged("rmsnorm w", before[1], w)) if e]
+        want_y, want_r = ref_add_rmsnorm(x, residual, w, eps)
+        args = {"x": x.clone(), "residual": residual.clone(), "w": w, "eps": eps}
+        out = fns["add_rmsnorm"](**args)  # not called twice: a variant may update x/residual in place
+        if not (isinstance(out, tuple) and len(out) == 2):
+            return res + [(math.inf, math.inf, f"add_rmsnorm: returned {type(out).__name__}, want (y, new_residual)")]
+        res.append(_compare("add_rmsnorm y", out[0], want_y, dtype))
+        res.append(_compare("add_rmsnorm new_residual", out[1], want_r, dtype))
+        return res
+
+
+class _RopeCache(_Slot):
+    name = "rope_cache"
+
+    def specs(self, rng, full):
+        shapes = [(1, 4, 4, 192, True), (7, 8, 2, 80, False), (5, 4, 1, 64, True)]
+        if full:
+            shapes += [(33, 32, 8, 64, True), (300, 16, 4, 128, False), (17, 12, 3, 192, True)]
+        return [{"N": n, "Hq": hq, "Hkv": hkv, "D": d, "fused_qkv": fused, "P": 4096,
+                 "theta": rng.choice([10000.0, 500000.0])} for n, hq, hkv, d, fused in shapes]
+
+    def build(self, spec, dtype, device, gen, cpu_gen):
+        n, hq, hkv, d, p = spec["N"], spec["Hq"], spec["Hkv"], spec["D"], spec["P"]
+        q, k, v = (_randn((n, h, d), dtype, device, gen, 2.0) for h in (hq, hkv, hkv))
+        if spec["fused_qkv"]:
+            q, k, v = _view_of_fused([q, k, v])
+        inv_freq = 1.0 / (spec["theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        ang = torch.arange(p, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        num_slots = 2 * n + 7
+        k_cache = torch.full((num_slots, hkv, d), float("nan"), dtype=dtype, device=device)
+        return {"q": q, "k": k, "v": v, "cos": ang.cos().to(dtype).to(device), "sin": ang.sin().to(dtype).to(device),
+                "positions": torch.randint(0, p, (n,), generator=gen, device=device),
+                "slot_mapping": torch.randperm(num_slots, generator=gen, device=device)[:n],
+                "k_cache": k_cache, "v_cache": k_cache.clone()}
+
+    def run(self, fns, spec, inp, dtype):
+        want_q, want_k, want_kc, want_vc = ref_rope_cache(**inp)
+        before = {name: inp[name].clone() for name in ("v", "cos", "sin", "positions", "slot_mapping")}
+        out = fns["rope_cache"](**inp)
+        res = [] if out is None else [(0, 0, f"rope_cache returned {type(out).__name__}; it works in place and returns None")]
+        res.append(_compare("q (rotated in place)", inp["q"], want_q, dtype))
+        res.append(_compare("k (rotated in place)", inp["k"], want_k, dtype))
+        res.append(_compare("k_cache (slots by slot_mapping; the rest must stay NaN)", inp["k_cache"], want_kc, dtype))
+        res.append(_compare("v_cache (slots by slot_mapping; the rest must stay NaN)", inp["v_cache"], want_vc, dtype))
+        res += [(0, 0, e) for e in (_unchanged(name, t, inp[name]) for name, t in before.items()) if e]
+        return res
+
+
+class _PrefillAttention(_Slot):
+    name = "prefill_attention"
+
+    def specs(self, rng, full):
+        shapes = [([1], 4, 4, 192, False), ([7, 13, 1], 8, 2, 80, True), ([5, 16, 33], 4, 1, 64, False),
+                  ([rng.randint(1, 40) for _ in range(5)], 6, 6, 128, True)]
+        if full:
+            shapes += [([128] * 4, 4, 4, 192, True),
+                       ([2048, 1, rng.randint(200, 400)], 8, 1, 192, False),
+                       ([rng.randint(1000, 2048) for _ in range(3)], 16, 4, 128, True),
+                       ([rng.randint(1, 64) for _ in range(64)], 8, 8, 64, False),
+                       ([2048, 2048], 32, 8, 64, True),
+                       ([rng.randint(1, 300) for _ in range(9)], 8, 2, 80, False)]
+        return [{"seq_lens": lens, "Hq": hq, "Hkv": hkv, "D": d, "fused_qkv": fused,
+                 "q_scale": rng.choice([1.0, 3.0]), "scale_mult": 1.0 if i % 3 else 0.8}
+                for i, (lens, hq, hkv, d, fused) in enumerate(shapes)]
+
+    def case_name(self, spec):
+        lens = spec["seq_lens"]
+        shown = str(lens) if len(lens) <= 8 else f"[{len(lens)} seqs, max {max(lens)}]"
+        rest = " ".join(f"{k}={v}" for k, v in spec.items() if k != "seq_lens")
+        return f"seq_lens={shown} {rest}"
+
+    def build(self, spec, dtype, device, gen, cpu_gen):
+        lens, hq, hkv, d = spec["seq_lens"], spec["Hq"], spec["Hkv"], spec["D"]
+        n = sum(lens)
+        q = _randn((n, hq, d), dtype, device, gen, spec["q_scale"])
+        k, v = (_randn((n, hkv, d), dtype, device, gen) for _ in range(2))
+        if spec["fused_qkv"]:
+            q, k, v = _view_of_fused([q, k, v])
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+        return {"q": q, "k": k, "v": v, "cu_seqlens": cu, "seq_lens": list(lens), "max_seqlen": max(lens),
+                "scale": spec["scale_mult"] / math.sqrt(d)}
+
+    def run(self, fns, spec, inp, dtype):
+        want = ref_prefill_attention(**inp)
+        before = {name: inp[name].clone() for name in ("q", "k", "v", "cu_seqlens")}
+        out, err = _pure_call(fns["prefill_attention"], inp, [want], want.device, want.device.type == "cuda")
+        res = [_compare("o", out, want, dtype)]
+        res += [(0, 0, e) for e in [err] + [_unchanged(name, t, inp[name]) for name, t in before.items()] if e]
+        return res
+
+
+class _DecodeAttention(_Slot):
+    name = "decode_attention"
+
+    def specs(self, rng, full):
+        shapes = [([1], 4, 4, 192, 16), ([15, 16, 17], 8, 2, 80, 16),
+                  ([rng.randint(1, 100) for _ in range(5)], 4, 1, 64, 32),
+                  ([rng.randint(1, 200) for _ in range(4)], 6, 6, 128, 64)]
+        if full:
+            shapes += [([rng.choice([48, 144]) + rng.randint(-3, 3) for _ in range(8)], 4, 4, 192, 16),
+                       ([544 + rng.randint(-40, 40) for _ in range(64)], 32, 8, 64, 16),
+                       ([4096] + [rng.randint(1, 4096) for _ in range(3)], 16, 4, 128, 32),
+                       ([rng.randint(1, 1000) for _ in range(7)], 8, 8, 80, 64),
+                       ([rng.randint(1, 600) for _ in range(13)], 32, 4, 192, 16),
+                       ([1, 2, 3, 31, 32, 33, 63, 64, 65], 16, 2, 64, 32)]
+        return [{"ctx": ctx, "Hq": hq, "Hkv": hkv, "D": d, "block_size": bs,
+                 "max_context": "bound" if i % 2 else "exact", "q_scale": rng.choice([1.0, 4.0]),
+                 "scale_mult": 1.0 if i % 3 else 0.8}
+                for i, (ctx, hq, hkv, d, bs) in enumerate(shapes)]
+
+    def case_name(self, spec):
+        ctx = spec["ctx"]
+        shown = str(ctx) if len(ctx) <= 9 else f"[{len(ctx)} reqs, {min(ctx)}..{max(ctx)}]"
+        rest = " ".join(f"{k}={v}" for k, v in spec.items() if k != "ctx")
+        return f"ctx={shown} {rest}"
+
+    def build(self, spec, dtype, device, gen, cpu_gen):
+        ctx, hq, hkv, d, bs = spec["ctx"], spec["Hq"], spec["Hkv"], spec["D"], spec["block_size"]
+        b = len(ctx)
+        blocks_per_req = [-(-n // bs) for n in ctx]
+        spare = 3  # physical blocks nobody owns: all NaN
+        num_blocks = sum(blocks_per_req) + spare
+        m = max(blocks_per_req) + 1  # one more column than any request needs
+        perm = torch.randperm(num_blocks, generator=cpu_gen).tolist()
+        # unused columns point at random blocks: NaN ones or other requests' ones
+        table = torch.randint(0, num_blocks, (b, m), generator=cpu_gen, dtype=torch.int32)
+        slots, used = [], 0
+        for i, n in enumerate(ctx):
+            table[i, :blocks_per_req[i]] = torch.tensor(perm[used:used + blocks_per_req[i]], dtype=torch.int32)
+            used += blocks_per_req[i]
+            j = torch.arange(n)
+            slots.append(table[i, j // bs].long() * bs + j % bs)
+        slots = torch.cat(slots).to(device)
+        k_cache = torch.full((num_blocks * bs, hkv, d), float("nan"), dtype=dtype, device=device)
+        v_cache = k_cache.clone()
+        k_cache[slots] = _randn((slots.numel(), hkv, d), dtype, device, gen)
+        v_cache[slots] = _randn((slots.numel(), hkv, d), dtype, device, gen)
+        return {"q": _randn((b, hq, d), dtype, device, gen, spec["q_scale"]), "k_cache": k_cache, "v_cache": v_cache,
+                "block_table": table.to(device), "context_lens": torch.tensor(ctx, dtype=torch.int32, device=device),
+                "max_context": m * bs if spec["max_context"] == "bound" else max(ctx), "block_size": bs,
+                "scale": spec["scale_mult"] / math.sqrt(d)}
+
+    def run(self, fns, spec, inp, dtype):
+        want = ref_decode_attention(**inp)
+        before = {name: inp[name].clone() for name in ("q", "k_cache", "v_cache", "block_table", "context_lens")}
+        out, err = _pure_call(fns["decode_attention"], inp, [want], want.device, want.device.type == "cuda")
+        res = [_compare("o", out, want, dtype)]
+        res += [(0, 0, e) for e in [err] + [_unchanged(name, t, inp[name]) for name, t in before.items()] if e]
+        return res
+
+
+class _SiluMul(_Slot):
+    name = "silu_mul"
+
+    def specs(self, rng, full):
+        sizes = [(1, 3072), (5, 80), (17, 1000)]
+        if full:
+            sizes += [(64, 8192), (512, 3072), (3, 1)]
+        return [{"N": n, "I": i} for n, i in sizes]
+
+    def build(self, spec, dtype, device, gen, cpu_gen):
+        return {"gate_up": _randn((spec["N"], 2 * spec["I"]), dtype, device, gen, 3.0)}
+
+    def run(self, fns, spec, inp, dtype):
+        want = ref_silu_mul(inp["gate_up"])
+        before = inp["gate_up"].clone()
+        out, err = _pure_call(fns["silu_mul"], inp, [want], want.device, want.device.type == "cuda")
+        res = [_compare("out", out, want, dtype)]
+        res += [(0, 0, e) for e in (err, _unchanged("gate_up", before, inp["gate_up"])) if e]
+        return res
+
+
+SLOTS: dict[str, _Slot] = {s.name: s for s in (_Norm(), _RopeCache(), _PrefillAttention(), _DecodeAttention(),
+                                                _SiluMul())}
+
+
+def case_specs(slot: str, seed: int, full: bool) -> list[dict]:
+    """The concrete sizes check_variant uses for (slot, seed); `full` adds the CUDA-sized ones."""
+    return SLOTS[slot].specs(random.Random(seed), full)
+
+
+def make_inputs(slot: str, spec: dict, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+    """Poisoned random inputs for one case, as keyword arguments of the slot's function(s).
+    (For norm the dict also holds `residual`, used by add_rmsnorm.) Used by benchmarks too."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    return SLOTS[slot].build(spec, dtype, device, gen, cpu_gen)
+
+
+# --------------------------------------------------------------------------- loading
+
+# Swapped in for the renderer's prelude under --interpret: triton on the CPU (TRITON_INTERPRET=1).
+_INTERPRET_PRELUDE_LINE = "    if not torch.cuda.is_available():\n        raise ImportError\n"
+
+
+def _module_dir() -> Path:
+    d = Path(tempfile.gettempdir()) / f"slot_check_modules_{os.getuid() if hasattr(os, 'getuid') else 0}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def import_module_text(text: str, tag: str = "variant"):
+    """Import module source from a real file (Triton's JIT reads kernels' source with inspect)."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    name = f"_slot_check_{re.sub(r'[^0-9A-Za-z_]', '_', tag)}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = _module_dir() / f"{name}.py"
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def render_source(slot: str, source=None, variant: str | None = None, params: dict | None = None
+                  ) -> tuple[str, str, tuple[str, ...]]:
+    """→ (module text, variant name, devices). `source` is None (the variant file on disk),
+    a path (a .py.j2 template or a rendered .py), template text with its header line, or a
+    module already rendered by render_slot_module (it starts with the prelude)."""
+    from agent.render import PRELUDE, render_slot_module
+
+    if source is None:
+        if variant is None:
+            raise ValueError("give a variant name or its source")
+        text = render_slot_module(slot, variant, params)
+    else:
+        text = str(source)
+        if isinstance(source, Path) or ("\n" not in text and len(text) < 4096 and Path(text).is_file()):
+            text = Path(text).read_text()
+        if not text.startswith(PRELUDE):
+            m = _HEADER.search("\n".join(text.splitlines()[:5]))
+            if not m:
+                raise ValueError("variant source has no '# slot: S    variant: V    devices: D' header line")
+            name = m.group(2)
+            text = render_slot_module(slot, name, params, extra_variants={(slot, name): text})
+    m = _HEADER.search(text)
+    if not m:
+        raise ValueError("rendered variant has no '# slot: S    variant: V    devices: D' header line")
+    if m.group(1) != slot:
+        raise ValueError(f"variant header says slot {m.group(1)!r}, checking slot {slot!r}")
+    if variant is not None and m.group(2) != variant:
+        raise ValueError(f"variant header says {m.group(2)!r}, asked for {variant!r}")
+    devices = tuple(d.strip() for d in m.group(3).split(",") if d.strip())
+    return text, m.group(2), devices
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def check_variant(slot: str, source=None, device: str = "cpu", seed: int | None = None, *,
+                  variant: str | None = None, params: dict | None = None, dtypes=None,
+                  full: bool | None = None, interpret: bool = False) -> SlotCheckResult:
+    """Check one variant of `slot` on `device` against the reference on every case.
+
+    source: template path/text or rendered module text (see render_source); None with
+    `variant` reads templates/kernels/<slot>/<variant>.py.j2. seed: None draws a fresh one
+    (reported in the result). dtypes: default fp16 and bf16 on CUDA, fp32 on CPU.
+    full: the long/wide cases too (default: on CUDA). interpret: run Triton kernels on the
+    CPU through TRITON_INTERPRET=1 (slow; needs triton installed; for kernel development)."""
+    if slot not in SLOT_FUNCTIONS:
+        raise ValueError(f"unknown slot {slot!r}; slots: {', '.join(SLOT_FUNCTIONS)}")
+    seed = secrets.randbits(31) if seed is None else int(seed)
+    dev = torch.device(device)
+    name = variant or "?"
+
+    def failed(msg: str) -> SlotCheckResult:
+        return SlotCheckResult(slot, name, device, seed, False, math.inf, msg, [], error=msg)
+
+    try:
+        text, name, devices = render_source(slot, source, variant, params)
+    except Exception as e:  # noqa: BLE001 - reported, not raised: the caller is a search loop
+        return failed(f"render_error: {type(e).__name__}: {e}")
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+        text = text.replace(_INTERPRET_PRELUDE_LINE, "")
+    elif dev.type not in devices:
+        return failed(f"variant {name!r} declares devices {', '.join(devices)}; cannot check it on {dev.type}")
+    try:
+        module = import_module_text(text, f"{slot}_{name}")
+    except Exception as e:  # noqa: BLE001
+        return failed(f"import_error: {type(e).__name__}: {e}")
+    fns = {}
+    for fn in SLOT_FUNCTIONS[slot]:
+        f = getattr(module, f"{fn}__{name}", None)
+        if not callable(f):
+            return failed(f"missing function {fn}__{name} (slot {slot} needs {', '.join(SLOT_FUNCTIONS[slot])})")
+        fns[fn] = f
+
+    if dtypes is None:
+        dtypes = [torch.float16, torch.bfloat16] if dev.type == "cuda" else [torch.float32]
+    dtypes = [DTYPE_NAMES[d] if isinstance(d, str) else d for d in dtypes]
+    full = (dev.type == "cuda") if full is None else full
+    impl = SLOTS[slot]
+    results: list[CaseResult] = []
+    for i, spec in enumerate(impl.specs(random.Random(seed), full)):
+        for dtype in dtypes:
+            case = f"{slot} case {i} [{impl.case_name(spec)} dtype={_NAME_OF_DTYPE[dtype]}]"
+            try:
+                inp = make_inputs(slot, spec, dtype, device, seed * 1000 + i)
+                checks = impl.run(fns, spec, inp, dtype)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            except Exception as e:  # noqa: BLE001
+                results.append(CaseResult(case, False, math.inf, math.inf, f"{case}: runtime_error: "
+                                          f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+                continue
+            msgs = [m for _, _, m in checks if m]
+            max_abs = max((a for a, _, _ in checks), default=0.0)
+            ratio = max((r for _, r, _ in checks), default=0.0)
+            results.append(CaseResult(case, not msgs, max_abs, ratio,
+                                      "" if not msgs else f"{case}: " + "; ".join(msgs)))
+    passed = all(c.passed for c in results) and bool(results)
+    failures = [c for c in results if not c.passed]
+    if failures:
+        worst = failures[0].message
+    else:
+        top = max(results, key=lambda c: c.ratio)
+        worst = f"{top.name}: max_abs_err={top.max_abs_err:.3g}, {top.ratio:.2f} of the tolerance"
+    max_abs = max((c.max_abs_err for c in results), default=math.inf)
+    return SlotCheckResult(slot, name, device, seed, passed, max_abs, worst, results)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slot", required=True, choices=sorted(SLOT_FUNCTIONS))
+    ap.add_argument("--variant", help="a file stem in templates/kernels/<slot>/")
+    ap.add_argument("--source", help="a variant template (.py.j2) or rendered module (.py) instead")
+    ap.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    ap.add_argument("--seed", type=int, default=None, help="default: a fresh one, printed")
+    ap.add_argument("--dtype", default=None, help="comma list of fp32,fp16,bf16 (default by device)")
+    ap.add_argument("--params", default="{}", help="JSON dict rendered into the template as params")
+    ap.add_argument("--full", action="store_true", default=None, help="the long/wide cases also on CPU")
+    ap.add_argument("--interpret", action="store_true", help="run Triton kernels through TRITON_INTERPRET=1")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = ap.parse_args(argv)
+    if not args.variant and not args.source:
+        ap.error("give --variant or --source")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = check_variant(args.slot, args.source, device, args.seed, variant=args.variant,
+                           params=json.loads(args.params),
+                           dtypes=args.dtype.split(",") if args.dtype else None,
+                           full=args.full, interpret=args.interpret)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1, default=str))
+    else:
+        for c in result.cases:
+            print(f"{'ok  ' if c.passed else 'FAIL'} err={c.max_abs_err:<9.3g} tol-ratio={c.ratio:<6.2f} {c.name}")
+            if c.message:
+                print(f"     {c.message}")
+        print(result.summary())
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
