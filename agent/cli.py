@@ -1,0 +1,181 @@
+"""Flags and environment → RunConfig; inputs checked; the loop run; an exit code.
+
+Exit codes: 0 workspace/engine.py holds an engine the evaluator passed in this run;
+1 no candidate passed; 2 bad inputs or flags (one line on stderr, workspace untouched);
+130 interrupted (whatever engine.py holds passed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.judge import REPO, JudgeSettings, judge
+from agent.providers import NAMES, ProviderOptions, make_proposer
+from agent.providers.base import SearchState
+from agent.providers.builtin import BuiltinProposer
+from agent.report import Reporter
+from agent.spec import WEIGHTS_FILE, ModelSpec, SpecError, load_spec
+from agent.workspace import Workspace
+from agent import loop
+
+EXIT_OK, EXIT_NO_ENGINE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+# Where the judged environment mounts its inputs; the repository's own target otherwise.
+MOUNTED_CONFIG, MOUNTED_WEIGHTS = Path("/target/model_config.json"), Path("/target/weights")
+REPO_CONFIG, REPO_WEIGHTS = REPO / "target" / "model_config.json", REPO / "target" / "weights"
+TOY_WEIGHTS_SCRIPT = REPO / "scripts" / "generate_toy_weights.py"
+# Default budgets: a CPU run is a smoke run (recompute, KV cache, a few parameters); on a GPU
+# the walk over kernel variants and parameters needs roughly half an hour.
+DEFAULT_BUDGET = {"cpu": 600.0, "cuda": 1800.0}
+# Evaluator settings per device, the same for every candidate so their scores compare. On CPU
+# the recompute engine is slow (a decode step re-runs the whole prompt), so one timed run of
+# the public cases; on CUDA the official method (warm-up, median of 3) and every case.
+BENCH = {"cpu": {"warmup": 0, "repeat": 1, "cases": "prefill,decode,mixed"},
+         "cuda": {"warmup": 1, "repeat": 3, "cases": None}}
+ENV = {"config": "MODEL_CONFIG", "weights": "WEIGHT_DIR", "device": "DEVICE", "budget": "BUDGET",
+       "provider": "PROVIDER", "seed": "SEED", "workspace": "WORKSPACE"}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    config: Path
+    weights: Path
+    device: str          # resolved: "cpu" | "cuda"
+    budget: float        # seconds, wall clock, for the whole search
+    provider: str
+    seed: int
+    workspace: Path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    env = lambda name, default=None: os.environ.get(ENV[name]) or default  # noqa: E731
+    p = argparse.ArgumentParser(prog="run.sh", description="Write, verify and tune workspace/engine.py "
+                                "for a model. Every flag can also be set by the environment variable named.")
+    p.add_argument("--config", "--model-config", default=env("config"),
+                   help=f"model config JSON [{ENV['config']}; default {MOUNTED_CONFIG} if present, else target/]")
+    p.add_argument("--weights", "--weight-dir", default=env("weights"),
+                   help=f"folder with {WEIGHTS_FILE} [{ENV['weights']}; default {MOUNTED_WEIGHTS} if present, else target/weights]")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default=env("device", "auto"),
+                   help=f"[{ENV['device']}] cuda without a GPU falls back to cpu, as the harness does")
+    p.add_argument("--budget", type=float, default=env("budget"),
+                   help=f"seconds for the whole search [{ENV['budget']}; default {DEFAULT_BUDGET['cpu']:.0f} on cpu, "
+                        f"{DEFAULT_BUDGET['cuda']:.0f} on cuda]")
+    p.add_argument("--provider", choices=NAMES, default=env("provider", "builtin"),
+                   help=f"who proposes candidates [{ENV['provider']}; default builtin, offline]")
+    p.add_argument("--seed", type=int, default=env("seed", 0), help=f"evaluator seed [{ENV['seed']}]")
+    p.add_argument("--workspace", default=env("workspace", str(REPO / "workspace")),
+                   help=f"output folder [{ENV['workspace']}; default workspace/]")
+    args = p.parse_args(argv)
+    if args.budget is not None and not float(args.budget) > 0:
+        p.error(f"--budget must be a positive number of seconds, got {args.budget}")
+    return args
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+    return "cuda" if requested in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+
+
+def resolve(args: argparse.Namespace) -> RunConfig:
+    config = Path(args.config) if args.config else (MOUNTED_CONFIG if MOUNTED_CONFIG.is_file() else REPO_CONFIG)
+    weights = Path(args.weights) if args.weights else (MOUNTED_WEIGHTS if MOUNTED_WEIGHTS.is_dir() else REPO_WEIGHTS)
+    device = resolve_device(args.device)
+    budget = float(args.budget) if args.budget is not None else DEFAULT_BUDGET[device]
+    return RunConfig(config.resolve(), weights.resolve(), device, budget, args.provider, int(args.seed),
+                     Path(args.workspace).resolve())
+
+
+def ensure_toy_weights(cfg: RunConfig) -> None:
+    """Toy weights for the repository's own target only, written aside then renamed (never into /target)."""
+    target = cfg.weights / WEIGHTS_FILE
+    if cfg.config != REPO_CONFIG.resolve() or cfg.weights != REPO_WEIGHTS.resolve() or target.exists():
+        return
+    cfg.weights.mkdir(parents=True, exist_ok=True)
+    tmp = cfg.weights / f".{WEIGHTS_FILE}.partial"
+    print(f"making toy weights: {target}", flush=True)
+    done = subprocess.run([sys.executable, str(TOY_WEIGHTS_SCRIPT), "--config", str(cfg.config), "--output", str(tmp)],
+                          cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise SpecError(f"could not make toy weights with {TOY_WEIGHTS_SCRIPT.name}: "
+                        f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    os.replace(tmp, target)
+
+
+def hardware(device: str) -> dict:
+    import torch
+    facts = {"device": device, "cpus": os.cpu_count(), "torch": torch.__version__}
+    if device == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name(0)
+    return facts
+
+
+def selftest_commands(cfg: RunConfig) -> list[str]:
+    common = (f"--engine {shlex.quote(str(cfg.workspace / 'engine.py'))} --model-config {shlex.quote(str(cfg.config))} "
+              f"--weight-dir {shlex.quote(str(cfg.weights))} --device {cfg.device}")
+    return [f"python3 evaluator/test_correctness.py {common}",
+            f"python3 evaluator/stress.py {common}",
+            f"python3 evaluator/benchmark_throughput.py {common}"]
+
+
+def closing_lines(ws: Workspace, entries, cfg: RunConfig) -> list[str]:
+    verdict = ws.installed_verdict()
+    if verdict is None:
+        return ["result: no candidate passed; workspace/engine.py was not written"]
+    best = next(e for e in entries if e.index == verdict["index"])
+    conservative = next((e for e in entries if e.index == 1 and e.result and e.result.passed), None)
+    speedup = (f", {best.result.rank() / conservative.result.rank():.1f}x the conservative engine"
+               if conservative and conservative is not best and conservative.result.rank() > 0 else "")
+    return [f"result: {ws.engine} = #{best.index:03d} {best.candidate.plan.describe()} "
+            f"(score {best.result.rank():.4g}{speedup})",
+            "re-run the self-tests on it:", *[f"  {c}" for c in selftest_commands(cfg)]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = resolve(args)
+        ensure_toy_weights(cfg)
+        spec = load_spec(cfg.config, cfg.weights)
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: kill the evaluator
+    ws = Workspace(cfg.workspace)
+    ws.reset()
+    report = Reporter(cfg.workspace)
+    ws.open_history(warn=report.warn)
+    bench = BENCH[cfg.device]
+    settings = JudgeSettings(sys.executable, cfg.config, cfg.weights, cfg.device, cfg.seed, stress="quick",
+                             cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"])
+    state = SearchState(spec=spec, device=cfg.device, hardware=hardware(cfg.device), seconds_left=cfg.budget)
+    builtin = BuiltinProposer(cfg.device)
+    proposer = make_proposer(cfg.provider, ProviderOptions(cfg.device, cfg.seed, cfg.workspace, builtin), report.warn)
+    report.start({"run": {k: str(v) for k, v in cfg.__dict__.items()}, "spec": spec.to_dict(),
+                  "hardware": state.hardware, "proposer": proposer.name},
+                 header_lines(cfg, spec, state.hardware, proposer.name, settings))
+    interrupted = False
+    try:
+        loop.run(state, proposer, lambda engine, out, timeout: judge(engine, out, timeout, settings), ws, report,
+                 cfg.budget)
+    except (KeyboardInterrupt, SystemExit):
+        interrupted = True
+        report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")
+    report.finish(closing_lines(ws, report.entries, cfg))
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_OK if ws.installed_verdict() else EXIT_NO_ENGINE
+
+
+def header_lines(cfg: RunConfig, spec: ModelSpec, hw: dict, proposer: str, settings: JudgeSettings) -> list[str]:
+    return [f"config {cfg.config}   weights {cfg.weights}",
+            f"device {cfg.device}   budget {cfg.budget:.0f}s   proposer {proposer}   seed {cfg.seed}",
+            f"hardware {', '.join(f'{k} {v}' for k, v in hw.items())}",
+            f"model {spec.summary()}",
+            *[f"warning: {w}" for w in spec.warnings],
+            f"evaluator {' '.join(settings.command(Path('<engine>'), Path('<out>'))[1:])}", ""]

@@ -1,0 +1,158 @@
+"""What flows between the loop, the judge and the proposers (docs/design.md §2 and §6).
+
+A proposer sees a `SearchState` and returns a `Candidate`; the judge turns a candidate into
+an `EvalResult`; `improves` is the one rule that decides which result is better, shared by
+the loop (what gets written to workspace/engine.py) and the builtin search (which plan to
+vary next), so the two never disagree.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from agent.plan import Plan
+
+if TYPE_CHECKING:
+    from agent.spec import ModelSpec
+
+# A faster candidate must beat the best by this fraction: single timing runs on a busy
+# machine move by a few percent, and replacing the engine on noise only churns the history.
+MIN_GAIN = 0.02
+
+
+@dataclass
+class EvalResult:
+    """The evaluator's JSON verdict (design.md §2), or one the judge made up for a
+    timeout/crash/render failure (then `stage` may also be "render" or "unknown")."""
+
+    status: str                      # "passed" | "failed"
+    stage: str                       # "render" | "import" | "public" | "stress" | "benchmark" | "done" | "unknown"
+    error_kind: str | None = None    # None | compile_error | runtime_error | wrong_result | timeout | crash
+    error: str | None = None
+    device: str = ""
+    public: dict | None = None
+    stress: dict | None = None
+    benchmark: list[dict] = field(default_factory=list)
+    score: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def rank(self) -> float:
+        """Higher is better: the evaluator's score (geometric mean of floor fractions), or,
+        if it has none, the geometric mean of tokens/s over the benchmark cases."""
+        if not self.passed:
+            return 0.0
+        if self.score is not None:
+            return float(self.score)
+        rates = [c.get("tokens_per_second") or 0.0 for c in self.benchmark]
+        if not rates or min(rates) <= 0:
+            return 0.0
+        return math.exp(sum(math.log(r) for r in rates) / len(rates))
+
+    def tokens_per_second(self) -> dict[str, float]:
+        return {c.get("case_name", "?"): float(c.get("tokens_per_second") or 0.0) for c in self.benchmark}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "EvalResult":
+        known = {k: d[k] for k in EvalResult.__dataclass_fields__ if k in d}
+        known.setdefault("status", "failed")
+        known.setdefault("stage", "unknown")
+        known["benchmark"] = list(known.get("benchmark") or [])
+        return EvalResult(**known)
+
+    @staticmethod
+    def failure(stage: str, error_kind: str, error: str, device: str, seconds: float = 0.0) -> "EvalResult":
+        return EvalResult(status="failed", stage=stage, error_kind=error_kind, error=error,
+                          device=device, seconds=seconds)
+
+
+def improves(new: EvalResult, old: EvalResult | None) -> bool:
+    """The keep-the-best rule: only a passing result, and only if clearly faster than the best."""
+    if not new.passed:
+        return False
+    if old is None or not old.passed:
+        return True
+    return new.rank() > old.rank() * (1.0 + MIN_GAIN)
+
+
+@dataclass
+class Candidate:
+    """One engine to try: a plan plus, for LLM proposals, variant sources that are not files."""
+
+    plan: Plan
+    origin: str                      # "builtin", "openai:gpt-...", "replay", ...
+    note: str                        # why it was proposed, one line
+    extra_variants: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def key(self) -> str:
+        """Identity for "never judge the same thing twice": the plan, plus the text of any
+        in-memory variants (an LLM may resend a plan with different code under one name)."""
+        if not self.extra_variants:
+            return self.plan.key()
+        digest = hashlib.sha256(json.dumps(sorted((f"{s}/{v}", t) for (s, v), t in self.extra_variants.items()))
+                                .encode()).hexdigest()[:16]
+        return f"{self.plan.key()}+{digest}"
+
+    def to_dict(self) -> dict:
+        return {"plan": self.plan.to_dict(), "origin": self.origin, "note": self.note,
+                "extra_variants": sorted(f"{s}/{v}" for s, v in self.extra_variants)}
+
+
+@dataclass
+class SearchState:
+    """Everything a proposer may look at. The loop owns it and appends to `history`."""
+
+    spec: "ModelSpec"
+    device: str                      # "cpu" | "cuda"
+    hardware: dict                   # facts: gpu name, cpu count, torch version...
+    seconds_left: float = 0.0
+    history: list[tuple[Candidate, EvalResult]] = field(default_factory=list)
+    best: Candidate | None = None
+    best_result: EvalResult | None = None
+
+    def tried(self, candidate: Candidate) -> bool:
+        key = candidate.key()
+        return any(c.key() == key for c, _ in self.history)
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, state: SearchState) -> Candidate | None:
+        """The next candidate, or None when there is nothing left to try."""
+
+    def feedback(self, candidate: Candidate, result: EvalResult) -> None:
+        """The verdict on a candidate this proposer returned."""
+
+
+class Chain:
+    """Several proposers in turn: each is asked until it has nothing left. Lets an LLM
+    proposer run after the builtin walk (`Chain([options.builtin, mine])`)."""
+
+    def __init__(self, proposers: list[Proposer]):
+        self.proposers = list(proposers)
+        self.name = "+".join(p.name for p in self.proposers)
+        self._owner: dict[str, Proposer] = {}
+
+    def propose(self, state: SearchState) -> Candidate | None:
+        while self.proposers:
+            candidate = self.proposers[0].propose(state)
+            if candidate is not None:
+                self._owner[candidate.key()] = self.proposers[0]
+                return candidate
+            self.proposers.pop(0)
+        return None
+
+    def feedback(self, candidate: Candidate, result: EvalResult) -> None:
+        owner = self._owner.get(candidate.key())
+        if owner is not None:
+            owner.feedback(candidate, result)

@@ -1,0 +1,157 @@
+"""What the run tells the user: results.log (human), results.json (machine), the console.
+
+results.log is appended line by line as things happen, so a killed run still explains
+itself; results.json is rewritten atomically after every candidate. On a terminal the
+console shows a live table of candidates and the best so far; otherwise plain lines,
+the same as the log.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.providers.base import Candidate, EvalResult
+from agent.workspace import RESULTS_JSON, RESULTS_LOG, atomic_write
+
+ERROR_CHARS = 400           # of an error, in the log line (the whole text is in results.json)
+PLAN_CHARS = 60             # of a plan's description, in the summary table
+
+
+@dataclass
+class Entry:
+    index: int
+    candidate: Candidate
+    directory: Path
+    result: EvalResult | None = None     # None while it is being judged
+    accepted: bool = False
+
+    def to_dict(self, root: Path) -> dict:
+        return {"index": self.index, "dir": str(self.directory.relative_to(root)), **self.candidate.to_dict(),
+                "result": self.result.to_dict() if self.result else None, "accepted": self.accepted}
+
+
+def rate(x: float) -> str:
+    """1234.5 → '1.2k' tokens/s."""
+    for div, unit in ((1e6, "M"), (1e3, "k")):
+        if x >= div:
+            return f"{x / div:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def verdict_line(r: EvalResult) -> str:
+    if not r.passed:
+        error = " ".join((r.error or "").split())
+        if len(error) > ERROR_CHARS:
+            error = error[:ERROR_CHARS] + "…"
+        return f"FAILED at {r.stage} ({r.error_kind}): {error}  [{r.seconds:.1f}s]"
+    parts = [f"PASSED  score {r.rank():.4g}"]
+    parts += [f"{name} {rate(tps)} tok/s" for name, tps in r.tokens_per_second().items()]
+    if r.public:
+        parts.append(f"public max err {r.public.get('max_abs_err', '?')}")
+    if r.stress:
+        parts.append(f"stress {r.stress.get('passed', '?')} ok, margin {r.stress.get('worst_margin', '?')}")
+    return "  ".join(parts) + f"  [{r.seconds:.1f}s]"
+
+
+def summary_rows(entries: list[Entry]) -> tuple[list[str], list[list[str]]]:
+    """The final table, shared by the log and the console: one row per candidate."""
+    cases = list(dict.fromkeys(c for e in entries if e.result for c in e.result.tokens_per_second()))
+    header = ["", "#", "plan", "origin", "verdict", "score", *[f"{c} tok/s" for c in cases], "secs"]
+    rows = []
+    for e in entries:
+        r = e.result
+        verdict = "running" if r is None else ("passed" if r.passed else f"{r.stage}:{r.error_kind}")
+        tps = r.tokens_per_second() if r else {}
+        rows.append(["*" if e.accepted else "", str(e.index), e.candidate.plan.describe()[:PLAN_CHARS],
+                     e.candidate.origin, verdict, f"{r.rank():.4g}" if r and r.passed else "-",
+                     *[rate(tps[c]) if c in tps else "-" for c in cases], f"{r.seconds:.1f}" if r else "-"])
+    return header, rows
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *rows])
+
+
+class Reporter:
+    def __init__(self, root: Path, live: bool | None = None):
+        self.root = Path(root)
+        self.entries: list[Entry] = []
+        self.meta: dict = {}
+        self.best_line = "none yet"
+        self.seconds_left: Callable[[], float] = lambda: 0.0
+        self._log = open(self.root / RESULTS_LOG, "a", buffering=1)
+        self._live = None
+        if live if live is not None else sys.stdout.isatty():
+            self._start_live()
+
+    # --- output channels -------------------------------------------------------------
+    def _start_live(self) -> None:
+        try:
+            from rich.console import Console, Group
+            from rich.live import Live
+            from rich.table import Table
+        except ImportError:
+            return
+        def render():
+            header, rows = summary_rows(self.entries)
+            table = Table(*header, title="candidates", title_justify="left")
+            for row in rows:
+                table.add_row(*row)
+            return Group(table, f"best: {self.best_line}    budget left: {max(self.seconds_left(), 0):.0f}s")
+        self._live = Live(console=Console(), get_renderable=render, refresh_per_second=2, transient=False)
+        self._live.start()
+
+    def line(self, text: str = "") -> None:
+        """One line to the log and the console."""
+        self._log.write(text + "\n")
+        if self._live is not None:
+            self._live.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, flush=True)
+
+    def warn(self, text: str) -> None:
+        self.line(f"warning: {text}")
+
+    # --- events ----------------------------------------------------------------------
+    def start(self, meta: dict, header_lines: list[str]) -> None:
+        self.meta = meta
+        self.line(f"# inference agent run, {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        for text in header_lines:
+            self.line(text)
+        self._write_json(finished=False)
+
+    def started(self, entry: Entry) -> None:
+        self.entries.append(entry)
+        c = entry.candidate
+        self.line(f"#{entry.index:03d} {c.plan.describe()}  [{c.origin}] {c.note}")
+
+    def finished(self, entry: Entry, installed: str | None) -> None:
+        self.line(f"     {verdict_line(entry.result)}")
+        if entry.accepted:
+            self.best_line = f"#{entry.index:03d} {entry.candidate.plan.describe()} (score {entry.result.rank():.4g})"
+            self.line(f"     ACCEPTED -> {installed}")
+        self._write_json(finished=False)
+
+    def finish(self, closing_lines: list[str]) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        self.line()
+        self.line("summary (* = written to engine.py when judged)")
+        self.line(text_table(*summary_rows(self.entries)))
+        self.line()
+        for text in closing_lines:
+            self.line(text)
+        self._write_json(finished=True)
+        self._log.close()
+
+    def _write_json(self, finished: bool) -> None:
+        best = next((e.index for e in reversed(self.entries) if e.accepted), None)
+        data = {**self.meta, "finished": finished, "best": best,
+                "candidates": [e.to_dict(self.root) for e in self.entries]}
+        atomic_write(self.root / RESULTS_JSON, json.dumps(data, indent=2, default=str) + "\n")

@@ -1,0 +1,62 @@
+"""The builtin search: which Plan to try next, with no model to ask.
+
+A greedy walk over the menu that the templates declare (agent/plan.py):
+  1. the KV-cache engine with every slot on its torch variant (the loop has already
+     judged the conservative recompute engine before any proposer is asked);
+  2. each slot in turn, each of its variants that runs on this device, applied to the
+     best KV-cache plan so far (a variant stays only if it made that plan faster);
+  3. each engine parameter in turn, each other value, on the best plan so far.
+Every step starts from the *current* best, so an improvement found in step 2 is kept
+while step 3 tunes around it. Plans already judged are skipped by the proposer.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from agent.plan import REFERENCE_VARIANT, SLOTS, Param, Plan, Variant, reference_slots
+from agent.providers.base import SearchState, improves
+
+CONSERVATIVE_ENGINE = "recompute"
+FAST_ENGINE = "paged"
+
+
+def conservative_plan() -> Plan:
+    """The engine that mirrors the reference, one request at a time: verified first, always."""
+    return Plan(CONSERVATIVE_ENGINE)
+
+
+def default_plan(engine: str, params: dict[str, Param]) -> Plan:
+    return Plan(engine, reference_slots(), {name: p.default for name, p in params.items()})
+
+
+def best_plan_of(engine: str, state: SearchState, fallback: Plan) -> Plan:
+    """The best passing plan of one engine so far, by the loop's own keep-the-best rule."""
+    best, best_result = fallback, None
+    for candidate, result in state.history:
+        if candidate.plan.engine == engine and not candidate.extra_variants and improves(result, best_result):
+            best, best_result = candidate.plan, result
+    return best
+
+
+def walk(base: Callable[[], Plan], device: str, menu: dict[str, list[Variant]],
+         params: dict[str, Param], start: Plan) -> Iterator[tuple[Plan, str]]:
+    """Yield (plan, why) in search order; `base()` is re-read at every step so the walk
+    builds on whatever has been kept so far."""
+    yield start, "KV cache, batched prefill/decode, all-torch slots"
+    for slot in SLOTS:
+        for variant in menu.get(slot, []):
+            if variant.name == REFERENCE_VARIANT or device not in variant.devices:
+                continue
+            plan = base()
+            yield (Plan(plan.engine, {**plan.slots, slot: variant.name}, plan.params),
+                   f"{slot}: try {variant.name} instead of {plan.slots.get(slot, REFERENCE_VARIANT)}")
+    for name, param in params.items():
+        if device not in param.devices:
+            continue
+        for choice in param.choices:
+            plan = base()
+            if plan.params.get(name) == choice:
+                continue
+            yield (Plan(plan.engine, plan.slots, {**plan.params, name: choice}),
+                   f"{name}: try {choice} instead of {plan.params.get(name)}")
+

@@ -1,0 +1,219 @@
+"""Model config + state dict → ModelSpec, or one clear line saying what is wrong.
+
+Everything downstream (templates, evaluator) trusts the inputs; this is where a wrong
+shape, a missing tensor or an unsupported feature is caught, named, and stops the run
+before anything is written to the workspace.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+WEIGHTS_FILE = "model.pt"
+REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+DEFAULT_EPS = 1e-5
+DEFAULT_THETA = 10000.0
+DEFAULT_MAX_POSITIONS = 4096
+# Config keys that change the math the reference implements: present and not null/false → refuse.
+UNSUPPORTED_IF_SET = {
+    "rope_scaling": "RoPE scaling",
+    "sliding_window": "sliding-window attention",
+    "attention_bias": "attention biases",
+    "mlp_bias": "MLP biases",
+}
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+
+
+class SpecError(Exception):
+    """A problem with the inputs, phrased for the user in one line."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    config_path: Path
+    weight_dir: Path
+    config: dict
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_positions: int
+    eps: float
+    theta: float
+    dtype: str                              # "float16" | "bfloat16": the CUDA compute dtype
+    parameters: int = 0
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def summary(self) -> str:
+        gqa = "MHA" if self.kv_heads == self.heads else ("MQA" if self.kv_heads == 1 else "GQA")
+        return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads × {self.head_dim} "
+                f"({gqa}, {self.kv_heads} kv), mlp {self.intermediate}, vocab {self.vocab}, "
+                f"{self.dtype}, {self.parameters / 1e6:.1f}M params")
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The SPEC §1 weight layout for this config."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {"embed_tokens.weight": (self.vocab, h)}
+        for i in range(self.layers):
+            p = f"layers.{i}."
+            shapes.update({
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate_proj.weight": (self.intermediate, h),
+                p + "mlp.up_proj.weight": (self.intermediate, h),
+                p + "mlp.down_proj.weight": (h, self.intermediate),
+            })
+        shapes["norm.weight"] = (h,)
+        shapes["lm_head.weight"] = (self.vocab, h)
+        return shapes
+
+    def to_dict(self) -> dict:
+        keys = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab",
+                "max_positions", "eps", "theta", "dtype", "parameters")
+        return {"config_path": str(self.config_path), "weight_dir": str(self.weight_dir),
+                **{k: getattr(self, k) for k in keys}, "warnings": list(self.warnings)}
+
+
+def read_config(path: Path) -> dict:
+    if not path.is_file():
+        raise SpecError(f"model config not found: {path}")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecError(f"model config {path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise SpecError(f"model config {path} must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _positive_int(config: dict, key: str, default: int | None = None) -> int:
+    value = config.get(key, default)
+    if value is None:
+        raise SpecError(f"model config is missing required key '{key}'")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(f"model config key '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_float(config: dict, key: str, default: float) -> float:
+    value = config.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise SpecError(f"model config key '{key}' must be a positive number, got {value!r}")
+    return float(value)
+
+
+def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> ModelSpec:
+    """Sizes and numerics from the config, with SPEC's defaults, refusing what the reference cannot run."""
+    for key, feature in UNSUPPORTED_IF_SET.items():
+        if config.get(key) not in (None, False):
+            raise SpecError(f"unsupported feature: {feature} (model config key '{key}' = {config[key]!r})")
+    act = config.get("hidden_act")
+    if act is not None and act not in SUPPORTED_ACTIVATIONS:
+        raise SpecError(f"unsupported feature: activation '{act}' (model config key 'hidden_act'; only SwiGLU/silu)")
+    sizes = {k: _positive_int(config, k) for k in REQUIRED_INTS}
+    heads = sizes["num_attention_heads"]
+    if "head_dim" not in config and sizes["hidden_size"] % heads:
+        raise SpecError(f"model config has no 'head_dim' and hidden_size {sizes['hidden_size']} "
+                        f"is not divisible by num_attention_heads {heads}")
+    head_dim = _positive_int(config, "head_dim", sizes["hidden_size"] // heads)
+    kv_heads = _positive_int(config, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise SpecError(f"unsupported feature: num_attention_heads {heads} is not a multiple of "
+                        f"num_key_value_heads {kv_heads} (model config key 'num_key_value_heads')")
+    if head_dim % 2:
+        raise SpecError(f"unsupported feature: odd head_dim {head_dim} (interleaved RoPE rotates pairs; "
+                        f"model config key 'head_dim')")
+    dtype = str(config.get("torch_dtype", "float16")).lower()
+    return ModelSpec(
+        config_path=config_path, weight_dir=weight_dir, config=config,
+        hidden=sizes["hidden_size"], intermediate=sizes["intermediate_size"], layers=sizes["num_hidden_layers"],
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab=sizes["vocab_size"],
+        max_positions=_positive_int(config, "max_position_embeddings", DEFAULT_MAX_POSITIONS),
+        eps=_positive_float(config, "rms_norm_eps", DEFAULT_EPS),
+        theta=_positive_float(config, "rope_theta", DEFAULT_THETA),
+        dtype="bfloat16" if dtype in ("bfloat16", "bf16") else "float16",
+    )
+
+
+def load_state_dict(weight_dir: Path) -> dict:
+    import torch
+
+    if not weight_dir.is_dir():
+        raise SpecError(f"weights directory not found: {weight_dir}")
+    path = weight_dir / WEIGHTS_FILE
+    if not path.is_file():
+        raise SpecError(f"missing weights file: {path}")
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+    except Exception as e:  # noqa: BLE001 - any failure to unpickle is the same user-facing problem
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecError(f"cannot load {path} as a state dict: {first}") from None
+    if not isinstance(state, dict):
+        raise SpecError(f"{path} is not a state dict (a dict of tensors), got {type(state).__name__}")
+    return state
+
+
+def check_weights(spec: ModelSpec, state: dict) -> ModelSpec:
+    """Every expected tensor present, floating, of the right shape and finite; biases refused."""
+    import torch
+
+    path = spec.weight_dir / WEIGHTS_FILE
+    bad_names = [k for k in state if not isinstance(k, str)]
+    if bad_names:
+        raise SpecError(f"{path}: key {bad_names[0]!r} is not a string")
+    biases = sorted(k for k in state if k.endswith(".bias"))
+    if biases:
+        raise SpecError(f"unsupported feature: biases ('{biases[0]}' in {path})")
+    expected = spec.expected_shapes()
+    if "embed_tokens.weight" not in state and "model.embed_tokens.weight" in state:
+        raise SpecError(f"unsupported key layout: '{path}' keys carry a 'model.' prefix "
+                        f"(e.g. 'model.embed_tokens.weight'); expected 'embed_tokens.weight'")
+    if "lm_head.weight" not in state and spec.config.get("tie_word_embeddings"):
+        raise SpecError("unsupported feature: tied embeddings (tie_word_embeddings is true and "
+                        f"'lm_head.weight' is missing from {path})")
+    params = 0
+    for key, shape in expected.items():
+        if key not in state:
+            raise SpecError(f"missing tensor '{key}' in {path}")
+        t = state[key]
+        if not isinstance(t, torch.Tensor):
+            raise SpecError(f"'{key}' in {path} is not a tensor (got {type(t).__name__})")
+        if not t.is_floating_point():
+            raise SpecError(f"'{key}' in {path} has dtype {t.dtype}, expected a floating-point tensor")
+        if tuple(t.shape) != shape:
+            raise SpecError(f"'{key}' has shape {list(t.shape)}, expected {list(shape)} from the model config")
+        if not bool(torch.isfinite(t).all()):
+            raise SpecError(f"'{key}' in {path} has non-finite values (nan or inf)")
+        params += t.numel()
+    extra = sorted(k for k in state if k not in expected)
+    warnings = list(spec.warnings)
+    if extra:
+        layer = re.compile(r"layers\.(\d+)\.")
+        beyond = [k for k in extra if (m := layer.match(k)) and int(m.group(1)) >= spec.layers]
+        why = f" (layers beyond num_hidden_layers={spec.layers}?)" if beyond else ""
+        warnings.append(f"{len(extra)} unexpected tensor(s) ignored{why}, e.g. '{extra[0]}'")
+    return replace(spec, parameters=params, warnings=tuple(warnings))
+
+
+def load_spec(config_path: str | Path, weight_dir: str | Path) -> ModelSpec:
+    """The whole check; raises SpecError with a one-line message on the first problem."""
+    config_path, weight_dir = Path(config_path), Path(weight_dir)
+    spec = spec_from_config(read_config(config_path), config_path, weight_dir)
+    return check_weights(spec, load_state_dict(weight_dir))

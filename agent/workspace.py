@@ -1,0 +1,127 @@
+"""The workspace: atomic writes, one folder per candidate, and a git history of accepted engines.
+
+`engine.py` changes only through `install_engine`, which writes a temporary file in the same
+folder, fsyncs it and renames it over the old one: a kill at any moment leaves the previous
+passing engine or the new passing engine, never half of one. `engine.json` beside it records
+the verdict and the sha256 of the engine it describes, so the exit code can be decided from
+the files alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+ENGINE = "engine.py"
+VERDICT = "engine.json"
+RESULTS_LOG = "results.log"
+RESULTS_JSON = "results.json"
+CANDIDATES = "candidates"
+TMP_PREFIX = ".tmp-"
+GIT_IGNORE = f"{CANDIDATES}/\n{TMP_PREFIX}*\n"
+GIT_AUTHOR = ("inference-agent", "agent@localhost")
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` so that readers see the old file or the new one, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class Workspace:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.repo = None
+        self.warn: Callable[[str], None] = print
+
+    @property
+    def engine(self) -> Path:
+        return self.root / ENGINE
+
+    def reset(self) -> None:
+        """Start a run: clear the previous run's engine, logs and candidates (their accepted
+        engines stay in the git history), and any temporary file a kill left behind."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for name in (ENGINE, VERDICT, RESULTS_LOG, RESULTS_JSON):
+            (self.root / name).unlink(missing_ok=True)
+        shutil.rmtree(self.root / CANDIDATES, ignore_errors=True)
+        for leftover in self.root.glob(TMP_PREFIX + "*"):
+            leftover.unlink(missing_ok=True)
+        (self.root / CANDIDATES).mkdir()
+
+    def candidate_dir(self, index: int, short: str) -> Path:
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", short).strip("-")[:48] or "candidate"
+        path = self.root / CANDIDATES / f"{index:03d}-{slug}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def install_engine(self, source: str, verdict: dict) -> None:
+        """Replace engine.py (atomically) by a candidate that passed, then record why."""
+        atomic_write(self.engine, source)
+        atomic_write(self.root / VERDICT, json.dumps({**verdict, "sha256": sha256(source)}, indent=2) + "\n")
+
+    def installed_verdict(self) -> dict | None:
+        """The recorded verdict, if it describes the engine.py that is actually there."""
+        try:
+            verdict = json.loads((self.root / VERDICT).read_text())
+            source = self.engine.read_text()
+        except (OSError, ValueError):
+            return None
+        return verdict if verdict.get("sha256") == sha256(source) else None
+
+    def open_history(self, warn: Callable[[str], None]) -> None:
+        """A git repository in the workspace, so `git log -p engine.py` shows how it evolved."""
+        self.warn = warn
+        self.repo = self._open_repo()
+
+    def _open_repo(self):
+        try:
+            import git
+        except ImportError:
+            self.warn("gitpython is not installed: accepted engines are not committed to a history")
+            return None
+        try:
+            repo = git.Repo(self.root) if (self.root / ".git").exists() else git.Repo.init(self.root)
+            ignore = self.root / ".gitignore"
+            if not ignore.exists():
+                ignore.write_text(GIT_IGNORE)
+            with repo.config_writer() as cfg:
+                cfg.set_value("user", "name", GIT_AUTHOR[0])
+                cfg.set_value("user", "email", GIT_AUTHOR[1])
+            return repo
+        except Exception as e:  # noqa: BLE001 - no git binary, odd permissions: history is optional
+            self.warn(f"no git history in {self.root}: {e}")
+            return None
+
+    def commit(self, message: str) -> None:
+        if self.repo is None:
+            return
+        try:
+            paths = [p for p in (".gitignore", ENGINE, VERDICT, RESULTS_LOG, RESULTS_JSON) if (self.root / p).exists()]
+            self.repo.index.add(paths)
+            self.repo.index.commit(message)
+        except Exception as e:  # noqa: BLE001 - a failed commit must not lose the engine
+            self.warn(f"git commit failed: {e}")
