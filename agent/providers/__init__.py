@@ -15,9 +15,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.providers.base import Proposer
-from agent.providers.builtin import BuiltinProposer
+
+if TYPE_CHECKING:  # a runtime import would be circular: builtin → search → providers.base → here
+    from agent.providers.builtin import BuiltinProposer
 
 NAMES = ("builtin", "openai", "anthropic", "replay", "auto")
 # "auto" picks the first provider whose key is in the environment, else builtin.
@@ -29,7 +32,7 @@ class ProviderOptions:
     device: str
     seed: int
     workspace: Path                  # where a provider may keep transcripts
-    builtin: BuiltinProposer
+    builtin: "BuiltinProposer"
 
 
 def resolve_name(name: str) -> str:

@@ -1,0 +1,203 @@
+"""agent/loop.py and the builtin search, with a fake judge: conservative first, keep the best,
+never install a failure, never judge a plan twice, stop at the budget, survive the proposer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent import loop
+from agent.plan import Param, Plan, Variant
+from agent.providers.base import MIN_GAIN, Candidate, EvalResult, SearchState, improves
+from agent.providers.builtin import BuiltinProposer
+from agent.report import Reporter
+from agent.workspace import Workspace
+
+CONSERVATIVE = Plan("recompute").key()
+
+
+def passed(score: float, seconds: float = 1.0) -> EvalResult:
+    return EvalResult(status="passed", stage="done", device="cpu", score=score, seconds=seconds,
+                      benchmark=[{"case_name": "prefill", "tokens_per_second": 1000 * score}])
+
+
+def failed(kind: str = "wrong_result") -> EvalResult:
+    return EvalResult.failure("public", kind, "max abs err 0.5", "cpu", 1.0)
+
+
+class ListProposer:
+    """Proposes a fixed list of plans in order."""
+
+    name = "list"
+
+    def __init__(self, plans):
+        self.plans = list(plans)
+        self.feedback_seen = []
+
+    def propose(self, state):
+        return Candidate(self.plans.pop(0), "test", "listed") if self.plans else None
+
+    def feedback(self, candidate, result):
+        self.feedback_seen.append((candidate.plan.key(), result.status))
+
+
+def fake_render(plan, extra_variants=None):
+    return f"# engine for {plan.key()}\n"
+
+
+def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: str = "cpu", monkeypatch=None):
+    """Run the real loop with a judge that looks verdicts up by plan key (default: fail)."""
+    monkeypatch.setattr(loop, "render_engine", fake_render)
+    judged = []
+
+    def judge(engine: Path, out_dir: Path, timeout: float) -> EvalResult:
+        key = Plan.from_dict(json.loads((out_dir / "plan.json").read_text())["plan"]).key()
+        judged.append((key, timeout))
+        assert engine.read_text() == fake_render(Plan.from_dict(json.loads(key)))
+        return verdicts.get(key, failed())
+
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    ws.open_history(warn=report.warn)
+    state = SearchState(spec=None, device=device, hardware={})
+    loop.run(state, proposer, judge, ws, report, budget)
+    report.finish([])
+    return ws, state, judged
+
+
+def installed_key(ws: Workspace) -> str | None:
+    verdict = ws.installed_verdict()
+    return Plan.from_dict(verdict["plan"]).key() if verdict else None
+
+
+def test_improves_rule():
+    assert improves(passed(1.0), None)
+    assert not improves(failed(), None)
+    assert improves(passed(1.0), failed())
+    assert not improves(passed(1.0 + MIN_GAIN / 2), passed(1.0))
+    assert improves(passed(1.1), passed(1.0))
+    assert not improves(failed(), passed(1.0))
+
+
+def test_conservative_first_then_keeps_the_fastest(tmp_path, monkeypatch):
+    a, b, c, d = (Plan("paged", params={"x": i}) for i in range(4))
+    verdicts = {CONSERVATIVE: passed(1.0), a.key(): passed(10.0), b.key(): failed(),
+                c.key(): passed(10.0 * (1 + MIN_GAIN / 2)), d.key(): passed(30.0)}
+    proposer = ListProposer([a, b, c, d])
+    ws, state, judged = run_loop(tmp_path, proposer, verdicts, monkeypatch=monkeypatch)
+    assert [k for k, _ in judged] == [CONSERVATIVE, a.key(), b.key(), c.key(), d.key()]
+    assert installed_key(ws) == d.key()
+    assert ws.engine.read_text() == fake_render(d)
+    results = json.loads((ws.root / "results.json").read_text())
+    assert [e["accepted"] for e in results["candidates"]] == [True, True, False, False, True]
+    assert results["finished"] and results["best"] == 5
+    assert proposer.feedback_seen[0] == (a.key(), "passed")  # the loop's own conservative step is not fed back
+    for name in ("engine.py", "plan.json"):
+        assert (ws.root / "candidates" / "003-paged-x-1" / name).exists()
+    log = (ws.root / "results.log").read_text()
+    assert "summary" in log and "FAILED at public (wrong_result)" in log and log.count("ACCEPTED") == 3
+
+
+def test_failures_never_install(tmp_path, monkeypatch):
+    ws, state, _ = run_loop(tmp_path, ListProposer([Plan("paged")]), {}, monkeypatch=monkeypatch)
+    assert not ws.engine.exists() and ws.installed_verdict() is None
+    assert len(state.history) == 2 and state.best is None
+
+
+def test_git_history_has_each_accepted_engine(tmp_path, monkeypatch):
+    pytest.importorskip("git")
+    a = Plan("paged")
+    ws, _, _ = run_loop(tmp_path, ListProposer([a]), {CONSERVATIVE: passed(1.0), a.key(): passed(5.0)},
+                        monkeypatch=monkeypatch)
+    messages = [c.message for c in ws.repo.iter_commits()]
+    assert len(messages) == 2 and messages[0].startswith("#002 paged")
+
+
+def test_repeated_plans_are_skipped(tmp_path, monkeypatch):
+    a = Plan("paged")
+    ws, state, judged = run_loop(tmp_path, ListProposer([a, a, Plan("recompute"), a]), {}, monkeypatch=monkeypatch)
+    assert [k for k, _ in judged] == [CONSERVATIVE, a.key()]
+    assert (ws.root / "results.log").read_text().count("repeated an already-judged plan") == 3
+
+
+def test_proposer_error_keeps_the_engine(tmp_path, monkeypatch):
+    class Broken(ListProposer):
+        def propose(self, state):
+            raise RuntimeError("provider exploded")
+    ws, _, _ = run_loop(tmp_path, Broken([]), {CONSERVATIVE: passed(1.0)}, monkeypatch=monkeypatch)
+    assert installed_key(ws) == CONSERVATIVE
+    assert "provider exploded" in (ws.root / "results.log").read_text()
+
+
+def test_budget_stops_the_search(tmp_path, monkeypatch):
+    plans = [Plan("paged", params={"x": i}) for i in range(5)]
+    budget = loop.RESERVE_SECONDS + loop.MIN_EVAL_SECONDS / 2
+    ws, state, judged = run_loop(tmp_path, ListProposer(plans), {CONSERVATIVE: passed(1.0)}, budget=budget,
+                                 monkeypatch=monkeypatch)
+    assert len(judged) == 1 and judged[0][1] <= budget
+    assert "not enough for another evaluation" in (ws.root / "results.log").read_text()
+
+
+def test_timeout_shrinks_to_what_is_left_and_caps_hangs():
+    state = SearchState(spec=None, device="cpu", hardware={})
+    assert loop.timeout_for(state, 500.0) == 500.0
+    state.history.append((loop.conservative_candidate(), passed(1.0, seconds=10.0)))
+    assert loop.timeout_for(state, 500.0) == loop.HANG_FACTOR * 10.0 + loop.HANG_SLACK_SECONDS
+    assert loop.timeout_for(state, 20.0) == 20.0
+
+
+FAKE_MENU = {
+    "norm": [Variant("norm", "torch", ("cpu", "cuda"), None), Variant("norm", "triton_bad", ("cuda",), None)],
+    "decode_attention": [Variant("decode_attention", "torch", ("cpu", "cuda"), None),
+                         Variant("decode_attention", "triton_a", ("cuda",), None),
+                         Variant("decode_attention", "triton_b", ("cuda",), None),
+                         Variant("decode_attention", "cpu_only", ("cpu",), None)],
+}
+FAKE_PARAMS = {"block_size": Param("block_size", 16, (16, 32)), "graphs": Param("graphs", True, (True, False), ("cuda",))}
+
+
+def _fake_menu(monkeypatch):
+    import agent.providers.builtin as builtin
+    monkeypatch.setattr(builtin, "menu", lambda: FAKE_MENU)
+    monkeypatch.setattr(builtin, "engine_params", lambda engine: FAKE_PARAMS)
+    monkeypatch.setattr(builtin, "engines", lambda: ["paged", "recompute"])
+
+
+def test_builtin_walk_is_greedy_and_never_repeats(tmp_path, monkeypatch):
+    _fake_menu(monkeypatch)
+    slots = {"norm": "torch", "rope_cache": "torch", "prefill_attention": "torch",
+             "decode_attention": "torch", "silu_mul": "torch"}
+    base = {"block_size": 16, "graphs": True}
+    key = lambda p=None, s=None: Plan("paged", {**slots, **(s or {})}, {**base, **(p or {})}).key()  # noqa: E731
+    verdicts = {CONSERVATIVE: passed(1.0), key(): passed(10.0),
+                key(s={"decode_attention": "triton_a"}): passed(15.0),
+                key(s={"decode_attention": "triton_b"}): passed(12.0),
+                key({"block_size": 32}, {"decode_attention": "triton_a"}): passed(20.0),
+                key({"graphs": False}, {"decode_attention": "triton_a"}): passed(5.0)}
+    ws, state, judged = run_loop(tmp_path, BuiltinProposer("cuda"), verdicts, device="cuda", monkeypatch=monkeypatch)
+    keys = [k for k, _ in judged]
+    assert len(keys) == len(set(keys))
+    assert keys == [CONSERVATIVE, key(), key(s={"norm": "triton_bad"}), key(s={"decode_attention": "triton_a"}),
+                    key(s={"decode_attention": "triton_b"}), key({"block_size": 32}, {"decode_attention": "triton_a"}),
+                    key({"graphs": False, "block_size": 32}, {"decode_attention": "triton_a"})]
+    assert installed_key(ws) == key({"block_size": 32}, {"decode_attention": "triton_a"})
+
+
+def test_builtin_walk_on_cpu_skips_cuda_variants_and_params(tmp_path, monkeypatch):
+    _fake_menu(monkeypatch)
+    ws, state, judged = run_loop(tmp_path, BuiltinProposer("cpu"), {}, device="cpu", monkeypatch=monkeypatch)
+    plans = [Plan.from_dict(json.loads(k)) for k, _ in judged]
+    assert [p.describe() for p in plans] == ["recompute", "paged block_size=16 graphs=True",
+                                             "paged decode_attention=cpu_only block_size=16 graphs=True",
+                                             "paged block_size=32 graphs=True"]
+
+
+def test_builtin_proposer_on_the_real_menu_never_repeats():
+    state = SearchState(spec=None, device="cpu", hardware={})
+    proposer = BuiltinProposer("cpu")
+    while (candidate := proposer.propose(state)) is not None:
+        assert not state.tried(candidate)
+        state.history.append((candidate, failed()))
+    assert len(state.history) >= 1 and state.history[0][0].plan.engine == "paged"

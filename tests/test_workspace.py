@@ -1,0 +1,114 @@
+"""agent/workspace.py and agent/judge.py: atomic writes, the verdict record, and a judge that
+survives a hanging, crashing or lying evaluator."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent import judge as judge_mod
+from agent.judge import JudgeSettings, judge
+from agent.workspace import TMP_PREFIX, Workspace, atomic_write
+
+
+def test_atomic_write_replaces_whole_files(tmp_path):
+    path = tmp_path / "engine.py"
+    atomic_write(path, "old\n")
+    atomic_write(path, "new\n")
+    assert path.read_text() == "new\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["engine.py"]
+
+
+def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    path = tmp_path / "engine.py"
+    atomic_write(path, "passing engine\n")
+
+    def boom(src, dst):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        atomic_write(path, "half")
+    assert path.read_text() == "passing engine\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["engine.py"]
+
+
+def test_reset_clears_the_previous_run_and_kill_leftovers(tmp_path):
+    ws = Workspace(tmp_path)
+    ws.reset()
+    ws.install_engine("engine one\n", {"index": 1, "result": {"status": "passed"}})
+    (ws.root / f"{TMP_PREFIX}engine.py.abc").write_text("half")
+    (ws.candidate_dir(1, "recompute") / "engine.py").write_text("x")
+    ws.reset()
+    assert not ws.engine.exists() and ws.installed_verdict() is None
+    assert list((ws.root / "candidates").iterdir()) == []
+    assert not list(ws.root.glob(TMP_PREFIX + "*"))
+
+
+def test_verdict_must_match_the_engine_on_disk(tmp_path):
+    ws = Workspace(tmp_path)
+    ws.reset()
+    ws.install_engine("engine one\n", {"index": 1})
+    assert ws.installed_verdict()["index"] == 1
+    ws.engine.write_text("edited by hand\n")
+    assert ws.installed_verdict() is None
+
+
+def test_candidate_dirs_are_numbered_and_safe(tmp_path):
+    ws = Workspace(tmp_path)
+    ws.reset()
+    d = ws.candidate_dir(7, "paged norm=triton block_size=32 / ../x")
+    assert d.parent == ws.root / "candidates" and d.name.startswith("007-paged-norm-triton-block")
+
+
+# --- the judge, against stand-in evaluators --------------------------------------------
+
+FAKE_EVALUATORS = {
+    "passes": "json.dump({'status': 'passed', 'stage': 'done', 'score': 0.5, 'benchmark': []}, open(out, 'w'))",
+    "hangs": "import subprocess; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)",
+    "crashes": "sys.stderr.write('Traceback: engine segfaulted\\n'); sys.exit(-11 % 256)",
+    "lies": "json.dump({'status': 'passed', 'stage': 'done', 'score': 9.0}, open(out, 'w')); sys.exit(1)",
+    "fails": "json.dump({'status': 'failed', 'stage': 'public', 'error_kind': 'wrong_result', "
+             "'error': 'max abs err 0.3'}, open(out, 'w')); sys.exit(1)",
+}
+
+
+def fake_evaluator(tmp_path: Path, behaviour: str) -> JudgeSettings:
+    """Settings whose `python` is a script acting as `python -m evaluator.evaluate ... --out X`."""
+    script = tmp_path / "fake_python"
+    script.write_text(f"#!{sys.executable}\nimport json, sys, time\nout = sys.argv[sys.argv.index('--out') + 1]\n"
+                      f"{FAKE_EVALUATORS[behaviour]}\n")
+    script.chmod(0o755)
+    return JudgeSettings(str(script), tmp_path / "c.json", tmp_path / "w", "cpu", 0)
+
+
+@pytest.mark.parametrize("behaviour,status,kind", [("passes", "passed", None), ("crashes", "failed", "crash"),
+                                                   ("lies", "failed", "crash"), ("fails", "failed", "wrong_result")])
+def test_judge_maps_outcomes(tmp_path, behaviour, status, kind):
+    result = judge(tmp_path / "engine.py", tmp_path, 30.0, fake_evaluator(tmp_path, behaviour))
+    assert (result.status, result.error_kind) == (status, kind)
+    if behaviour == "crashes":
+        assert "segfaulted" in result.error
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == status
+
+
+def test_judge_kills_a_hanging_evaluator_and_its_children(tmp_path, monkeypatch):
+    monkeypatch.setattr(judge_mod, "TERM_GRACE_SECONDS", 0.5)
+    start = time.monotonic()
+    result = judge(tmp_path / "engine.py", tmp_path, 2.0, fake_evaluator(tmp_path, "hangs"))
+    assert time.monotonic() - start < 10
+    assert (result.status, result.error_kind) == ("failed", "timeout")
+    assert json.loads((tmp_path / "result.json").read_text())["error_kind"] == "timeout"
+    time.sleep(0.2)
+    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_sleeper(p)]
+    assert not leftovers
+
+
+def _is_sleeper(proc: Path) -> bool:
+    try:
+        return "time.sleep(60)" in (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
