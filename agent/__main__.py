@@ -1,6 +1,10 @@
 """`python3 -m agent`: the same as `bash run.sh` once Python and the packages are there."""
 import sys
 
-from agent.cli import main
+try:
+    from agent.cli import main
+except ModuleNotFoundError as e:  # run.sh could not install it (offline?): say so in one line
+    print(f"error: missing Python package '{e.name}' (pip install -r requirements.txt)", file=sys.stderr)
+    sys.exit(2)
 
 sys.exit(main())
