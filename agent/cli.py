@@ -19,7 +19,7 @@ from agent.judge import REPO, JudgeSettings, judge
 from agent.providers import NAMES, ProviderOptions, make_proposer
 from agent.providers.base import SearchState
 from agent.providers.builtin import BuiltinProposer
-from agent.report import Reporter
+from agent.report import Reporter, describe
 from agent.spec import WEIGHTS_FILE, ModelSpec, SpecError, load_spec
 from agent.workspace import Workspace
 from agent import loop
@@ -131,7 +131,7 @@ def closing_lines(ws: Workspace, entries, cfg: RunConfig) -> list[str]:
     conservative = next((e for e in entries if e.index == 1 and e.result and e.result.passed), None)
     speedup = (f", {best.result.rank() / conservative.result.rank():.1f}x the conservative engine"
                if conservative and conservative is not best and conservative.result.rank() > 0 else "")
-    return [f"result: {ws.engine} = #{best.index:03d} {best.candidate.plan.describe()} "
+    return [f"result: {ws.engine} = #{best.index:03d} {describe(best.candidate.plan)} "
             f"(score {best.result.rank():.4g}{speedup})",
             "re-run the self-tests on it:", *[f"  {c}" for c in selftest_commands(cfg)]]
 
@@ -178,4 +178,4 @@ def header_lines(cfg: RunConfig, spec: ModelSpec, hw: dict, proposer: str, setti
             f"hardware {', '.join(f'{k} {v}' for k, v in hw.items())}",
             f"model {spec.summary()}",
             *[f"warning: {w}" for w in spec.warnings],
-            f"evaluator {' '.join(settings.command(Path('<engine>'), Path('<out>'))[1:])}", ""]
+            f"evaluator python3 {' '.join(settings.command(Path('<engine>'), Path('<out>'))[1:])}", ""]

@@ -13,7 +13,7 @@ from pathlib import Path
 from agent import policy, search
 from agent.providers.base import Candidate, EvalResult, Proposer, SearchState, improves
 from agent.render import render_engine
-from agent.report import Entry, Reporter
+from agent.report import Entry, Reporter, describe
 from agent.workspace import Workspace, atomic_write
 
 Judge = Callable[[Path, Path, float], EvalResult]    # (engine.py, candidate dir, timeout s) → verdict
@@ -52,7 +52,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
 def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge, ws: Workspace,
               report: Reporter, timeout: float) -> Entry:
     """Render, check, judge; install the engine if it passed and beats the best."""
-    directory = ws.candidate_dir(index, candidate.plan.describe())
+    directory = ws.candidate_dir(index, describe(candidate.plan))
     entry = Entry(index, candidate, directory)
     report.started(entry)
     atomic_write(directory / "plan.json", json.dumps(candidate.to_dict(), indent=2) + "\n")
@@ -77,7 +77,7 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
         ws.install_engine(source, {"index": index, **candidate.to_dict(), "result": result.to_dict()})
     report.finished(entry, installed=str(ws.engine) if entry.accepted else None)
     if entry.accepted:
-        ws.commit(f"#{index:03d} {candidate.plan.describe()}: score {result.rank():.4g}\n\n"
+        ws.commit(f"#{index:03d} {describe(candidate.plan)}: score {result.rank():.4g}\n\n"
                   f"{candidate.note}\n{json.dumps(candidate.to_dict(), indent=2)}")
     return entry
 
@@ -92,7 +92,7 @@ def next_candidate(proposer: Proposer, state: SearchState, report: Reporter) -> 
             return None
         if candidate is None or not state.tried(candidate):
             return candidate
-        report.warn(f"proposer '{proposer.name}' repeated an already-judged plan: {candidate.plan.describe()}")
+        report.warn(f"proposer '{proposer.name}' repeated an already-judged plan: {describe(candidate.plan)}")
     report.warn(f"proposer '{proposer.name}' repeated itself {MAX_REPEATS} times; search stopped")
     return None
 

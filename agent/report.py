@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.plan import Plan, engine_params
 from agent.providers.base import Candidate, EvalResult
 from agent.workspace import RESULTS_JSON, RESULTS_LOG, atomic_write
 
@@ -32,6 +33,17 @@ class Entry:
     def to_dict(self, root: Path) -> dict:
         return {"index": self.index, "dir": str(self.directory.relative_to(root)), **self.candidate.to_dict(),
                 "result": self.result.to_dict() if self.result else None, "accepted": self.accepted}
+
+
+def describe(plan: Plan) -> str:
+    """A plan as a reader wants it: the engine, its non-torch slots, and only the parameters
+    that differ from the engine's defaults ("paged block_size=32", not all of them)."""
+    try:
+        defaults = {name: p.default for name, p in engine_params(plan.engine).items()}
+    except OSError:  # an engine that is not a template file: show everything
+        defaults = {}
+    changed = {k: v for k, v in plan.params.items() if defaults.get(k, object()) != v}
+    return Plan(plan.engine, plan.slots, changed).describe()
 
 
 def rate(x: float) -> str:
@@ -66,7 +78,7 @@ def summary_rows(entries: list[Entry]) -> tuple[list[str], list[list[str]]]:
         r = e.result
         verdict = "running" if r is None else ("passed" if r.passed else f"{r.stage}:{r.error_kind}")
         tps = r.tokens_per_second() if r else {}
-        rows.append(["*" if e.accepted else "", str(e.index), e.candidate.plan.describe()[:PLAN_CHARS],
+        rows.append(["*" if e.accepted else "", str(e.index), describe(e.candidate.plan)[:PLAN_CHARS],
                      e.candidate.origin, verdict, f"{r.rank():.4g}" if r and r.passed else "-",
                      *[rate(tps[c]) if c in tps else "-" for c in cases], f"{r.seconds:.1f}" if r else "-"])
     return header, rows
@@ -128,12 +140,12 @@ class Reporter:
     def started(self, entry: Entry) -> None:
         self.entries.append(entry)
         c = entry.candidate
-        self.line(f"#{entry.index:03d} {c.plan.describe()}  [{c.origin}] {c.note}")
+        self.line(f"#{entry.index:03d} {describe(c.plan)}  [{c.origin}] {c.note}")
 
     def finished(self, entry: Entry, installed: str | None) -> None:
         self.line(f"     {verdict_line(entry.result)}")
         if entry.accepted:
-            self.best_line = f"#{entry.index:03d} {entry.candidate.plan.describe()} (score {entry.result.rank():.4g})"
+            self.best_line = f"#{entry.index:03d} {describe(entry.candidate.plan)} (score {entry.result.rank():.4g})"
             self.line(f"     ACCEPTED -> {installed}")
         self._write_json(finished=False)
 
