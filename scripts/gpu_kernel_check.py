@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Everything the kernel library needs from one device call: the GPU tests, then each variant of
+each slot timed at the shapes of the public config and of a 1B GQA config, then a small sweep of
+the attention kernels' tiling params. Prints a short table last; full logs go to $OUT.
+
+    python3 scripts/gpu_kernel_check.py [--no-tests] [--no-bench] [--no-sweep] [--test-timeout 360]
+
+Times are medians over CUDA-graph replays (triton.testing.do_bench_cudagraph: what the kernel
+costs inside the engine's captured decode step) and, for reference, eager medians
+(triton.testing.do_bench: what a Python call costs, launch overhead included).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from agent.plan import menu  # noqa: E402
+from agent.render import render_slot_module  # noqa: E402
+from evaluator import slot_check  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "/tmp/gpu_kernel_check"))
+
+# The shapes to time: the public config and a 1B-class GQA config (Llama-3.2-1B-like).
+CONFIGS = {
+    "public": {"H": 768, "Hq": 4, "Hkv": 4, "D": 192, "I": 3072,
+               "decode": [(8, 48), (8, 144)], "prefill": [[128] * 4]},
+    "1B": {"H": 2048, "Hq": 32, "Hkv": 8, "D": 64, "I": 8192,
+           "decode": [(64, 544)], "prefill": [[2048] * 8]},
+}
+BLOCK_SIZE = 16
+
+
+def env_line() -> str:
+    import triton
+    p = torch.cuda.get_device_properties(0)
+    return (f"{p.name}, {p.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}, "
+            f"CUDA {torch.version.cuda}")
+
+
+def run_tests(timeout: int) -> str:
+    """pytest on the kernel tests; returns the summary lines (full log under $OUT)."""
+    log = OUT / "pytest.log"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "--tb=line", "-p", "no:cacheprovider",
+           "tests/test_kernels_gpu.py", "tests/test_slot_check.py"]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        text = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text += f"\nTIMEOUT after {timeout}s"
+    log.write_text(text)
+    keep = [ln[:400] for ln in text.splitlines() if ln.startswith(("FAILED", "ERROR")) or " passed" in ln
+            or " failed" in ln or "TIMEOUT" in ln or "no module named" in ln.lower()]
+    return f"pytest ({time.time() - t0:.0f}s):\n" + "\n".join(keep[-40:])
+
+
+def load(slot: str, variant: str, fn: str, params: dict | None = None):
+    text = render_slot_module(slot, variant, params)
+    module = slot_check.import_module_text(text, f"bench_{slot}_{variant}")
+    return getattr(module, f"{fn}__{variant}")
+
+
+def bench(call) -> tuple[float, float]:
+    """(graph-replay median µs, eager median µs); NaN where a mode fails."""
+    import triton.testing as tt
+    graph_us = eager_us = math.nan
+    try:
+        call()
+        torch.cuda.synchronize()
+        eager_us = 1e3 * tt.do_bench(call, warmup=25, rep=100, return_mode="median")
+    except Exception as e:  # noqa: BLE001
+        print(f"    eager failed: {type(e).__name__}: {str(e)[:200]}")
+    try:
+        graph_us = 1e3 * tt.do_bench_cudagraph(call, rep=50, return_mode="median")
+    except Exception as e:  # noqa: BLE001
+        print(f"    graph failed: {type(e).__name__}: {str(e)[:200]}")
+    return graph_us, eager_us
+
+
+def problems(cfg_name: str, cfg: dict, dtype):
+    """(label, slot, fn, kwargs) for every timed call of one config."""
+    out = []
+    n_dec = cfg["decode"][0][0]
+    n_pre = sum(cfg["prefill"][0])
+    for n, phase in ((n_dec, "decode"), (n_pre, "prefill")):
+        spec = {"N": n, "H": cfg["H"], "eps": 1e-5, "x_scale": 1.0, "row_strided": False}
+        inp = slot_check.make_inputs("norm", spec, dtype, "cuda")
+        out.append((f"rmsnorm N={n}", "norm", "rmsnorm", {k: inp[k] for k in ("x", "w", "eps")}))
+        out.append((f"add_rmsnorm N={n}", "norm", "add_rmsnorm", inp))
+        spec = {"N": n, "Hq": cfg["Hq"], "Hkv": cfg["Hkv"], "D": cfg["D"], "fused_qkv": True, "P": 4096,
+                "theta": 10000.0}
+        out.append((f"rope_cache N={n}", "rope_cache", "rope_cache",
+                    slot_check.make_inputs("rope_cache", spec, dtype, "cuda")))
+        out.append((f"silu_mul N={n}", "silu_mul", "silu_mul",
+                    slot_check.make_inputs("silu_mul", {"N": n, "I": cfg["I"]}, dtype, "cuda")))
+    for b, ctx in cfg["decode"]:
+        spec = {"ctx": [ctx] * b, "Hq": cfg["Hq"], "Hkv": cfg["Hkv"], "D": cfg["D"], "block_size": BLOCK_SIZE,
+                "max_context": "exact", "q_scale": 1.0, "scale_mult": 1.0}
+        out.append((f"decode B={b} ctx={ctx}", "decode_attention", "decode_attention",
+                    slot_check.make_inputs("decode_attention", spec, dtype, "cuda")))
+    for lens in cfg["prefill"]:
+        spec = {"seq_lens": lens, "Hq": cfg["Hq"], "Hkv": cfg["Hkv"], "D": cfg["D"], "fused_qkv": True,
+                "q_scale": 1.0, "scale_mult": 1.0}
+        out.append((f"prefill {len(lens)}x{lens[0]}", "prefill_attention", "prefill_attention",
+                    slot_check.make_inputs("prefill_attention", spec, dtype, "cuda")))
+    return [(cfg_name, *p) for p in out]
+
+
+def run_bench(dtype) -> list[dict]:
+    rows = []
+    variants = {s: [v.name for v in vs if "cuda" in v.devices] for s, vs in menu().items()}
+    for cfg_name, cfg in CONFIGS.items():
+        for cfg_name_, label, slot, fn, kwargs in problems(cfg_name, cfg, dtype):
+            for variant in variants[slot]:
+                f = load(slot, variant, fn)
+                g, e = bench(lambda: f(**kwargs))
+                rows.append({"config": cfg_name_, "problem": label, "slot": slot, "variant": variant,
+                             "graph_us": g, "eager_us": e})
+                print(f"  {cfg_name_:6s} {label:24s} {variant:12s} graph {g:9.1f} us  eager {e:9.1f} us", flush=True)
+            torch.cuda.empty_cache()
+    return rows
+
+
+DECODE_SWEEP = [{}] + [{"decode_splits": s, "decode_block_n": n} for s in (0, 1, 4, 16) for n in (16, 32, 64)]
+PREFILL_SWEEP = [{}] + [{"prefill_block_m": m, "prefill_block_n": n, "prefill_warps": w, "prefill_stages": st}
+                 for m, n, w, st in ((64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 2),
+                                     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))]
+
+
+def run_sweep(dtype) -> list[dict]:
+    rows = []
+    for cfg_name, cfg in CONFIGS.items():
+        for _, label, slot, fn, kwargs in problems(cfg_name, cfg, dtype):
+            if slot == "decode_attention":
+                variant, grid = "triton_split", DECODE_SWEEP
+            elif slot == "prefill_attention":
+                variant, grid = "triton", PREFILL_SWEEP
+            else:
+                continue
+            want = getattr(slot_check, f"ref_{slot}")(**kwargs)
+            for params in grid:
+                try:
+                    f = load(slot, variant, fn, params)
+                    err = (f(**kwargs).float() - want.float()).abs().max().item()
+                    g, _ = bench(lambda: f(**kwargs))
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is data
+                    print(f"    {params}: {type(e).__name__}: {str(e)[:160]}")
+                    g, err = math.nan, math.nan
+                rows.append({"config": cfg_name, "problem": label, "params": params, "graph_us": g, "max_err": err})
+                print(f"  {cfg_name:6s} {label:24s} {json.dumps(params):90s} graph {g:8.1f} us err {err:.2g}",
+                      flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per (config, problem), torch time and each other variant's speedup."""
+    lines = ["| config | problem | variant | graph µs | eager µs | vs torch (graph) |", "|---|---|---|---:|---:|---:|"]
+    base = {(r["config"], r["problem"]): r["graph_us"] for r in rows if r["variant"] == "torch"}
+    for r in rows:
+        t = base.get((r["config"], r["problem"]), math.nan)
+        speed = t / r["graph_us"] if r["graph_us"] and not math.isnan(r["graph_us"]) else math.nan
+        lines.append(f"| {r['config']} | {r['problem']} | {r['variant']} | {r['graph_us']:.1f} | {r['eager_us']:.1f} "
+                     f"| {speed:.2f}x |")
+    return "\n".join(lines)
+
+
+def sweep_table(rows: list[dict]) -> str:
+    lines = ["| config | problem | best params | graph µs | default-params µs |", "|---|---|---|---:|---:|"]
+    by = {}
+    for r in rows:
+        by.setdefault((r["config"], r["problem"]), []).append(r)
+    for (cfg, prob), rs in by.items():
+        ok = [r for r in rs if not math.isnan(r["graph_us"]) and r["max_err"] < 0.05]
+        if not ok:
+            lines.append(f"| {cfg} | {prob} | none ran | | |")
+            continue
+        best = min(ok, key=lambda r: r["graph_us"])
+        default = [r for r in rs if not r["params"]]
+        d = f"{default[0]['graph_us']:.1f}" if default else ""
+        lines.append(f"| {cfg} | {prob} | {json.dumps(best['params'])} | {best['graph_us']:.1f} | {d} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-tests", action="store_true")
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--test-timeout", type=int, default=360)
+    ap.add_argument("--dtype", default="fp16")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    print(env_line(), flush=True)
+    summary = [env_line()]
+    if not args.no_tests:
+        summary.append(run_tests(args.test_timeout))
+        print(summary[-1], flush=True)
+    dtype = slot_check.DTYPE_NAMES[args.dtype]
+    if not args.no_bench:
+        rows = run_bench(dtype)
+        (OUT / "timings.json").write_text(json.dumps(rows, indent=1))
+        summary.append(table(rows))
+    if not args.no_sweep:
+        rows = run_sweep(dtype)
+        (OUT / "sweep.json").write_text(json.dumps(rows, indent=1))
+        summary.append(sweep_table(rows))
+    text = "\n\n".join(summary)
+    (OUT / "summary.md").write_text(text)
+    print("\n=========== SUMMARY ===========\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
