@@ -1,0 +1,224 @@
+"""The throughput benchmark (SPEC.md §5), with the official command line and more cases.
+
+    python3 evaluator/benchmark_throughput.py --engine workspace/engine.py \
+        --model-config target/model_config.json --weight-dir target/weights --device auto \
+        [--warmup 1 --repeat 3] [--cases prefill,decode,mixed] [--bandwidth-gbs --peak-tflops]
+
+Seed 0, tokens drawn on the device before the clock starts. Per case: one warm-up engine
+runs the trace `warmup` times, then each of `repeat` measurements builds a fresh engine
+and runs the trace once; the median by elapsed time is reported. Timed region:
+synchronize → perf_counter → every prefill/decode/remove → synchronize → perf_counter,
+under torch.no_grad(). Prints a JSON list, one object per case, with the official fields
+plus the physical floor of the case and the fraction of it reached.
+
+Beyond the official harness: the last output of every timed run is checked against the
+reference after all timing is done (so an engine cannot time one path and pass another).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from evaluator.common import (EngineRaised, ModelDims, Tolerance, WrongResult, call_engine,  # noqa: E402
+                              compute_dtype, load_config, load_engine_module, make_generator,
+                              resolve_device, synchronize)
+from evaluator.floor import Hardware, detect_hardware, floor_seconds  # noqa: E402
+from evaluator.guards import FunctionIdentities, compare, take_output  # noqa: E402
+from evaluator.reference_model import ReferenceModel  # noqa: E402
+from evaluator.session import (Histories, draw_op_tokens, mismatch_message,  # noqa: E402
+                               reference_rows)
+from evaluator.traces import DECODE, PREFILL, PUBLIC_CASES, Op, benchmark_trace, token_counts  # noqa: E402
+
+BENCHMARK_SEED = 0
+MIB = 2**20
+
+
+@dataclass
+class LastOutput:
+    """The last logits of a timed run and the histories they must match, checked later."""
+
+    what: str
+    request_ids: tuple[int, ...]
+    histories: Histories
+    got: torch.Tensor
+
+
+@dataclass
+class TimedRun:
+    seconds: float
+    peak_memory_mb: float
+    check: LastOutput | None = None
+
+
+def _draw_trace(trace: list[Op], gen: torch.Generator, vocab: int, device: str) -> list[list[torch.Tensor]]:
+    return [draw_op_tokens(op, gen, vocab, device) for op in trace]
+
+
+def _calls(engine, trace: list[Op], tokens: list[list[torch.Tensor]]) -> list[tuple]:
+    """(bound method, args, returns logits) per op, built before the clock starts."""
+    out = []
+    for op, drawn in zip(trace, tokens):
+        ids = list(op.request_ids)
+        if op.kind == PREFILL:
+            out.append((engine.prefill, (ids, drawn), True))
+        elif op.kind == DECODE:
+            out.append((engine.decode, (ids, drawn[0]), True))
+        else:
+            out.append((engine.remove, (ids,), False))
+    return out
+
+
+def timed_run(engine, trace: list[Op], tokens: list[list[torch.Tensor]], device: str, case: str,
+              vocab: int, keep_last: bool) -> TimedRun:
+    """One pass over the trace under the official timing method. With keep_last, the last
+    logits are copied (after the clock stops) for a later check against the reference."""
+    calls = _calls(engine, trace, tokens)
+    last, last_index, index = None, -1, -1
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with torch.no_grad():
+            synchronize(device)
+            start = time.perf_counter()
+            for index, (fn, args, returns) in enumerate(calls):
+                result = fn(*args)
+                if returns:
+                    last, last_index = result, index
+            synchronize(device)
+            seconds = time.perf_counter() - start
+    except Exception as e:  # noqa: BLE001 - the candidate may raise anything
+        raise EngineRaised(f"case {case} {trace[index].describe()} raised {type(e).__name__}: {e}") from e
+    run = TimedRun(seconds, torch.cuda.max_memory_allocated() / MIB if device == "cuda" else 0.0)
+    if keep_last and last_index >= 0:
+        op = trace[last_index]
+        what = f"benchmark case {case}, last output ({op.describe()})"
+        histories = Histories()
+        for prior, drawn in zip(trace[:last_index + 1], tokens):
+            histories.apply(prior, drawn)
+        run.check = LastOutput(what, op.request_ids, histories, take_output(last, len(op.request_ids), vocab, what))
+    return run
+
+
+def _release(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _measure_case(module: ModuleType, config: dict, weight_dir: str, device: str, case: str,
+                  warmup: int, repeat: int, seed: int, keep_last: bool) -> list[TimedRun]:
+    trace = benchmark_trace(case)
+    gen = make_generator(seed, device)
+    vocab = int(config["vocab_size"])
+    create = lambda: call_engine(f"create_engine (case {case})", module.create_engine,  # noqa: E731
+                                 config, weight_dir, device)
+    if warmup > 0:
+        engine = create()
+        for _ in range(warmup):
+            timed_run(engine, trace, _draw_trace(trace, gen, vocab, device), device, case, vocab, False)
+        del engine
+        _release(device)
+    runs = []
+    for _ in range(repeat):
+        engine = create()
+        tokens = _draw_trace(trace, gen, vocab, device)
+        runs.append(timed_run(engine, trace, tokens, device, case, vocab, keep_last))
+        del engine, tokens
+        _release(device)
+    return runs
+
+
+def verify(checks: list[LastOutput], config: dict, weight_dir: str, device: str, tol: Tolerance) -> None:
+    """Compare the kept last outputs with the reference, after all timing is done."""
+    if not checks:
+        return
+    reference = ReferenceModel.load(config, weight_dir, device)
+    for c in checks:
+        expected = reference_rows(reference, c.histories, c.request_ids)
+        cmp = compare(c.got, expected, tol)
+        if not cmp.passed:
+            raise WrongResult(mismatch_message(c.what, cmp, tol, c.request_ids))
+
+
+def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Path,
+                  weight_dir: str | Path, device: str = "auto", cases=PUBLIC_CASES,
+                  warmup: int = 1, repeat: int = 3, seed: int = BENCHMARK_SEED,
+                  hardware: Hardware | None = None, bandwidth_gbs: float | None = None,
+                  peak_tflops: float | None = None, verify_outputs: bool = True,
+                  tol: Tolerance = Tolerance()) -> list[dict]:
+    """Time each case; return one result dict per case (official fields + floor_ms,
+    floor_fraction, runs_ms). Raises EvalFailure when the engine raises or (with
+    verify_outputs) when a timed run's last output disagrees with the reference."""
+    if repeat < 1:
+        raise ValueError("repeat must be at least 1")
+    identities = FunctionIdentities()
+    config = load_config(model_config)
+    device = resolve_device(device)
+    module = load_engine_module(engine)
+    dims = ModelDims.from_config(config)
+    dtype = compute_dtype(config, device)
+    hw = hardware or detect_hardware(device, dtype, bandwidth_gbs, peak_tflops)
+    results, checks = [], []
+    for case in cases:
+        runs = _measure_case(module, config, str(weight_dir), device, case, warmup, repeat, seed, verify_outputs)
+        identities.check(f"after benchmark case {case}")
+        checks += [r.check for r in runs if r.check is not None]
+        median = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+        trace = benchmark_trace(case)
+        pre, dec = token_counts(trace)
+        floor_s = floor_seconds(dims, dtype.itemsize, trace, hw)
+        results.append({
+            "case_name": case,
+            "elapsed_ms": median.seconds * 1e3,
+            "prefill_tokens": pre,
+            "decode_tokens": dec,
+            "total_tokens": pre + dec,
+            "tokens_per_second": (pre + dec) / median.seconds,
+            "decode_tokens_per_second": dec / median.seconds,
+            "peak_memory_mb": median.peak_memory_mb,
+            "floor_ms": floor_s * 1e3,
+            "floor_fraction": floor_s / median.seconds,
+            "runs_ms": [r.seconds * 1e3 for r in runs],
+        })
+    verify(checks, config, str(weight_dir), device, tol)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", required=True)
+    p.add_argument("--model-config", required=True)
+    p.add_argument("--weight-dir", required=True)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--cases", default=",".join(PUBLIC_CASES),
+                   help="comma-separated; also decode128, mixed128, prefill-long, decode-wide")
+    p.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth for the floor (default: by device)")
+    p.add_argument("--peak-tflops", type=float, help="GEMM peak for the floor (default: by device)")
+    p.add_argument("--no-verify", action="store_true", help="skip the reference check of the timed outputs")
+    a = p.parse_args(argv)
+    device = resolve_device(a.device)
+    config = load_config(a.model_config)
+    hw = detect_hardware(device, compute_dtype(config, device), a.bandwidth_gbs, a.peak_tflops)
+    print(f"floor hardware: {hw.name}, {hw.bandwidth_gbs:.0f} GB/s, {hw.peak_tflops:.1f} TFLOP/s ({hw.source})",
+          file=sys.stderr)
+    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    results = run_benchmark(a.engine, config, a.weight_dir, device, cases, a.warmup, a.repeat,
+                            hardware=hw, verify_outputs=not a.no_verify)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

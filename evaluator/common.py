@@ -1,0 +1,195 @@
+"""Helpers every evaluator script shares: configs, devices, dtypes, engine loading, errors.
+
+The official harness resolves devices, dtypes and configs in one way (SPEC.md §1-§3); every
+script here must agree with it, so each of those rules is written once, in this file.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WEIGHT_FILE = "model.pt"
+DEFAULT_RMS_NORM_EPS = 1e-5
+DEFAULT_ROPE_THETA = 10000.0
+BF16_NAMES = ("bfloat16", "bf16")
+
+# error_kind values of docs/design.md §2 (timeout is recorded by the judge, never here).
+COMPILE_ERROR = "compile_error"
+RUNTIME_ERROR = "runtime_error"
+WRONG_RESULT = "wrong_result"
+CRASH = "crash"
+
+
+class EvalFailure(Exception):
+    """A verdict against the candidate; `kind` is its error_kind."""
+
+    kind = CRASH
+
+
+class EngineRaised(EvalFailure):
+    """The candidate's own code raised (at import, in create_engine, or in a call)."""
+
+    def __init__(self, message: str, kind: str = RUNTIME_ERROR):
+        super().__init__(message)
+        self.kind = kind
+
+
+class WrongResult(EvalFailure, AssertionError):
+    """An output that is invalid or disagrees with the reference (an AssertionError, as the
+    official correctness script raises on a mismatch)."""
+
+    kind = WRONG_RESULT
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float = 1e-2
+    rtol: float = 1e-2
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes of a model config, with SPEC.md §1 defaults applied."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    theta: float
+    dtype_name: str
+
+    @staticmethod
+    def from_config(config: dict) -> "ModelDims":
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        return ModelDims(
+            hidden=hidden,
+            intermediate=int(config["intermediate_size"]),
+            layers=int(config["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads", heads)),
+            head_dim=int(config.get("head_dim", hidden // heads)),
+            vocab=int(config["vocab_size"]),
+            eps=float(config.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS)),
+            theta=float(config.get("rope_theta", DEFAULT_ROPE_THETA)),
+            dtype_name=str(config.get("torch_dtype", "float16")),
+        )
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer's matrices (norm vectors are negligible)."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return attn + 3 * self.hidden * self.intermediate
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """K and V values one token leaves in the cache, over all layers."""
+        return 2 * self.kv_heads * self.head_dim * self.layers
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+def load_config(config: dict | str | Path) -> dict:
+    """A config dict, from a dict or a JSON path."""
+    if isinstance(config, dict):
+        return dict(config)
+    return json.loads(Path(config).read_text())
+
+
+def resolve_device(device: str) -> str:
+    """`auto`, and `cuda` without a GPU, resolve as the harness does: cuda if available else cpu."""
+    if device in ("auto", "cuda") or device.startswith("cuda:"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def compute_dtype(config: dict, device: str) -> torch.dtype:
+    """SPEC.md §3: fp32 on CPU; on CUDA bf16 if `torch_dtype` names it, else fp16."""
+    if resolve_device(device) != "cuda":
+        return torch.float32
+    name = str(config.get("torch_dtype", "float16")).lower()
+    return torch.bfloat16 if name in BF16_NAMES else torch.float16
+
+
+def load_weights(weight_dir: str | Path) -> dict[str, torch.Tensor]:
+    return torch.load(Path(weight_dir) / WEIGHT_FILE, map_location="cpu", weights_only=True)
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def draw_tokens(gen: torch.Generator, length: int, vocab: int, device: str) -> torch.Tensor:
+    """`length` random token ids, int64, drawn on `device` (as the harness draws them)."""
+    return torch.randint(0, vocab, (length,), generator=gen, device=device, dtype=torch.long)
+
+
+def make_generator(seed: int, device: str) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+_loaded = 0
+
+
+def load_engine_module(engine: ModuleType | str | Path) -> ModuleType:
+    """The candidate module, from a module or a file path; it must define `create_engine`.
+
+    Each load gets a fresh module name (registered in sys.modules, which dataclasses and
+    triton's source lookup need), so two candidates never share module state.
+    """
+    global _loaded
+    if isinstance(engine, ModuleType):
+        module = engine
+    else:
+        path = Path(engine).resolve()
+        if not path.is_file():
+            raise EngineRaised(f"engine file not found: {path}", COMPILE_ERROR)
+        _loaded += 1
+        name = f"candidate_engine_{_loaded}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as e:  # noqa: BLE001 - any failure to import is the candidate's
+            sys.modules.pop(name, None)
+            raise EngineRaised(f"importing {path.name} failed: {_describe(e)}", COMPILE_ERROR) from e
+    if not callable(getattr(module, "create_engine", None)):
+        raise EngineRaised("the engine module defines no callable create_engine", COMPILE_ERROR)
+    return module
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _kind_of(e: BaseException) -> str:
+    """Triton compilation failures (raised at the first launch or in autotuning) count as
+    compile errors; anything else the engine raises is a runtime error."""
+    return COMPILE_ERROR if "Compil" in type(e).__name__ else RUNTIME_ERROR
+
+
+def call_engine(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call into the candidate; whatever it raises becomes an EngineRaised naming the call."""
+    try:
+        return fn(*args)
+    except EvalFailure:
+        raise
+    except Exception as e:  # noqa: BLE001 - the candidate may raise anything
+        raise EngineRaised(f"{what} raised {_describe(e)}", _kind_of(e)) from e
+

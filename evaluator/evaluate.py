@@ -1,0 +1,127 @@
+"""One candidate engine → one JSON verdict (docs/design.md §2).
+
+    python3 -m evaluator.evaluate --engine PATH --model-config CFG --weight-dir DIR \
+        --device cpu|cuda|auto [--stress off|quick|full] [--cases prefill,decode,mixed,...] \
+        [--warmup 1] [--repeat 3] [--seed N] --out RESULT.json
+
+Stages in order: import → public (SPEC.md §4) → stress → benchmark; it stops at the first
+failing stage, writes RESULT.json (even on failure) and exits 0 only when all passed.
+Progress goes to stderr, a one-line verdict to stdout. Timeouts are the caller's to record.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
+from evaluator.common import (CRASH, EvalFailure, Tolerance, load_config,  # noqa: E402
+                              load_engine_module, resolve_device)
+from evaluator.guards import FunctionIdentities  # noqa: E402
+from evaluator.stress import run_stress  # noqa: E402
+from evaluator.test_correctness import run_public_sequence  # noqa: E402
+from evaluator.traces import BENCHMARK_CASES, PUBLIC_CASES  # noqa: E402
+
+STRESS_MODES = ("off", "quick", "full")
+
+
+def score(benchmark: list[dict]) -> float | None:
+    """Geometric mean of floor_fraction over the cases (no case may be neglected)."""
+    fractions = [r["floor_fraction"] for r in benchmark]
+    if not fractions:
+        return None
+    return math.exp(sum(math.log(f) for f in fractions) / len(fractions))
+
+
+def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: str | Path,
+             device: str = "auto", stress: str = "quick", cases=PUBLIC_CASES, warmup: int = 1,
+             repeat: int = 3, seed: int | None = None, bandwidth_gbs: float | None = None,
+             peak_tflops: float | None = None, tol: Tolerance = Tolerance(),
+             log=lambda line: None) -> dict:
+    """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate."""
+    if stress not in STRESS_MODES:
+        raise ValueError(f"stress must be one of {STRESS_MODES}")
+    start = time.perf_counter()
+    identities = FunctionIdentities()
+    config = load_config(model_config)
+    device = resolve_device(device)
+    result = {"status": "failed", "stage": "import", "error_kind": None, "error": None, "device": device,
+              "public": None, "stress": None, "benchmark": None, "score": None, "seconds": 0.0}
+    try:
+        module = load_engine_module(engine)
+        result["stage"] = "public"
+        public = run_public_sequence(module, config, weight_dir, device, tol.atol, tol.rtol)
+        result["public"] = {"status": public["status"], "max_abs_err": public["max_abs_err"],
+                            "cases": public["cases"], "worst_margin": public["worst_margin"]}
+        log(f"public: passed, max abs err {public['max_abs_err']:.3g}")
+        if stress != "off":
+            result["stage"] = "stress"
+            report = run_stress(module, device, seed, quick=stress == "quick", target=(config, weight_dir),
+                                fail_fast=True, tol=tol, log=log)
+            result["stress"] = report.to_dict()
+            failure = report.first_failure
+            if failure is not None:
+                result["error_kind"] = failure.error_kind
+                result["error"] = f"stress case {failure.name} (seed {report.seed}): {failure.error}"
+                return result
+        result["stage"] = "benchmark"
+        result["benchmark"] = run_benchmark(module, config, weight_dir, device, list(cases), warmup, repeat,
+                                            bandwidth_gbs=bandwidth_gbs, peak_tflops=peak_tflops, tol=tol)
+        result["score"] = score(result["benchmark"])
+        identities.check("after the evaluation")
+        result["stage"], result["status"] = "done", "passed"
+    except EvalFailure as e:
+        result["error_kind"], result["error"] = e.kind, str(e)
+    except BaseException as e:  # noqa: BLE001 - the verdict must be written whatever happened
+        result["error_kind"] = CRASH
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+    finally:
+        result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def write_json(result: dict, out: str | Path) -> None:
+    """Atomically, so the judge never reads half a verdict."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", required=True)
+    p.add_argument("--model-config", required=True)
+    p.add_argument("--weight-dir", required=True)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--stress", choices=STRESS_MODES, default="quick")
+    p.add_argument("--cases", default=",".join(PUBLIC_CASES), help=f"comma-separated, of: {', '.join(BENCHMARK_CASES)}")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--seed", type=int, help="stress seed (default: fresh)")
+    p.add_argument("--bandwidth-gbs", type=float)
+    p.add_argument("--peak-tflops", type=float)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    result = evaluate(a.engine, a.model_config, a.weight_dir, a.device, a.stress, cases, a.warmup, a.repeat,
+                      a.seed, a.bandwidth_gbs, a.peak_tflops,
+                      log=lambda line: print(line, file=sys.stderr, flush=True))
+    write_json(result, a.out)
+    verdict = f"score {result['score']:.4g}" if result["status"] == "passed" else \
+        f"{result['error_kind']} at {result['stage']}: {(result['error'] or '').splitlines()[0]}"
+    print(f"{result['status']}: {verdict} ({result['seconds']:.1f} s)")
+    sys.exit(0 if result["status"] == "passed" else 1)
+
+
+if __name__ == "__main__":
+    main()

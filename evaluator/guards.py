@@ -1,0 +1,119 @@
+"""Anti-cheat guards (LESSONS.md §B), kept in one place so they can be extended together.
+
+- Outputs must be plain `torch.Tensor`s with storage, of shape [B, vocab], all finite, and
+  are copied to the CPU right after their call, before the engine runs again (a lazy or
+  recycled buffer cannot change what is compared).
+- Inputs are snapshotted before each call and compared after it: an engine that mutates
+  its inputs so that the reference agrees is caught, and the reference always reads the
+  harness's own pristine copies.
+- The functions the harness times and compares with are snapshotted before the candidate
+  is imported and checked after it has run: patching the timer or `synchronize` is caught.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from evaluator.common import Tolerance, WrongResult
+
+# Reference magnitudes below this count as this, so max_rel_err stays readable near zero.
+REL_ERR_FLOOR = 1e-6
+
+# (owner, attribute) pairs whose identity must not change while a candidate runs.
+_WATCHED = (
+    (time, "perf_counter"), (time, "time"), (torch, "allclose"), (torch, "isfinite"),
+    (torch, "equal"), (torch, "no_grad"), (torch.cuda, "synchronize"),
+    (torch.cuda, "max_memory_allocated"), (torch.cuda, "reset_peak_memory_stats"),
+    (torch.Tensor, "float"), (torch.Tensor, "cpu"), (torch.Tensor, "clone"),
+    (torch.Tensor, "__sub__"), (torch.Tensor, "abs"), (torch.Tensor, "max"),
+)
+
+
+class FunctionIdentities:
+    """Identities of the harness's timing and comparison functions, taken before the candidate
+    is imported."""
+
+    def __init__(self):
+        self._objs = {self._name(o, a): getattr(o, a) for o, a in _WATCHED}
+
+    @staticmethod
+    def _name(owner, attr: str) -> str:
+        return f"{getattr(owner, '__name__', type(owner).__name__)}.{attr}"
+
+    def check(self, when: str) -> None:
+        for (owner, attr) in _WATCHED:
+            name = self._name(owner, attr)
+            if getattr(owner, attr) is not self._objs[name]:
+                raise WrongResult(f"{name} was replaced ({when}): the candidate patched the harness")
+
+
+@dataclass(frozen=True)
+class InputSnapshot:
+    """Pristine copies of one call's arguments."""
+
+    request_ids: tuple[int, ...]
+    tensors: tuple[torch.Tensor, ...]
+
+    @staticmethod
+    def take(request_ids: list[int], tensors: list[torch.Tensor]) -> "InputSnapshot":
+        return InputSnapshot(tuple(request_ids), tuple(t.detach().clone() for t in tensors))
+
+    def check_unchanged(self, request_ids: list[int], tensors: list[torch.Tensor], what: str) -> None:
+        if tuple(request_ids) != self.request_ids:
+            raise WrongResult(f"{what}: the engine modified the request_ids list it was given")
+        for i, (now, before) in enumerate(zip(tensors, self.tensors)):
+            if now.shape != before.shape or now.dtype != before.dtype or not torch.equal(now, before):
+                raise WrongResult(f"{what}: the engine modified its input tensor {i} in place")
+
+
+def take_output(out: object, rows: int, vocab: int, what: str) -> torch.Tensor:
+    """Validate an engine output and return a private fp32 CPU copy of it.
+
+    Any floating dtype is accepted (the harness compares `out.float().cpu()`), but it must
+    be a plain tensor with storage (no lazy subclass computing on comparison), of shape
+    [rows, vocab], with finite values.
+    """
+    if type(out) is not torch.Tensor:
+        raise WrongResult(f"{what}: returned {type(out).__name__}, not a plain torch.Tensor")
+    if out.layout != torch.strided or out.device.type == "meta":
+        raise WrongResult(f"{what}: returned a {out.layout} tensor on {out.device}, not a dense tensor with storage")
+    if tuple(out.shape) != (rows, vocab):
+        raise WrongResult(f"{what}: returned shape {tuple(out.shape)}, expected {(rows, vocab)}")
+    if not out.is_floating_point():
+        raise WrongResult(f"{what}: returned dtype {out.dtype}, expected a floating dtype")
+    copy = out.detach().float().cpu().clone()
+    if not torch.isfinite(copy).all():
+        raise WrongResult(f"{what}: output has {int((~torch.isfinite(copy)).sum())} non-finite values")
+    return copy
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How far an output is from the reference, and how much slack the tolerance leaves.
+
+    margin = 1 - max((|s - r| - rtol*|r|) / atol): 1 means exact, 0 means at the
+    tolerance, below 0 means outside it; `passed` is exactly torch.allclose's verdict.
+    """
+
+    max_abs_err: float
+    max_rel_err: float
+    margin: float
+    worst_row: int
+    passed: bool
+
+
+def compare(student: torch.Tensor, reference: torch.Tensor, tol: Tolerance) -> Comparison:
+    """student and reference: fp32 CPU tensors of the same shape [rows, vocab]."""
+    diff = (student - reference).abs()
+    excess = (diff - tol.rtol * reference.abs()) / tol.atol
+    worst = excess.amax(dim=-1)
+    rel = diff / reference.abs().clamp_min(REL_ERR_FLOOR)
+    return Comparison(
+        max_abs_err=float(diff.max()),
+        max_rel_err=float(rel.max()),
+        margin=float(1 - worst.max()),
+        worst_row=int(worst.argmax()),
+        passed=bool(torch.allclose(student, reference, atol=tol.atol, rtol=tol.rtol)),
+    )

@@ -1,0 +1,270 @@
+"""Randomized correctness traces against the reference: what the public sequence never tries.
+
+    python3 evaluator/stress.py --engine PATH --device D [--seed N] [--quick]
+        [--model-config CFG --weight-dir DIR]   # also stress the real model
+
+Random models (MHA, GQA, MQA; fp16 and bf16 configs; head_dim not hidden/heads; 1 to 4
+layers; vocab up to 32k; norm weights not all ones; weights larger than the toy init) each
+run four scenarios (traces.py; in quick mode one model only has the long prompt): a
+>= 1024-token prompt beside a 1-token one, a wide ragged
+batch with shuffled decode subsets, lifecycle churn (id reuse, replacing a live request,
+unknown ids, removing everything then continuing) and random mixed rounds. Request ids are
+large and non-contiguous, and every call's ids are out of ascending order.
+
+Prints one line per case (max abs error, margin to the tolerance), then `N passed, M failed`;
+exits 0 only when every case passed. Without --seed the draw is fresh (the seed is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from evaluator.common import (WEIGHT_FILE, EvalFailure, Tolerance, call_engine,  # noqa: E402
+                              compute_dtype, load_config, load_engine_module, load_weights,
+                              make_generator, resolve_device)
+from evaluator.guards import FunctionIdentities  # noqa: E402
+from evaluator.reference_model import ReferenceModel  # noqa: E402
+from evaluator.session import CheckedSession  # noqa: E402
+from evaluator.traces import FULL, LONG_PROMPT, QUICK, STRESS_SCENARIOS, StressSize, churn_scenario  # noqa: E402
+from evaluator.weights import TOY_SCALE, random_weights, save_weights  # noqa: E402
+
+# Weight scale per compute dtype: s = max(TOY_SCALE * f, sqrt(k / hidden)). k = hidden * s^2
+# sets how far attention is from uniform (the toy init at hidden 64 has k = 0.03: attention
+# nearly uniform, a wrong RoPE invisible) and how large the logits get. In fp32 (the CPU
+# reference) k up to 1 costs nothing (logits O(1)-O(10)); in fp16/bf16 the compute dtype's own
+# rounding grows with k, so k stays where a correct engine keeps a clear margin, and bf16
+# stays near the toy init, as the official bf16 runs do.
+SCALE_RANGES = {  # dtype: ((f_lo, f_hi), (k_lo, k_hi))
+    torch.float32: ((1.0, 1.0), (0.5, 1.0)),
+    torch.float16: ((1.0, 1.5), (0.15, 0.3)),
+    torch.bfloat16: ((1.0, 1.2), (0.04, 0.1)),
+}
+NORM_SPREAD = 0.5  # norm weights uniform in [0.5, 1.5]
+LARGE_VOCAB = 32000
+
+
+@dataclass(frozen=True)
+class StressModel:
+    name: str
+    config: dict
+    scale: float
+    weight_seed: int
+    scenarios: tuple[str, ...]
+
+
+@dataclass
+class CaseResult:
+    name: str
+    passed: bool
+    calls: int = 0
+    max_abs_err: float = 0.0
+    worst_margin: float = math.inf
+    seconds: float = 0.0
+    error: str | None = None
+    error_kind: str | None = None
+
+    def line(self) -> str:
+        head = f"{'PASS' if self.passed else 'FAIL'} {self.name:<44} calls {self.calls:3d}  " \
+               f"max abs err {self.max_abs_err:9.3g}  margin {self.worst_margin:7.3f}  ({self.seconds:.1f} s)"
+        return head if self.passed else f"{head}\n     {self.error_kind}: {self.error}"
+
+
+@dataclass
+class StressReport:
+    seed: int
+    mode: str
+    cases: list[CaseResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> int:
+        return sum(c.passed for c in self.cases)
+
+    @property
+    def failed(self) -> int:
+        return len(self.cases) - self.passed
+
+    @property
+    def first_failure(self) -> CaseResult | None:
+        return next((c for c in self.cases if not c.passed), None)
+
+    def summary(self) -> str:
+        return f"{self.passed} passed, {self.failed} failed"
+
+    def to_dict(self) -> dict:
+        """The `stress` object of docs/design.md §2 (plus the seed that reproduces it)."""
+        checked = [c for c in self.cases if c.calls]
+        return {
+            "passed": self.passed, "failed": self.failed,
+            "max_abs_err": max((c.max_abs_err for c in checked), default=0.0),
+            "worst_margin": min((c.worst_margin for c in checked), default=None),
+            "seed": self.seed,
+        }
+
+
+# ---- random models ----
+
+def _head_dim(rng: random.Random, hidden: int, heads: int, choices: list[int]) -> int:
+    """An even head_dim with heads * head_dim != hidden."""
+    return rng.choice([d for d in choices if d * heads != hidden])
+
+
+def _model(rng: random.Random, kind: str, dtype_name: str, hidden_choices: list[int],
+           head_dims: list[int], max_vocab: int, explicit: bool = True) -> dict:
+    heads = rng.choice([2, 4, 8])
+    hidden = rng.choice([h for h in hidden_choices if h % heads == 0])
+    kv = {"mha": heads, "mqa": 1, "gqa": rng.choice([g for g in (2, 4) if heads % g == 0 and g < heads] or [heads])}[kind]
+    config = {
+        "hidden_size": hidden,
+        "intermediate_size": rng.choice([2, 3, 4]) * hidden + rng.choice([0, 8, 24]),
+        "num_hidden_layers": rng.randint(1, 4),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": max_vocab if max_vocab == LARGE_VOCAB else rng.randint(256, max_vocab),
+        "max_position_embeddings": 4096,
+        "model_type": "tiny_llama",
+        "torch_dtype": dtype_name,
+    }
+    if explicit:  # otherwise head_dim, eps and theta take the SPEC defaults
+        config.update(head_dim=_head_dim(rng, hidden, heads, head_dims),
+                      rms_norm_eps=rng.choice([1e-5, 1e-6]), rope_theta=rng.choice([10000.0, 500000.0]))
+    return config
+
+
+# (kind, torch_dtype, vocab bound, explicit keys) per model; fp16 and bf16 both, MHA/GQA/MQA.
+QUICK_MODELS = [("mha", "float16", 4096, True), ("gqa", "bfloat16", 4096, True),
+                ("mqa", "float16", LARGE_VOCAB, True), ("gqa", "bf16", 2048, False)]
+FULL_MODELS = QUICK_MODELS + [("mha", "bfloat16", LARGE_VOCAB, True), ("mqa", "bfloat16", 8192, True),
+                              ("gqa", "float16", LARGE_VOCAB, True), ("mha", "float16", 8192, False)]
+QUICK_SIZES = ([32, 48, 64, 96], [8, 12, 16, 20, 24, 32])
+FULL_SIZES = ([256, 384, 512, 768, 1024], [32, 48, 64, 80, 96, 128, 192])
+
+
+def weight_scale(rng: random.Random, dtype: torch.dtype, hidden: int) -> float:
+    (f_lo, f_hi), (k_lo, k_hi) = SCALE_RANGES[dtype]
+    return max(TOY_SCALE * rng.uniform(f_lo, f_hi), math.sqrt(rng.uniform(k_lo, k_hi) / hidden))
+
+
+def stress_models(rng: random.Random, quick: bool, device: str) -> list[StressModel]:
+    """The random models of a run. In quick mode one of them, drawn at random, carries the
+    long-prompt scenario (recomputing 1k tokens per call is most of a CPU run's time)."""
+    hidden_choices, head_dims = QUICK_SIZES if quick else FULL_SIZES
+    kinds = QUICK_MODELS if quick else FULL_MODELS
+    long_prompt_model = rng.randrange(len(kinds))
+    out = []
+    for i, (kind, dtype_name, vocab, explicit) in enumerate(kinds):
+        config = _model(rng, kind, dtype_name, hidden_choices, head_dims, vocab, explicit)
+        scale = weight_scale(rng, compute_dtype(config, device), config["hidden_size"])
+        heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+        name = (f"m{i}-{kind}{heads}x{kv}-{dtype_name}-h{config['hidden_size']}"
+                f"-d{config.get('head_dim', 'auto')}-l{config['num_hidden_layers']}-v{config['vocab_size']}")
+        scenarios = tuple(s for s in STRESS_SCENARIOS
+                          if s != LONG_PROMPT or not quick or i == long_prompt_model)
+        out.append(StressModel(name, config, scale, rng.randrange(2**31), scenarios))
+    return out
+
+
+# ---- running ----
+
+def _run_model(module: ModuleType, config: dict, weight_dir: str, weights: dict, device: str,
+               scenarios: dict[str, Callable], size: StressSize, rng: random.Random, name: str,
+               tol: Tolerance, report: StressReport, log: Callable[[str], None], fail_fast: bool) -> bool:
+    """Every scenario on one model, one engine shared while it keeps passing (a failure leaves
+    its state suspect, so the next scenario gets a fresh one). False to stop (fail_fast)."""
+    engine = reference = None
+    gen = make_generator(rng.randrange(2**31), device)
+    for scenario, build in scenarios.items():
+        case = CaseResult(f"{name}/{scenario}", passed=False)
+        t0 = time.perf_counter()
+        session = None
+        try:
+            if engine is None:  # the engine first, then the reference (as the harness does)
+                engine = call_engine("create_engine", module.create_engine, config, weight_dir, device)
+            if reference is None:
+                reference = ReferenceModel(config, weights, device)
+            session = CheckedSession(engine, reference, gen, tol, label=f"{scenario}: ")
+            session.run(build(rng, size))
+            case.passed = True
+        except EvalFailure as e:
+            case.error, case.error_kind = str(e), e.kind
+            engine = None
+        if session is not None:
+            s = session.stats
+            case.calls, case.max_abs_err, case.worst_margin = s.calls, s.max_abs_err, s.worst_margin
+        case.seconds = time.perf_counter() - t0
+        report.cases.append(case)
+        log(case.line())
+        if fail_fast and not case.passed:
+            return False
+    return True
+
+
+def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int | None = None,
+               quick: bool = True, target: tuple[dict | str | Path, str | Path] | None = None,
+               fail_fast: bool = False, tol: Tolerance = Tolerance(),
+               log: Callable[[str], None] = lambda line: None) -> StressReport:
+    """Run the stress suite on `engine` (a module or a path). `target` = (model config, weight
+    dir) adds the real model: its churn scenario in quick mode, every scenario in full mode.
+    Never raises for a wrong engine: failures are in the report (EvalFailure only if the
+    module cannot be imported)."""
+    identities = FunctionIdentities()
+    seed = random.SystemRandom().randrange(2**31) if seed is None else seed
+    rng = random.Random(seed)
+    device = resolve_device(device)
+    size = QUICK if quick else FULL
+    report = StressReport(seed, "quick" if quick else "full")
+    module = load_engine_module(engine)
+    log(f"stress ({report.mode}) on {device}, seed {seed}")
+    go_on = True
+    if target is not None:
+        config, weight_dir = load_config(target[0]), str(target[1])
+        scenarios = {"churn": churn_scenario} if quick else STRESS_SCENARIOS
+        go_on = _run_model(module, config, weight_dir, load_weights(weight_dir), device, scenarios,
+                           size, rng, "target", tol, report, log, fail_fast)
+    for model in stress_models(rng, quick, device) if go_on else []:
+        weights = random_weights(model.config, model.weight_seed, model.scale, NORM_SPREAD)
+        with tempfile.TemporaryDirectory(prefix="stress-weights-") as tmp:
+            save_weights(weights, Path(tmp) / WEIGHT_FILE)
+            scenarios = {s: STRESS_SCENARIOS[s] for s in model.scenarios}
+            if not _run_model(module, model.config, tmp, weights, device, scenarios, size,
+                              rng, model.name, tol, report, log, fail_fast):
+                break
+    identities.check("after the stress suite")
+    log(report.summary())
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", required=True)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, help="reproduce a run (default: a fresh draw, printed)")
+    p.add_argument("--quick", action="store_true", help="small traces for CPU and CI (default: full, for the GPU)")
+    p.add_argument("--model-config", help="also stress the real model (with --weight-dir)")
+    p.add_argument("--weight-dir")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first failing case")
+    p.add_argument("--atol", type=float, default=1e-2)
+    p.add_argument("--rtol", type=float, default=1e-2)
+    a = p.parse_args(argv)
+    if bool(a.model_config) != bool(a.weight_dir):
+        p.error("--model-config and --weight-dir go together")
+    target = (a.model_config, a.weight_dir) if a.model_config else None
+    report = run_stress(a.engine, a.device, a.seed, a.quick, target, a.fail_fast,
+                        Tolerance(a.atol, a.rtol), log=lambda line: print(line, flush=True))
+    sys.exit(0 if report.failed == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Shared fixtures: tiny models on disk and the rendered recompute engine.
+
+Sizes are tiny on purpose (CI runs the whole suite on 2 CPU cores). Model fixtures are
+session-scoped and read-only: a test that needs other weights writes its own with
+`make_model_dir`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agent.plan import Plan
+from agent.render import render_engine
+from evaluator.common import WEIGHT_FILE
+from evaluator.weights import TOY_SCALE, random_weights, save_weights
+
+# A small GQA model with head_dim != hidden / heads: cheap, yet not the easy case.
+TINY_CONFIG = {
+    "head_dim": 24,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "max_position_embeddings": 4096,
+    "model_type": "tiny_llama",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float16",
+    "vocab_size": 256,
+}
+# Weights that make attention far from uniform, so that most faults are visible.
+LARGE_SCALE = 0.12
+NORM_SPREAD = 0.5
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """A model on disk as the harness sees it: a config file and a weight directory."""
+
+    config: dict
+    config_path: Path
+    weight_dir: Path
+
+
+def make_model_dir(root: Path, config: dict, scale: float = TOY_SCALE, norm_spread: float = 0.0,
+                   seed: int = 0) -> ModelDir:
+    root.mkdir(parents=True, exist_ok=True)
+    config_path = root / "model_config.json"
+    config_path.write_text(json.dumps(config, indent=2))
+    weight_dir = root / "weights"
+    save_weights(random_weights(config, seed, scale, norm_spread), weight_dir / WEIGHT_FILE)
+    return ModelDir(dict(config), config_path, weight_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> dict:
+    return dict(TINY_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> ModelDir:
+    """TINY_CONFIG with toy weights (randn * 0.02, unit norms), as the official run uses."""
+    return make_model_dir(tmp_path_factory.mktemp("tiny_toy"), TINY_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_large(tmp_path_factory) -> ModelDir:
+    """TINY_CONFIG with larger weights and non-unit norms."""
+    return make_model_dir(tmp_path_factory.mktemp("tiny_large"), TINY_CONFIG, LARGE_SCALE, NORM_SPREAD, seed=1)
+
+
+@pytest.fixture(scope="session")
+def recompute_source() -> str:
+    return render_engine(Plan("recompute"))
+
+
+@pytest.fixture(scope="session")
+def recompute_engine_path(tmp_path_factory, recompute_source) -> Path:
+    path = tmp_path_factory.mktemp("engines") / "recompute_engine.py"
+    path.write_text(recompute_source)
+    return path
+
+
+@pytest.fixture
+def write_engine(tmp_path):
+    """write_engine(source, name) -> path of a fresh engine file in this test's tmp dir."""
+    def write(source: str, name: str = "engine") -> Path:
+        path = tmp_path / f"{name}.py"
+        path.write_text(source)
+        return path
+    return write
+
+
+@pytest.fixture(scope="session")
+def test_seed() -> int:
+    """A fresh seed per session (set EVAL_TEST_SEED to reproduce one); printed on failure."""
+    seed = int(os.environ.get("EVAL_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"EVAL_TEST_SEED={seed}")
+    return seed
