@@ -1,0 +1,58 @@
+"""Anthropic messages through the official SDK (`ANTHROPIC_BASE_URL` for a proxy).
+
+Imported only when this provider is chosen; the SDK's own retries are off so every attempt
+goes through our transcript, budget and backoff layers (agent/providers/chat.py).
+"""
+from __future__ import annotations
+
+import os
+
+from agent.providers.chat import (SERVER, TIMEOUT, UNREACHABLE, ChatError, Message, Reply,
+                                  retry_after_of, status_error)
+
+DEFAULT_MODEL = "claude-sonnet-4-5"
+
+
+class AnthropicChat:
+    """`ChatClient` over `client.messages.create`; system messages become its `system` field."""
+
+    provider = "anthropic"
+
+    def __init__(self, model: str, api_key: str | None, base_url: str | None, timeout: float):
+        import anthropic  # the SDK, not this module: absolute import
+
+        self._sdk = anthropic
+        self.model = model
+        self.base_url = base_url
+        self.client = anthropic.Anthropic(api_key=api_key, base_url=base_url, timeout=timeout, max_retries=0)
+
+    def complete(self, messages: list[Message], max_tokens: int) -> Reply:
+        sdk = self._sdk
+        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+        turns = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"]
+        extra = {"system": system} if system else {}
+        try:
+            r = self.client.messages.create(model=self.model, max_tokens=max_tokens, messages=turns, **extra)
+        except sdk.APITimeoutError as e:
+            raise ChatError(TIMEOUT, str(e)) from e
+        except sdk.APIConnectionError as e:
+            raise ChatError(UNREACHABLE, f"{e} ({self.base_url or 'api.anthropic.com'})") from e
+        except sdk.APIStatusError as e:
+            raise status_error(e.status_code, e.message, retry_after_of(e)) from e
+        except sdk.APIError as e:  # a malformed answer
+            raise ChatError(SERVER, str(e)) from e
+        text = "".join(getattr(b, "text", "") for b in r.content if getattr(b, "type", "") == "text")
+        return Reply(text=text, input_tokens=r.usage.input_tokens, output_tokens=r.usage.output_tokens,
+                     model=r.model or self.model, finish_reason=r.stop_reason or "")
+
+
+def create(options):
+    """The LLM proposer over Anthropic (agent/providers/__init__.py calls this for `--provider anthropic`)."""
+    from agent.providers.llm import build_proposer, chat_settings
+
+    settings = chat_settings(options, model_env="ANTHROPIC_MODEL", default_model=DEFAULT_MODEL)
+    if not os.environ.get("ANTHROPIC_API_KEY"):
+        raise RuntimeError("ANTHROPIC_API_KEY is not set")
+    base_url = os.environ.get("ANTHROPIC_BASE_URL") or None
+    client = AnthropicChat(settings.model, os.environ["ANTHROPIC_API_KEY"], base_url, settings.timeout)
+    return build_proposer(options, client, settings, base_url=base_url or "https://api.anthropic.com")

@@ -1,0 +1,99 @@
+"""Hard limits on what the LLM path may spend in one run: calls, tokens, dollars, seconds.
+
+A call is refused *before* it is made when its worst case (the prompt's estimated tokens
+plus the full `max_tokens` answer) would cross a limit, so the totals never overshoot.
+Failed attempts count as calls. Totals go to the log at the end of the run.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from agent.providers.chat import BUDGET, ChatClient, ChatError, Message, Reply
+from agent.providers.prices import Price
+
+CHARS_PER_TOKEN = 3  # a conservative estimate of prompt tokens before the call (code is dense)
+
+
+@dataclass
+class Budget:
+    max_calls: int = 40
+    max_tokens: int = 1_000_000
+    max_cost_usd: float = 5.0
+    max_seconds: float | None = None  # wall time of the LLM path; None: only the run's own limit
+
+    @staticmethod
+    def from_env(env: dict | None = None) -> "Budget":
+        """Defaults, overridden by LLM_MAX_CALLS, LLM_MAX_TOKENS, LLM_MAX_COST_USD, LLM_MAX_SECONDS."""
+        env = os.environ if env is None else env
+        b = Budget()
+        if env.get("LLM_MAX_CALLS"):
+            b.max_calls = int(env["LLM_MAX_CALLS"])
+        if env.get("LLM_MAX_TOKENS"):
+            b.max_tokens = int(env["LLM_MAX_TOKENS"])
+        if env.get("LLM_MAX_COST_USD"):
+            b.max_cost_usd = float(env["LLM_MAX_COST_USD"])
+        if env.get("LLM_MAX_SECONDS"):
+            b.max_seconds = float(env["LLM_MAX_SECONDS"])
+        return b
+
+
+@dataclass
+class Usage:
+    calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    def summary(self) -> str:
+        return (f"{self.calls} calls, {self.input_tokens} input + {self.output_tokens} output tokens, "
+                f"${self.cost_usd:.4f}")
+
+
+def estimate_tokens(messages: list[Message]) -> int:
+    return sum(len(m.get("content", "")) for m in messages) // CHARS_PER_TOKEN + 1
+
+
+class MeteredClient:
+    """Counts every attempt against the budget and refuses the one that would cross it."""
+
+    def __init__(self, inner: ChatClient, budget: Budget, price: Price, usage: Usage | None = None):
+        self.inner = inner
+        self.provider = inner.provider
+        self.model = inner.model
+        self.budget = budget
+        self.price = price
+        self.usage = usage or Usage()
+
+    def refusal(self, messages: list[Message], max_tokens: int) -> str | None:
+        """Why a call of this size may not be made now, or None."""
+        b, u = self.budget, self.usage
+        worst_in = estimate_tokens(messages)
+        if u.calls >= b.max_calls:
+            return f"call budget spent ({u.calls}/{b.max_calls} calls)"
+        if u.tokens + worst_in + max_tokens > b.max_tokens:
+            return f"token budget: {u.tokens} used, this call may take {worst_in + max_tokens} more, limit {b.max_tokens}"
+        worst_cost = self.price.cost(worst_in, max_tokens)
+        if u.cost_usd + worst_cost > b.max_cost_usd:
+            return (f"cost budget: ${u.cost_usd:.4f} spent, this call may cost ${worst_cost:.4f}, "
+                    f"limit ${b.max_cost_usd:.2f}")
+        if b.max_seconds is not None and time.monotonic() - u.started > b.max_seconds:
+            return f"time budget spent ({b.max_seconds:.0f}s)"
+        return None
+
+    def complete(self, messages: list[Message], max_tokens: int) -> Reply:
+        why = self.refusal(messages, max_tokens)
+        if why:
+            raise ChatError(BUDGET, why)
+        self.usage.calls += 1
+        reply = self.inner.complete(messages, max_tokens)
+        self.usage.input_tokens += reply.input_tokens
+        self.usage.output_tokens += reply.output_tokens
+        self.usage.cost_usd += self.price.cost(reply.input_tokens, reply.output_tokens)
+        return reply

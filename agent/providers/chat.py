@@ -1,0 +1,157 @@
+"""One tiny chat interface for every model provider, and the layers every call goes through.
+
+A provider module (openai.py, anthropic.py) only turns `messages` into one SDK call and the
+answer into a `Reply`, mapping the SDK's exceptions onto `ChatError` kinds. Everything
+else is shared and stacked around it, innermost first:
+
+    SDK adapter → RecordingClient (transcript, one JSONL line per attempt)
+                → MeteredClient   (budgets: calls, tokens, cost, wall time)
+                → RetryingClient  (backoff on rate limits, server errors, timeouts, empty answers)
+
+The replay provider replaces the first two layers with the transcript of a past run, so a
+replayed run goes through the same budget and retry code and makes the same decisions.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": "..."}
+Log = Callable[[str], None]
+
+# Error kinds. Retrying helps with the first group; the others end the call at once.
+RATE_LIMIT, SERVER, TIMEOUT, UNREACHABLE, EMPTY = "rate_limit", "server", "timeout", "unreachable", "empty"
+AUTH, BAD_REQUEST, BUDGET, REPLAY = "auth", "bad_request", "budget", "replay"
+RETRYABLE = frozenset({RATE_LIMIT, SERVER, TIMEOUT, UNREACHABLE, EMPTY})
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    input_tokens: int
+    output_tokens: int
+    model: str
+    finish_reason: str = ""
+
+
+class ChatError(Exception):
+    """A call that produced no usable answer, classified so the caller can decide."""
+
+    def __init__(self, kind: str, message: str, retry_after: float | None = None):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+        self.retry_after = retry_after
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in RETRYABLE
+
+
+class ChatClient(Protocol):
+    provider: str  # "openai", "anthropic", "replay"
+    model: str
+
+    def complete(self, messages: list[Message], max_tokens: int) -> Reply:
+        """One answer to `messages`, or ChatError."""
+
+
+def request_hash(messages: list[Message], max_tokens: int) -> str:
+    """Identity of a request, so a replay can tell when the run has diverged from the recording."""
+    payload = json.dumps({"messages": messages, "max_tokens": max_tokens}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class RecordingClient:
+    """Writes every attempt (request, answer or error) to a JSONL transcript, flushed at once,
+    so a crashed run still leaves its transcript behind."""
+
+    def __init__(self, inner: ChatClient, path: Path, meta: dict | None = None):
+        """`meta`: what a replay needs to make the same decisions (settings, budget, base URL)."""
+        self.inner = inner
+        self.provider = inner.provider
+        self.model = inner.model
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.seq = 0
+        self._write({"type": "start", "provider": self.provider, "model": self.model,
+                     "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(meta or {})})
+
+    def _write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def complete(self, messages: list[Message], max_tokens: int) -> Reply:
+        record = {"type": "call", "seq": self.seq, "provider": self.provider, "model": self.model,
+                  "request_hash": request_hash(messages, max_tokens), "max_tokens": max_tokens,
+                  "messages": messages, "reply": None, "error": None}
+        self.seq += 1
+        start = time.monotonic()
+        try:
+            reply = self.inner.complete(messages, max_tokens)
+            record["reply"] = asdict(reply)
+            return reply
+        except ChatError as e:
+            record["error"] = {"kind": e.kind, "message": e.message, "retry_after": e.retry_after}
+            raise
+        finally:
+            record["seconds"] = round(time.monotonic() - start, 3)
+            self._write(record)
+
+
+class RetryingClient:
+    """Retries what may succeed a moment later, with exponential backoff (or the server's
+    Retry-After), and turns an empty answer into a retryable error. Each retry is logged."""
+
+    def __init__(self, inner: ChatClient, log: Log, retries: int = 3, base_delay: float = 2.0,
+                 max_delay: float = 60.0, sleep: Callable[[float], None] = time.sleep):
+        self.inner = inner
+        self.provider = inner.provider
+        self.model = inner.model
+        self.log = log
+        self.retries = retries
+        self.base_delay = base_delay
+        self.max_delay = max_delay
+        self.sleep = sleep
+
+    def complete(self, messages: list[Message], max_tokens: int) -> Reply:
+        attempt = 0
+        while True:
+            try:
+                reply = self.inner.complete(messages, max_tokens)
+                if not reply.text.strip():
+                    raise ChatError(EMPTY, f"empty answer (finish reason {reply.finish_reason or '?'})")
+                return reply
+            except ChatError as e:
+                if not e.retryable or attempt >= self.retries:
+                    raise
+                delay = min(self.max_delay, e.retry_after if e.retry_after is not None
+                            else self.base_delay * 2 ** attempt)
+                attempt += 1
+                self.log(f"llm: {self.provider} {e.kind} ({e.message}); retry {attempt}/{self.retries} "
+                         f"in {delay:.1f}s")
+                self.sleep(delay)
+
+
+def status_error(status: int, message: str, retry_after: float | None = None) -> ChatError:
+    """An HTTP error status as a ChatError (both SDKs expose the status code)."""
+    if status == 429:
+        return ChatError(RATE_LIMIT, f"HTTP 429: {message}", retry_after)
+    if status >= 500:  # includes Anthropic's 529 "overloaded"
+        return ChatError(SERVER, f"HTTP {status}: {message}", retry_after)
+    if status in (401, 403):
+        return ChatError(AUTH, f"HTTP {status}: {message}")
+    return ChatError(BAD_REQUEST, f"HTTP {status}: {message}")
+
+
+def retry_after_of(error: Exception) -> float | None:
+    """The Retry-After header (seconds) of an SDK status error, if the server sent one."""
+    response = getattr(error, "response", None)
+    try:
+        return float(response.headers.get("retry-after")) if response is not None else None
+    except (TypeError, ValueError):
+        return None

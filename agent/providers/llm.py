@@ -1,0 +1,348 @@
+"""The LLM proposer: a model writes (and repairs) kernel variants, or proposes a plan change
+from the library; every answer is checked before it becomes a candidate.
+
+It wraps the builtin proposer and takes turns with it: the builtin walk goes first (it
+gets the KV-cache engine judged, the basis every kernel slot needs), then an LLM episode,
+then the builtin again, and so on; once the builtin has nothing left the LLM goes on alone.
+When the provider is unreachable, refuses the key, keeps failing, or the budget is spent,
+the LLM side stops, says why in the log, and the builtin proposer carries the run alone.
+
+An episode: pick the slot with the largest share of the time (fewest attempts first on a
+tie), render the prompt (templates/prompts/), ask, check the answer
+(agent/providers/proposals.py: extraction, syntax, policy, unit check against the slot's
+reference op), and on a rejection send the verdict back for a bounded number of repair
+rounds. Only an answer that passes becomes a Candidate; the loop then judges the whole
+engine and `feedback` records faster / slower / wrong for the next prompt's history.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from agent.plan import ENGINES, KERNELS, SLOTS, Plan
+from agent.providers import prompts
+from agent.providers.base import Candidate, EvalResult, Proposer, SearchState, improves
+from agent.providers.budget import Budget, MeteredClient, Usage
+from agent.providers.chat import (AUTH, BUDGET, REPLAY, UNREACHABLE, ChatClient, ChatError, Log,
+                                  RecordingClient, RetryingClient)
+from agent.providers.prices import price_for
+from agent.providers.proposals import (DUPLICATE, NO_CODE, Verdict, check_kernel_answer,
+                                       check_plan_answer, code_digest)
+
+TRANSCRIPTS = "transcripts"
+KERNEL, PLAN = "kernel", "plan"          # episode kinds
+LLM_TURN, BUILTIN_TURN = "llm", "builtin"
+# Errors after which asking again is pointless for the rest of the run.
+FATAL = frozenset({AUTH, BUDGET, REPLAY, UNREACHABLE})
+DETAIL_CHARS = 600   # of a verdict's detail, in the history that goes into the next prompt
+LOG_CHARS = 300      # of a verdict's detail, in the log line
+SEED_STRIDE = 7919   # unit-check seeds: run seed * stride + check number
+
+
+@dataclass
+class LLMSettings:
+    model: str
+    timeout: float = 300.0          # seconds per request (reasoning models think for minutes)
+    max_tokens: int = 16000         # per answer, reasoning included
+    repair_rounds: int = 3          # answers after the first one, per episode
+    retries: int = 3                # per request, on rate limits, server errors, timeouts, empty answers
+    retry_delay: float = 2.0        # first backoff, doubled each retry
+    plan_every: int = 4             # every n-th episode asks for an engine-level plan change
+    max_failed_episodes: int = 4    # episodes in a row with nothing usable: stop asking
+    max_failed_calls: int = 2       # episodes in a row that got no answer at all: stop asking
+    unit_check_timeout: float = 300.0
+    kernels_on_cpu: bool = False    # on CPU the engine runs the torch variants, so kernels cannot win
+
+
+def chat_settings(options, model_env: str, default_model: str) -> LLMSettings:
+    """Settings from the options the loop passes (`model`, when it has one), then the environment."""
+    env = os.environ
+    model = getattr(options, "model", None) or env.get(model_env) or default_model
+    s = LLMSettings(model=model)
+    for attr, var, kind in (("timeout", "LLM_TIMEOUT_S", float), ("max_tokens", "LLM_MAX_OUTPUT_TOKENS", int),
+                            ("repair_rounds", "LLM_REPAIR_ROUNDS", int), ("retries", "LLM_RETRIES", int),
+                            ("retry_delay", "LLM_RETRY_DELAY_S", float), ("plan_every", "LLM_PLAN_EVERY", int),
+                            ("unit_check_timeout", "LLM_UNIT_CHECK_TIMEOUT_S", float)):
+        if env.get(var):
+            setattr(s, attr, kind(env[var]))
+    s.kernels_on_cpu = env.get("LLM_KERNELS_ON_CPU", "") not in ("", "0")
+    return s
+
+
+def workspace_log(workspace: Path) -> Log:
+    """Until the loop hands us its reporter: lines to the console and to workspace/results.log."""
+    from agent.workspace import RESULTS_LOG
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+        try:
+            with (Path(workspace) / RESULTS_LOG).open("a") as f:
+                f.write(text + "\n")
+        except OSError:
+            pass
+    return log
+
+
+def transcript_path(workspace: Path, provider: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(workspace) / TRANSCRIPTS / f"{stamp}-{os.getpid()}-{provider}.jsonl"
+
+
+def build_proposer(options, client: ChatClient, settings: LLMSettings, base_url: str | None = None, *,
+                   record: bool = True, sleep=time.sleep, budget: Budget | None = None) -> "LLMProposer":
+    """Stack the layers (transcript, budget, retries) around `client` and wrap the builtin proposer."""
+    log = getattr(options, "log", None) or workspace_log(options.workspace)
+    budget = budget or Budget.from_env()
+    price, price_source = price_for(client.model)
+    inner: ChatClient = client
+    where = "no transcript (replay)"
+    if record:
+        path = transcript_path(options.workspace, client.provider)
+        inner = RecordingClient(client, path, {"base_url": base_url, "settings": asdict(settings),
+                                               "budget": asdict(budget)})
+        where = f"transcript {path}"
+    metered = MeteredClient(inner, budget, price)
+    stack = RetryingClient(metered, log, retries=settings.retries, base_delay=settings.retry_delay, sleep=sleep)
+    log(f"llm: provider {client.provider}, model {client.model}" + (f" at {base_url}" if base_url else "")
+        + f"; price ${price.input_per_mtok}/${price.output_per_mtok} per M tokens in/out ({price_source})")
+    log(f"llm: budget {budget.max_calls} calls, {budget.max_tokens} tokens, ${budget.max_cost_usd:.2f}"
+        + (f", {budget.max_seconds:.0f}s" if budget.max_seconds else "") + f"; {where}")
+    return LLMProposer(stack, options.builtin, options.device, log, settings, metered.usage,
+                       label=f"{client.provider}:{client.model}", seed=options.seed)
+
+
+@dataclass
+class Attempt:
+    """One line of the history the next prompt shows."""
+    what: str
+    verdict: str
+    detail: str = ""
+
+
+@dataclass
+class _Pending:
+    what: str
+    baseline: EvalResult | None
+
+
+@dataclass
+class _Episode:
+    kind: str
+    what: str
+    messages: list[dict] = field(default_factory=list)
+    slot: str = ""
+    variant: str = ""
+
+
+def _first_line(text: str, limit: int = LOG_CHARS) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit] + "…"
+
+
+class LLMProposer:
+    def __init__(self, client: ChatClient, fallback: Proposer, device: str, log: Log, settings: LLMSettings,
+                 usage: Usage, label: str, seed: int = 0):
+        self.client = client
+        self.seed = seed
+        self.unit_checks = 0
+        self.fallback = fallback
+        self.device = device
+        self.log = log
+        self.settings = settings
+        self.usage = usage
+        self.origin = label
+        self.name = f"llm({label})+{fallback.name}"
+        self.active = True
+        self.fallback_done = False
+        self.last_turn = LLM_TURN         # the builtin walk goes first
+        self.history: list[Attempt] = []
+        self.episodes = 0
+        self.variants_written = 0
+        self.failed_episodes = 0
+        self.failed_calls = 0
+        self.attempts_per_slot = {s: 0 for s in SLOTS}
+        self.variants: dict[tuple[str, str], str] = {}   # this run's unit-checked variants: template text
+        self.codes: dict[tuple[str, str], str] = {}      # ... and their code as the model wrote it
+        self.seen: dict[str, str] = {}                   # code digest -> which attempt sent it
+        self._fallback_keys: set[str] = set()
+        self._pending: dict[str, _Pending] = {}
+
+    # --- the Proposer interface --------------------------------------------------------
+    def propose(self, state: SearchState) -> Candidate | None:
+        while True:
+            llm_ready = self.active and self._has_work(state)
+            if llm_ready and (self.fallback_done or self.last_turn != LLM_TURN):
+                self.last_turn = LLM_TURN
+                candidate = self._episode(state)
+                if candidate is not None:
+                    return candidate
+                continue
+            if not self.fallback_done:
+                self.last_turn = BUILTIN_TURN
+                candidate = self.fallback.propose(state)
+                if candidate is not None:
+                    self._fallback_keys.add(candidate.key())
+                    return candidate
+                self.fallback_done = True
+                if self.active:
+                    self.log("llm: the builtin proposer has nothing left; the LLM goes on alone")
+                continue
+            if self.active:
+                self._stop("nothing left to ask for")
+            return None
+
+    def feedback(self, candidate: Candidate, result: EvalResult) -> None:
+        key = candidate.key()
+        if key in self._fallback_keys:
+            self._fallback_keys.discard(key)
+            self.fallback.feedback(candidate, result)
+            return
+        pending = self._pending.pop(key, None)
+        if pending is None:
+            return
+        baseline = pending.baseline
+        scores = f"score {result.rank():.4g} vs best {baseline.rank():.4g}" if baseline else f"score {result.rank():.4g}"
+        if not result.passed:
+            verdict, detail = "wrong in the whole engine", f"{result.stage}/{result.error_kind}: {result.error or ''}"
+        elif improves(result, baseline):
+            verdict, detail = "faster: accepted", scores
+        else:
+            verdict, detail = "correct but not faster: rejected", scores
+        self.log(f"llm: {pending.what} judged in the whole engine: {verdict} ({_first_line(detail)})")
+        self.history.append(Attempt(pending.what, verdict, _first_line(detail, DETAIL_CHARS)))
+
+    # --- turns --------------------------------------------------------------------------
+    def _kernels_allowed(self) -> bool:
+        return self.device == "cuda" or self.settings.kernels_on_cpu
+
+    def _has_work(self, state: SearchState) -> bool:
+        """The LLM needs a passing engine that uses slots to build on."""
+        if state.best is None:
+            return False
+        return "kernel_includes" in (ENGINES / f"{state.best.plan.engine}.py.j2").read_text()
+
+    def _stop(self, why: str) -> None:
+        self.active = False
+        then = "the builtin proposer carries on alone" if not self.fallback_done else "the LLM proposer stops"
+        self.log(f"llm: {why}; {then}. LLM totals: {self.usage.summary()}")
+
+    def _next_kind(self) -> str:
+        if not self._kernels_allowed():
+            return PLAN
+        return PLAN if self.episodes % self.settings.plan_every == 0 else KERNEL
+
+    def _choose_slot(self, profile: prompts.Profile) -> str:
+        return max(SLOTS, key=lambda s: (profile.share(s) / (1 + self.attempts_per_slot[s]), -SLOTS.index(s)))
+
+    # --- one episode: ask, check, repair --------------------------------------------------
+    def _episode(self, state: SearchState) -> Candidate | None:
+        self.episodes += 1
+        profile = prompts.profile(state.best_result)
+        episode = self._start(state, profile, self._next_kind())
+        rounds = 1 + self.settings.repair_rounds
+        verdict: Verdict | None = None
+        for r in range(1, rounds + 1):
+            try:
+                reply = self.client.complete(episode.messages, self.settings.max_tokens)
+            except ChatError as e:
+                self._call_failed(episode, e)
+                return None
+            self.failed_calls = 0
+            verdict = self._check(episode, reply.text, state)
+            candidate = self._candidate(episode, verdict, state) if verdict.passed else None
+            if verdict.passed and candidate is None:
+                verdict = Verdict(DUPLICATE, "that exact candidate was already judged; propose something new")
+            self.log(f"llm: {episode.what} round {r}/{rounds}: {verdict.verdict}"
+                     + (f": {_first_line(verdict.detail)}" if verdict.detail else "")
+                     + f"  [{reply.input_tokens}+{reply.output_tokens} tokens; run total {self.usage.summary()}]")
+            if verdict.code is not None:
+                self.seen.setdefault(code_digest(verdict.code), f"the answer in round {r} of {episode.what}")
+            if candidate is not None:
+                self.failed_episodes = 0
+                self._pending[candidate.key()] = _Pending(episode.what, state.best_result)
+                return candidate
+            if r < rounds:
+                episode.messages += [{"role": "assistant", "content": reply.text},
+                                     {"role": "user", "content": self._repair(episode, verdict, r, rounds)}]
+        self.history.append(Attempt(episode.what, verdict.verdict, _first_line(verdict.detail, DETAIL_CHARS)))
+        self.failed_episodes += 1
+        if self.failed_episodes >= self.settings.max_failed_episodes:
+            self._stop(f"{self.failed_episodes} episodes in a row produced nothing usable")
+        return None
+
+    def _call_failed(self, episode: _Episode, e: ChatError) -> None:
+        self.log(f"llm: {episode.what}: no answer from {self.origin}: {e}")
+        self.history.append(Attempt(episode.what, "no answer", e.kind))
+        if e.kind in FATAL:
+            self._stop(f"{e.kind}: {_first_line(e.message)}")
+            return
+        self.failed_calls += 1
+        if self.failed_calls >= self.settings.max_failed_calls:
+            self._stop(f"{self.failed_calls} requests in a row failed after retries (last: {e.kind})")
+
+    def _start(self, state: SearchState, profile: prompts.Profile, kind: str) -> _Episode:
+        best = state.best
+        llm_names = {}
+        for slot, name in self.variants:
+            llm_names.setdefault(slot, []).append(name)
+        common = {"hardware": prompts.hardware_facts(state), "model": state.spec.summary(),
+                  "profile": profile, "history": self.history,
+                  "plan_menu": prompts.plan_menu(state.device, llm_names)}
+        if kind == PLAN:
+            text = prompts.render("plan", best_plan_json=prompts.best_plan_json(best), **common)
+            return _Episode(PLAN, f"plan change #{self.episodes}", [{"role": "user", "content": text}])
+        slot = self._choose_slot(profile)
+        self.attempts_per_slot[slot] += 1
+        self.variants_written += 1
+        name = f"llm_{self.variants_written}"
+        info = prompts.slot_info(slot)
+        info = prompts.SlotInfo(info.name, info.functions, info.contract, info.reference,
+                                tuple(sig.replace("__VARIANT(", f"__{name}(") for sig in info.signatures))
+        current = best.plan.slots.get(slot, "torch")
+        code = self.codes.get((slot, current)) or (KERNELS / slot / f"{current}.py.j2").read_text()
+        self.seen.setdefault(code_digest(code), f"the current best variant {current}")
+        system = prompts.render("system", variant=name, allowed_imports=prompts.allowed_imports())
+        user = prompts.render("kernel", slot=info, variant=name, dtype=self._dtype(state),
+                              best_plan=best.plan.describe(), current_variant=current, current_code=code.strip("\n"),
+                              **common)
+        return _Episode(KERNEL, f"{slot}/{name}", [{"role": "system", "content": system},
+                                                  {"role": "user", "content": user}], slot, name)
+
+    def _dtype(self, state: SearchState) -> str:
+        return state.spec.dtype if state.device == "cuda" else "float32"
+
+    def _check(self, episode: _Episode, text: str, state: SearchState) -> Verdict:
+        """A kernel episode's answer may also be a plan change (the prompt offers it)."""
+        if episode.kind == PLAN:
+            return check_plan_answer(text, state, self.variants)
+        self.unit_checks += 1
+        seed = (self.seed * SEED_STRIDE + self.unit_checks) % 2**31
+        verdict = check_kernel_answer(text, episode.slot, episode.variant, prompts.slot_functions(episode.slot),
+                                      state.device, self.seen, self.settings.unit_check_timeout, seed)
+        if verdict.verdict == NO_CODE and '"plan"' in text:
+            return check_plan_answer(text, state, self.variants)
+        return verdict
+
+    def _repair(self, episode: _Episode, verdict: Verdict, r: int, rounds: int) -> str:
+        functions = [f"{fn}__{episode.variant}" for fn in prompts.slot_functions(episode.slot)] if episode.slot else []
+        return prompts.render("repair", verdict=verdict.verdict, detail=verdict.detail, round=r, rounds=rounds,
+                              kind=episode.kind, functions=functions)
+
+    def _candidate(self, episode: _Episode, verdict: Verdict, state: SearchState) -> Candidate | None:
+        """The engine to judge: the best plan with the new variant (or the proposed plan), carrying
+        the in-memory variants it uses. None if exactly that was judged already."""
+        best = state.best
+        if verdict.plan is not None:
+            plan, note = verdict.plan, f"model-proposed plan change: {_first_line(verdict.detail, 120)}"
+        else:
+            key = (episode.slot, episode.variant)
+            self.variants[key] = verdict.template
+            self.codes[key] = verdict.code
+            plan = Plan(best.plan.engine, {**best.plan.slots, episode.slot: episode.variant}, best.plan.params)
+            note = f"{episode.slot}: model-written variant {episode.variant}"
+        known = {**best.extra_variants, **self.variants}
+        extra = {(s, v): known[(s, v)] for s, v in plan.slots.items() if (s, v) in known}
+        candidate = Candidate(plan, origin=self.origin, note=note, extra_variants=extra)
+        return None if state.tried(candidate) else candidate

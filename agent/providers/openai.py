@@ -1,0 +1,67 @@
+"""OpenAI chat completions through the official SDK; any OpenAI-compatible server with
+`OPENAI_BASE_URL` (a local vLLM, llama.cpp or Ollama server, a router).
+
+The SDK is imported only here, only when this provider is chosen: the GPU machine that
+runs the engines does not have it. Its own retries are off (`max_retries=0`) so that every
+attempt goes through our transcript, budget and backoff layers (agent/providers/chat.py).
+"""
+from __future__ import annotations
+
+import os
+
+from agent.providers.chat import (SERVER, TIMEOUT, UNREACHABLE, ChatError, Message, Reply,
+                                  retry_after_of, status_error)
+
+DEFAULT_MODEL = "gpt-5"
+OFFICIAL_HOST = "api.openai.com"
+# A local server needs no key, but the SDK insists on one.
+PLACEHOLDER_KEY = "not-needed"
+
+
+class OpenAIChat:
+    """`ChatClient` over `client.chat.completions.create`."""
+
+    provider = "openai"
+
+    def __init__(self, model: str, api_key: str | None, base_url: str | None, timeout: float):
+        import openai  # the SDK, not this module: absolute import
+
+        self._sdk = openai
+        self.model = model
+        self.base_url = base_url
+        self.client = openai.OpenAI(api_key=api_key or PLACEHOLDER_KEY, base_url=base_url,
+                                    timeout=timeout, max_retries=0)
+        # OpenAI's own reasoning models refuse `max_tokens`; many compatible servers only know it.
+        self.limit_field = "max_completion_tokens" if base_url is None or OFFICIAL_HOST in base_url else "max_tokens"
+
+    def complete(self, messages: list[Message], max_tokens: int) -> Reply:
+        sdk = self._sdk
+        try:
+            r = self.client.chat.completions.create(model=self.model, messages=messages,
+                                                    **{self.limit_field: max_tokens})
+        except sdk.APITimeoutError as e:
+            raise ChatError(TIMEOUT, str(e)) from e
+        except sdk.APIConnectionError as e:
+            raise ChatError(UNREACHABLE, f"{e} ({self.base_url or OFFICIAL_HOST})") from e
+        except sdk.APIStatusError as e:
+            raise status_error(e.status_code, e.message, retry_after_of(e)) from e
+        except sdk.APIError as e:  # a malformed answer
+            raise ChatError(SERVER, str(e)) from e
+        choice = r.choices[0] if r.choices else None
+        text = (choice.message.content or "") if choice is not None else ""
+        usage = r.usage
+        return Reply(text=text, input_tokens=usage.prompt_tokens if usage else 0,
+                     output_tokens=usage.completion_tokens if usage else 0,
+                     model=r.model or self.model, finish_reason=(choice.finish_reason or "") if choice else "")
+
+
+def create(options):
+    """The LLM proposer over OpenAI (agent/providers/__init__.py calls this for `--provider openai`)."""
+    from agent.providers.llm import build_proposer, chat_settings
+
+    settings = chat_settings(options, model_env="OPENAI_MODEL", default_model=DEFAULT_MODEL)
+    base_url = os.environ.get("OPENAI_BASE_URL") or None
+    if not os.environ.get("OPENAI_API_KEY") and base_url is None:
+        raise RuntimeError("OPENAI_API_KEY is not set (or set OPENAI_BASE_URL for a local server)")
+    client = OpenAIChat(settings.model, os.environ.get("OPENAI_API_KEY"), base_url, settings.timeout)
+    return build_proposer(options, client, settings, base_url=base_url or f"https://{OFFICIAL_HOST}/v1")

@@ -1,0 +1,198 @@
+"""A model's answer → a checked proposal, or a verdict saying exactly why not.
+
+A kernel answer goes through, in order: code extraction, syntax, the static policy
+(agent/policy.py, kernel level), the slot's functions being defined, a no-op check, and the
+slot's unit check against its reference op (evaluator/slot_check.py) in a subprocess with a
+timeout, so that a hanging or crashing proposal cannot take the agent down. A plan answer
+is checked against the library's menu. Each verdict's detail is written to be sent back to
+the model as it is.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent import policy
+from agent.extract import ExtractError, extract_code, extract_json
+from agent.plan import SLOTS, TEMPLATES, Plan, engine_params, engines, menu
+from agent.providers.base import SearchState
+
+REPO = TEMPLATES.parent
+_HEADER_LINE = re.compile(r"^\s*#\s*slot:.*$", re.MULTILINE)
+RAW_END = "{% endraw"
+# Runs the unit check in a child process and writes its result as JSON.
+_UNIT_CHECK = """
+import json, sys
+from evaluator.slot_check import check_variant
+slot, path, device, seed, out = sys.argv[1:]
+result = check_variant(slot, open(path).read(), device, int(seed))
+open(out, "w").write(json.dumps(result.to_dict(), default=str))
+"""
+ERROR_LINES = 12  # of a crashed unit check's stderr, sent back to the model
+
+# Verdicts: PASSED means "passed every check we can make alone"; the rest are rejections.
+PASSED, NO_CODE, SYNTAX, POLICY, MISSING, DUPLICATE, UNIT_CHECK = (
+    "passed unit check", "no code", "syntax error", "policy violation", "missing functions",
+    "duplicate", "unit check failed")
+NO_PLAN, INVALID_PLAN = "no plan", "invalid plan"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verdict: str
+    detail: str
+    code: str | None = None          # the extracted code (kernel answers)
+    template: str | None = None      # the variant template text, when PASSED
+    plan: Plan | None = None         # the proposed plan (plan answers), when PASSED
+    max_abs_err: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == PASSED
+
+
+def code_digest(code: str) -> str:
+    """Identity of code up to blank lines and trailing spaces: a resent answer is a no-op."""
+    lines = [line.rstrip() for line in code.splitlines() if line.strip()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def variant_template(slot: str, name: str, device: str, code: str) -> str:
+    """Model code as a variant template: our header, then the code verbatim (raw: it is
+    Python, and `{{` in it must not be read as Jinja)."""
+    body = _HEADER_LINE.sub("", code).strip("\n")
+    return (f"# slot: {slot}    variant: {name}    devices: {device}\n"
+            f"# written by a model for this run; checked against the slot's reference op\n"
+            "{% raw %}\n" + body + "\n{% endraw %}\n")
+
+
+def _defined_functions(tree: ast.AST) -> set[str]:
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _syntax_detail(code: str, e: SyntaxError) -> str:
+    lines = code.splitlines()
+    where = lines[e.lineno - 1] if e.lineno and 0 < e.lineno <= len(lines) else ""
+    return f"line {e.lineno}: {e.msg}" + (f"\n    {where.strip()}" if where.strip() else "")
+
+
+def check_kernel_answer(text: str, slot: str, name: str, functions: tuple[str, ...], device: str,
+                        seen: dict[str, str], timeout: float, seed: int) -> Verdict:
+    """`seen` maps code digests of earlier proposals (and the current best) to what they were.
+    `seed` draws the unit check's inputs: fresh for every check, but derived from the run's
+    seed, so a replayed run sends the model the same feedback."""
+    wanted = tuple(f"{fn}__{name}" for fn in functions)
+    try:
+        code = extract_code(text, wanted)
+    except ExtractError as e:
+        return Verdict(NO_CODE, str(e))
+    if RAW_END in code:
+        return Verdict(POLICY, f"the code may not contain '{RAW_END} %}}'", code)
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as e:
+        return Verdict(SYNTAX, _syntax_detail(code, e), code)
+    violations = policy.check_kernel(code)
+    if violations:
+        return Verdict(POLICY, policy.describe(violations), code)
+    missing = [fn for fn in wanted if fn not in _defined_functions(tree)]
+    if missing:
+        return Verdict(MISSING, f"the module must define {', '.join(missing)}", code)
+    digest = code_digest(code)
+    if digest in seen:
+        return Verdict(DUPLICATE, f"the code is identical to {seen[digest]}; change something that matters", code)
+    template = variant_template(slot, name, device, code)
+    ok, detail, err = unit_check(slot, template, device, timeout, seed)
+    if not ok:
+        return Verdict(UNIT_CHECK, detail, code, max_abs_err=err)
+    return Verdict(PASSED, detail, code, template, max_abs_err=err)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def unit_check(slot: str, template: str, device: str, timeout: float, seed: int) -> tuple[bool, str, float | None]:
+    """evaluator.slot_check.check_variant in a child process → (passed, detail, max abs error)."""
+    with tempfile.TemporaryDirectory(prefix="llm-unit-") as tmp:
+        src, out = Path(tmp) / "variant.py.j2", Path(tmp) / "result.json"
+        src.write_text(template)
+        proc = subprocess.Popen([sys.executable, "-c", _UNIT_CHECK, slot, str(src), device, str(seed), str(out)],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return False, f"timeout: the unit check did not finish in {timeout:.0f}s (a hang or far too slow)", None
+        if not out.is_file():
+            tail = "\n".join(stderr.strip().splitlines()[-ERROR_LINES:])
+            return False, f"crash: the unit check process died (exit {proc.returncode}):\n{tail}", None
+        result = json.loads(out.read_text())
+    err = result.get("max_abs_err")
+    err = float(err) if err is not None else None
+    cases = result.get("cases") or []
+    passed_cases = sum(1 for c in cases if c.get("passed"))
+    head = f"{passed_cases}/{len(cases)} cases passed on {device}, max abs error {err:.3g}" if err is not None else ""
+    if result.get("passed"):
+        return True, f"{head}; closest to tolerance: {result.get('worst_case')}", err
+    reason = result.get("error") or result.get("worst_case") or "failed"
+    return False, f"{reason}" + (f"\n({head})" if head and not result.get("error") else ""), err
+
+
+def check_plan_answer(text: str, state: SearchState, llm_variants: dict[tuple[str, str], str]) -> Verdict:
+    """A plan change from the menu; `llm_variants` are this run's unit-checked model variants."""
+    try:
+        answer = extract_json(text)
+    except ExtractError as e:
+        return Verdict(NO_PLAN, str(e))
+    raw = answer.get("plan", answer)
+    if not isinstance(raw, dict):
+        return Verdict(INVALID_PLAN, '"plan" must be an object with "engine", "slots", "params"')
+    best = state.best.plan if state.best is not None else None
+    engine = raw.get("engine") or (best.engine if best else None)
+    if engine not in engines():
+        return Verdict(INVALID_PLAN, f"unknown engine {engine!r}; engines: {', '.join(engines())}")
+    params = engine_params(engine)
+    same = best is not None and best.engine == engine
+    slots = dict(best.slots) if same else {s: "torch" for s in SLOTS}
+    values = dict(best.params) if same else {n: p.default for n, p in params.items()}
+    errors = []
+    available = {s: [v.name for v in vs if state.device in v.devices] for s, vs in menu().items()}
+    for slot, variant in (raw.get("slots") or {}).items():
+        names = available.get(slot, []) + [v for s, v in llm_variants if s == slot]
+        if slot not in SLOTS:
+            errors.append(f"unknown slot {slot!r}; slots: {', '.join(SLOTS)}")
+        elif variant not in names:
+            errors.append(f"slot {slot}: unknown variant {variant!r} on {state.device}; choices: {', '.join(names)}")
+        else:
+            slots[slot] = variant
+    for name, value in (raw.get("params") or {}).items():
+        p = params.get(name)
+        if p is None:
+            errors.append(f"engine {engine} has no parameter {name!r}; parameters: {', '.join(params)}")
+        elif value not in p.choices:
+            errors.append(f"{name}: {json.dumps(value)} is not a choice; choices: {', '.join(map(json.dumps, p.choices))}")
+        elif state.device not in p.devices:
+            errors.append(f"{name} has no effect on {state.device}")
+        else:
+            values[name] = value
+    if errors:
+        return Verdict(INVALID_PLAN, "\n".join(errors))
+    plan = Plan(engine, slots, values)
+    if best is not None and plan.key() == best.key():
+        return Verdict(DUPLICATE, "that is the current best plan; propose a change")
+    return Verdict(PASSED, f"plan {plan.describe()}: {answer.get('why', '')}".strip(), plan=plan)

@@ -1,0 +1,403 @@
+"""The LLM path, offline: the real OpenAI and Anthropic SDK clients talk to a scripted HTTP
+server on 127.0.0.1 that speaks their protocols, through our retry, budget, transcript,
+extraction, policy and unit-check code, inside the real agent loop (only the whole-engine
+judge is faked, so "slower" and "faster" are deterministic on a CPU)."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from agent import loop
+from agent.plan import Plan, engine_params, reference_slots
+from agent.providers import ProviderOptions, make_proposer
+from agent.providers.base import Candidate, EvalResult, SearchState
+from agent.providers.budget import Budget, MeteredClient
+from agent.providers.builtin import BuiltinProposer
+from agent.providers.chat import ChatError, RecordingClient, RetryingClient
+from agent.providers.prices import Price, price_for
+from agent.providers import prompts
+from agent.report import Reporter
+from agent.spec import spec_from_config
+from agent.workspace import RESULTS_JSON, RESULTS_LOG, Workspace
+
+FIXTURES = Path(__file__).parent / "fixtures" / "llm"
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "target" / "model_config.json"
+KEYS = ("OPENAI_API_KEY", "OPENAI_BASE_URL", "OPENAI_MODEL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL",
+        "ANTHROPIC_MODEL", "LLM_PRICE_PER_MTOK", "LLM_REPLAY_FROM", "LLM_REPLAY_STRICT")
+SCRIPT = ["01_syntax_error", "02_unit_check_fails", "03_policy_violation", "04_correct_slower", "05_correct_faster"]
+# Which fixture answers which request: episode 1 writes llm_1 (four rounds), episode 2 llm_2.
+VARIANT_OF_STEP = ["llm_1", "llm_1", "llm_1", "llm_1", "llm_2"]
+
+
+def answer(name: str, variant: str) -> str:
+    return (FIXTURES / f"{name}.md").read_text().replace("VARIANT", variant)
+
+
+# --------------------------------------------------------------------------- the scripted server
+class ScriptedServer:
+    """OpenAI chat-completions or Anthropic messages on 127.0.0.1, answering from a script.
+
+    A step is {"text": str} (an answer), {"status": int, "retry_after": str} (an error),
+    or either with "sleep": seconds first (a slow server, for client timeouts). When the
+    script runs out every request gets HTTP 500."""
+
+    def __init__(self, protocol: str, steps: list[dict]):
+        self.protocol = protocol
+        self.steps = list(steps)
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with owner.lock:
+                    owner.requests.append({"path": self.path, "body": body})
+                    step = owner.steps.pop(0) if owner.steps else {"status": 500}
+                time.sleep(step.get("sleep", 0))
+                status, payload = owner.respond(step, body)
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    if "retry_after" in step:
+                        self.send_header("Retry-After", step["retry_after"])
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (a timeout test)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address
+        return f"http://{host}:{port}" + ("/v1" if self.protocol == "openai" else "")
+
+    def respond(self, step: dict, body: dict) -> tuple[int, dict]:
+        status = step.get("status", 200)
+        if status != 200:
+            if self.protocol == "openai":
+                return status, {"error": {"message": f"scripted {status}", "type": "server_error", "code": None}}
+            return status, {"type": "error", "error": {"type": "api_error", "message": f"scripted {status}"}}
+        text = step["text"]
+        n_in = sum(len(str(m.get("content", ""))) for m in body.get("messages", [])) // 4 + 1
+        n_out = len(text) // 4
+        if self.protocol == "openai":
+            return 200, {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
+        return 200, {"id": "msg_1", "type": "message", "role": "assistant", "model": body["model"],
+                     "content": [{"type": "text", "text": text}] if text else [],
+                     "stop_reason": "end_turn", "stop_sequence": None,
+                     "usage": {"input_tokens": n_in, "output_tokens": n_out}}
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for key in KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("LLM_RETRY_DELAY_S", "0.01")
+    monkeypatch.setenv("LLM_KERNELS_ON_CPU", "1")   # on CPU the engine runs torch variants; allow kernels anyway
+    monkeypatch.setenv("LLM_MAX_CALLS", "5")
+
+
+def point_at(monkeypatch, protocol: str, url: str) -> None:
+    if protocol == "openai":
+        monkeypatch.setenv("OPENAI_BASE_URL", url)
+        monkeypatch.setenv("OPENAI_API_KEY", "test-key")
+        monkeypatch.setenv("OPENAI_MODEL", "gpt-4.1-mini")
+    else:
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", url)
+        monkeypatch.setenv("ANTHROPIC_API_KEY", "test-key")
+        monkeypatch.setenv("ANTHROPIC_MODEL", "claude-haiku-4-5")
+
+
+# --------------------------------------------------------------------------- the loop, judge faked
+PROFILE = {"silu_mul": 0.5, "norm": 0.2, "decode_attention": 0.1, "prefill_attention": 0.1, "rope_cache": 0.1}
+SCORES = {"recompute": 0.01, "paged": 1.0, "llm_1": 0.9, "llm_2": 1.5}
+
+
+def fake_judge(engine: Path, out_dir: Path, timeout: float) -> EvalResult:
+    """Scores by what the rendered engine holds: the model's slower or faster variant, or none."""
+    source = engine.read_text()
+    plan = json.loads((out_dir / "plan.json").read_text())["plan"]
+    key = next((v for v in ("llm_2", "llm_1") if f"def silu_mul__{v}(" in source), plan["engine"])
+    result = EvalResult(status="passed", stage="done", device="cpu", score=SCORES[key], seconds=0.1,
+                        benchmark=[{"case_name": "decode", "elapsed_ms": 10.0 / SCORES[key], "total_tokens": 384,
+                                    "prefill_tokens": 256, "decode_tokens": 128, "floor_fraction": SCORES[key] / 100,
+                                    "tokens_per_second": 1000 * SCORES[key]}])
+    result.profile = PROFILE  # a measured per-slot profile, as the evaluator may one day supply
+    return result
+
+
+def run_agent(workspace: Path, provider: str) -> tuple[Workspace, SearchState, str, dict]:
+    """The real loop, the real provider factory, the real builtin proposer; a fake judge."""
+    ws = Workspace(workspace)
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    ws.open_history(warn=report.warn)
+    spec = spec_from_config(json.loads(CONFIG.read_text()), CONFIG, workspace / "weights")
+    state = SearchState(spec=spec, device="cpu", hardware={"device": "cpu"})
+    options = ProviderOptions("cpu", 0, ws.root, BuiltinProposer("cpu"))
+    proposer = make_proposer(provider, options, report.warn)
+    loop.run(state, proposer, fake_judge, ws, report, 600.0)
+    report.finish([])
+    return ws, state, (ws.root / RESULTS_LOG).read_text(), json.loads((ws.root / RESULTS_JSON).read_text())
+
+
+def decisions(results: dict) -> list[tuple[str, bool]]:
+    return [(json.dumps(c["plan"], sort_keys=True) + str(c["extra_variants"]), c["accepted"])
+            for c in results["candidates"]]
+
+
+def llm_entries(results: dict) -> list[dict]:
+    return [c for c in results["candidates"] if c["extra_variants"]]
+
+
+def in_order(log: str, needles: list[str]) -> bool:
+    at = 0
+    for needle in needles:
+        at = log.find(needle, at)
+        if at < 0:
+            return False
+        at += len(needle)
+    return True
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_five_proposals_only_the_correct_faster_one_is_accepted(tmp_path, monkeypatch, protocol):
+    steps = [{"text": answer(name, v)} for name, v in zip(SCRIPT, VARIANT_OF_STEP)]
+    with ScriptedServer(protocol, steps) as server:
+        point_at(monkeypatch, protocol, server.url)
+        ws, state, log, results = run_agent(tmp_path / "ws", protocol)
+
+    # Every verdict is in the log, in order, and the feedback went back to the model.
+    assert in_order(log, ["silu_mul/llm_1 round 1/4: syntax error", "silu_mul/llm_1 round 2/4: unit check failed",
+                          "silu_mul/llm_1 round 3/4: policy violation", "silu_mul/llm_1 round 4/4: passed unit check",
+                          "silu_mul/llm_1 judged in the whole engine: correct but not faster",
+                          "silu_mul/llm_2 round 1/4: passed unit check",
+                          "silu_mul/llm_2 judged in the whole engine: faster: accepted"])
+    assert "call budget spent" in log and "the builtin proposer carries on alone" in log
+    assert f"provider {protocol}" in log and "LLM totals: 5 calls" in log
+    sent = [json.dumps(r["body"]["messages"]) for r in server.requests]
+    assert len(sent) == 5
+    assert "syntax error" in sent[1] and "never closed" in sent[1]
+    assert "unit check failed" in sent[2] and "mismatch" in sent[2]
+    assert "policy violation" in sent[3] and "inspect" in sent[3]
+    assert "correct but not faster" in sent[4]   # episode 2's history
+
+    # Only the correct and faster proposal was accepted; the engine on disk holds it.
+    llm = llm_entries(results)
+    assert [(c["extra_variants"], c["accepted"]) for c in llm] == [(["silu_mul/llm_1"], False),
+                                                                  (["silu_mul/llm_2"], True)]
+    assert "def silu_mul__llm_2(" in ws.engine.read_text()
+    assert state.best.extra_variants and state.best_result.score == SCORES["llm_2"]
+
+    # Every request and answer is in the transcript.
+    (transcript,) = (ws.root / "transcripts").glob("*.jsonl")
+    calls = [r for r in map(json.loads, transcript.read_text().splitlines()) if r["type"] == "call"]
+    assert len(calls) == 5 and all(c["reply"]["text"] for c in calls)
+
+    if protocol == "openai":
+        # --provider replay: the same decisions, no network, no divergence.
+        monkeypatch.setenv("LLM_REPLAY_STRICT", "1")
+        for key in ("OPENAI_BASE_URL", "OPENAI_API_KEY"):
+            monkeypatch.delenv(key)
+        _, _, replay_log, replayed = run_agent(tmp_path / "ws", "replay")
+        assert decisions(replayed) == decisions(results)
+        assert "differs from the recording" not in replay_log
+        assert "replay: 5 recorded requests of openai:gpt-4.1-mini" in replay_log
+        assert [c["origin"] for c in llm_entries(replayed)] == ["replay:gpt-4.1-mini"] * 2
+
+
+def test_a_broken_server_still_ends_with_a_passing_engine(tmp_path, monkeypatch):
+    """Errors, timeouts and empty answers: retried, then the builtin proposer finishes the run."""
+    monkeypatch.setenv("LLM_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("LLM_RETRIES", "1")
+    steps = [{"status": 500}, {"status": 429, "retry_after": "0"}, {"sleep": 2.0, "text": "late"},
+             {"text": ""}, {"text": ""}, {"text": ""}]
+    with ScriptedServer("openai", steps) as server:
+        point_at(monkeypatch, "openai", server.url)
+        ws, state, log, results = run_agent(tmp_path / "ws", "openai")
+    assert ws.installed_verdict() is not None and state.best_result.passed
+    assert in_order(log, ["openai server (HTTP 500", "retry 1/1", "no answer from openai:gpt-4.1-mini: rate_limit",
+                          "openai timeout", "retry 1/1", "no answer from openai:gpt-4.1-mini: empty"])
+    assert "requests in a row failed after retries" in log and "builtin proposer carries on alone" in log
+    assert not llm_entries(results)
+
+
+def test_unreachable_provider_hands_over_to_the_builtin(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_RETRIES", "0")
+    point_at(monkeypatch, "openai", closed_port_url())
+    ws, state, log, results = run_agent(tmp_path / "ws", "openai")
+    assert "no answer from openai:gpt-4.1-mini: unreachable" in log
+    assert "builtin proposer carries on alone" in log
+    assert ws.installed_verdict() is not None and len(results["candidates"]) > 2
+
+
+# --------------------------------------------------------------------------- the client layers alone
+def stack(protocol: str, url: str, log: list, timeout: float = 5.0, retries: int = 3):
+    if protocol == "openai":
+        from agent.providers.openai import OpenAIChat
+        client = OpenAIChat("gpt-4.1-mini", "k", url, timeout)
+    else:
+        from agent.providers.anthropic import AnthropicChat
+        client = AnthropicChat("claude-haiku-4-5", "k", url, timeout)
+    metered = MeteredClient(client, Budget(), price_for(client.model)[0])
+    return RetryingClient(metered, log.append, retries=retries, base_delay=0.01), metered
+
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_rate_limit_and_server_errors_are_retried(protocol):
+    log = []
+    with ScriptedServer(protocol, [{"status": 429, "retry_after": "0"}, {"status": 503}, {"text": "hi"}]) as server:
+        client, metered = stack(protocol, server.url, log)
+        reply = client.complete(MESSAGES, 100)
+    assert reply.text == "hi" and reply.output_tokens == 0 and reply.input_tokens > 0
+    assert "rate_limit" in log[0] and "retry 1/3 in 0.0s" in log[0] and "server" in log[1]
+    assert metered.usage.calls == 3
+    body = server.requests[-1]["body"]
+    if protocol == "anthropic":
+        assert body["system"] == "be brief" and body["messages"] == [{"role": "user", "content": "hello"}]
+    else:
+        assert body["messages"] == MESSAGES and body["max_tokens"] == 100  # a compatible server: max_tokens
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_timeouts_and_empty_answers_are_retried(protocol):
+    log = []
+    with ScriptedServer(protocol, [{"sleep": 1.5, "text": "late"}, {"text": ""}, {"text": "ok"}]) as server:
+        client, _ = stack(protocol, server.url, log, timeout=0.5)
+        assert client.complete(MESSAGES, 100).text == "ok"
+    assert "timeout" in log[0] and "empty answer" in log[1]
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_auth_errors_are_not_retried(protocol):
+    log = []
+    with ScriptedServer(protocol, [{"status": 401}]) as server:
+        client, _ = stack(protocol, server.url, log)
+        with pytest.raises(ChatError) as e:
+            client.complete(MESSAGES, 100)
+    assert e.value.kind == "auth" and log == [] and len(server.requests) == 1
+
+
+def test_budget_refuses_a_call_that_could_cross_it():
+    log = []
+    with ScriptedServer("openai", [{"text": "a"}]) as server:
+        client, metered = stack("openai", server.url, log)
+        metered.budget = Budget(max_calls=10, max_tokens=10**9, max_cost_usd=0.01)
+        metered.price = Price(1.0, 10.0)
+        with pytest.raises(ChatError, match="cost budget"):
+            client.complete(MESSAGES, 2000)   # worst case 2000 output tokens = $0.02
+        assert server.requests == []
+        assert client.complete(MESSAGES, 500).text == "a"
+    assert metered.usage.cost_usd > 0
+
+
+def test_transcript_records_errors_too(tmp_path):
+    log = []
+    with ScriptedServer("openai", [{"status": 500}, {"text": "fine"}]) as server:
+        client, metered = stack("openai", server.url, log)
+        recording = RecordingClient(metered.inner, tmp_path / "t.jsonl", {"base_url": server.url})
+        metered.inner = recording
+        client.complete(MESSAGES, 50)
+    start, *calls = map(json.loads, (tmp_path / "t.jsonl").read_text().splitlines())
+    assert start["type"] == "start" and start["base_url"] == server.url
+    assert [c["error"]["kind"] if c["error"] else c["reply"]["text"] for c in calls] == ["server", "fine"]
+    assert calls[0]["request_hash"] == calls[1]["request_hash"]
+
+
+def test_prices_match_dated_snapshots_and_charge_unknown_models_high(monkeypatch):
+    assert price_for("claude-sonnet-4-5-20250929")[1] == "table: claude-sonnet-4"
+    assert price_for("gpt-4.1-mini-2025-04-14")[1] == "table: gpt-4.1-mini"
+    assert price_for("my-local-llama")[0].output_per_mtok >= 75
+    monkeypatch.setenv("LLM_PRICE_PER_MTOK", "0,0")
+    assert price_for("my-local-llama")[0].cost(10**6, 10**6) == 0
+
+
+# --------------------------------------------------------------------------- plans and prompts
+def paged_state(device: str = "cpu") -> SearchState:
+    spec = spec_from_config(json.loads(CONFIG.read_text()), CONFIG, Path("/nonexistent"))
+    plan = Plan("paged", reference_slots(), {k: p.default for k, p in engine_params("paged").items()})
+    best = Candidate(plan, "builtin", "paged")
+    result = EvalResult(status="passed", stage="done", device=device, score=1.0,
+                        benchmark=[{"case_name": "prefill", "elapsed_ms": 5.0, "total_tokens": 512,
+                                    "prefill_tokens": 512, "decode_tokens": 0, "floor_fraction": 0.03}])
+    return SearchState(spec=spec, device=device, hardware={"device": device}, best=best, best_result=result,
+                       history=[(best, result)])
+
+
+class Empty:
+    name = "builtin"
+
+    def propose(self, state):
+        return None
+
+    def feedback(self, candidate, result):
+        pass
+
+
+def test_plan_change_is_checked_against_the_menu_and_repaired(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_KERNELS_ON_CPU", "0")   # on CPU: plan episodes only
+    steps = [{"text": answer("plan_invalid", "")}, {"text": answer("plan_change", "")}]
+    log = []
+    with ScriptedServer("openai", steps) as server:
+        point_at(monkeypatch, "openai", server.url)
+        from agent.providers.openai import create
+        options = ProviderOptions("cpu", 0, tmp_path, Empty())
+        options.log = log.append
+        proposer = create(options)
+        candidate = proposer.propose(paged_state())
+    assert candidate.plan.params["block_size"] == 32 and candidate.origin == "openai:gpt-4.1-mini"
+    assert not candidate.extra_variants and "model-proposed plan change" in candidate.note
+    assert any("plan change #1 round 1/4: invalid plan: block_size: 48 is not a choice" in line for line in log)
+    assert "48 is not a choice" in json.dumps(server.requests[1]["body"]["messages"])
+
+
+def test_prompt_carries_contract_hardware_model_profile_and_code():
+    state = paged_state()
+    info = prompts.slot_info("norm")
+    assert "add_rmsnorm(x[N,H], residual[N,H]" in info.contract
+    assert info.signatures == ("rmsnorm__VARIANT(x, w, eps)", "add_rmsnorm__VARIANT(x, residual, w, eps)")
+    profile = prompts.profile(state.best_result)
+    assert "estimated" in profile.source and profile.shares[0][0] == "matmuls (not a slot)"
+    assert profile.share("prefill_attention") > 0 and profile.share("decode_attention") == 0
+    text = prompts.render("kernel", slot=info, variant="llm_1", dtype="float32", best_plan="paged",
+                          current_variant="torch", current_code="", hardware={"gpu": "H100", "SMs": 132},
+                          model=state.spec.summary(), profile=profile, history=[], plan_menu="")
+    for needle in ("## Contract", "rmsnorm__VARIANT(x, w, eps)", "gpu: H100", "12 layers, hidden 768",
+                   "| prefill | 5.000 | 512 | 0.0300 |", "estimated", "def rmsnorm__torch"):
+        assert needle in text
