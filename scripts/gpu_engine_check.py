@@ -36,7 +36,7 @@ from evaluator.common import Tolerance, load_config, make_generator  # noqa: E40
 from evaluator.reference_model import ReferenceModel  # noqa: E402
 from evaluator.session import CheckedSession, draw_op_tokens  # noqa: E402
 from evaluator.traces import BENCHMARK_CASES, QUICK, STRESS_SCENARIOS, public_sequence, token_counts  # noqa: E402
-from evaluator.weights import random_weights, save_weights  # noqa: E402
+from evaluator.weights import random_weights  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC_CASES = "prefill,decode,mixed,decode128,mixed128"
@@ -49,6 +49,11 @@ def decode_attention__torch_full(q, k_cache, v_cache, block_table, context_lens,
                                    block_table.shape[1] * block_size, block_size, scale)
 '''
 EXTRA = {("decode_attention", "torch_full"): TORCH_FULL_DECODE}
+
+
+def write_weights(weights, weight_dir: Path):
+    weight_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(weights, weight_dir / "model.pt")
 
 
 def auto_plans() -> dict[str, Plan]:
@@ -80,10 +85,10 @@ def load(plan: Plan, tag: str):
     return module
 
 
-def check(module, cfg: dict, weights: dict, weight_dir: str) -> dict:
-    engine = module.create_engine(cfg, weight_dir, "cuda")
-    reference = ReferenceModel(cfg, weights, "cuda")
-    session = CheckedSession(engine, reference, make_generator(7, "cuda"), Tolerance())
+def check(module, cfg: dict, weights: dict, weight_dir: str, device: str) -> dict:
+    engine = module.create_engine(cfg, weight_dir, device)
+    reference = ReferenceModel(cfg, weights, device)
+    session = CheckedSession(engine, reference, make_generator(7, device), Tolerance())
     session.run(public_sequence())
     rng = random.Random(0)
     for name, scenario in STRESS_SCENARIOS.items():
@@ -160,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-bench", default="torch,torch+graphs", help="plans that are checked but not timed")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the checks (no timing)")
     a = ap.parse_args(argv)
 
     plans = auto_plans() if a.plans == "auto" else {k: Plan.from_dict(v) for k, v in json.loads(a.plans).items()}
@@ -172,19 +178,20 @@ def main(argv=None) -> int:
     setups = {}
     for name, cfg, kw in (("public-fp16", public, {}), ("gqa-bf16", gqa, {"scale": 0.05, "norm_spread": 0.5})):
         weights = random_weights(cfg, seed=0, **kw)
-        save_weights(weights, tmp / name)
+        write_weights(weights, tmp / name)
         setups[name] = (cfg, weights, str(tmp / name))
 
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    if a.device == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     results = {}
     for pname, plan in plans.items():
         res = results[pname] = {"plan": plan.to_dict()}
         try:
             module = load(plan, pname)
             for sname, (cfg, weights, wdir) in setups.items():
-                res[sname] = check(module, cfg, weights, wdir)
+                res[sname] = check(module, cfg, weights, wdir, a.device)
                 print(f"[{pname}] {sname}: {res[sname]}", flush=True)
-            if pname not in a.no_bench.split(","):
+            if a.device == "cuda" and pname not in a.no_bench.split(","):
                 cfg, _, wdir = setups["public-fp16"]
                 res["prefill_profile"] = prefill_launch_profile(module, cfg, wdir)
                 res["bench"] = [bench(module, cfg, wdir, c, a.warmup, a.repeat) for c in a.cases.split(",")]

@@ -18,7 +18,7 @@ import torch
 from agent.plan import SLOTS, Plan, engine_params, menu
 from agent.render import render_engine
 from evaluator.reference_model import ReferenceModel
-from evaluator.weights import random_weights, save_weights
+from evaluator.weights import random_weights
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, head_dim=16, vocab_size=256, max_position_embeddings=256,
@@ -40,6 +40,12 @@ def load_engine(plan: Plan):
     return module
 
 
+def write_weights(weights, weight_dir):
+    """<weight_dir>/model.pt, where every engine looks (SPEC §1)."""
+    weight_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(weights, weight_dir / "model.pt")
+
+
 def config(**overrides):
     return {**TINY, **overrides}
 
@@ -50,7 +56,7 @@ class Checked:
 
     def __init__(self, plan, cfg, tmp_path, device="cpu", atol=CPU_ATOL, rtol=0.0, seed=0):
         weights = random_weights(cfg, seed=seed, scale=0.2, norm_spread=0.5)
-        save_weights(weights, tmp_path)
+        write_weights(weights, tmp_path)
         self.engine = load_engine(plan).create_engine(cfg, str(tmp_path), device)
         self.reference = ReferenceModel(cfg, weights, device)
         self.device, self.vocab, self.atol, self.rtol = device, cfg["vocab_size"], atol, rtol
@@ -145,7 +151,7 @@ def test_params_reach_the_engine():
 def test_device_resolution_without_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("resolution to cpu is only observable without a GPU")
-    save_weights(random_weights(TINY), tmp_path)
+    write_weights(random_weights(TINY), tmp_path)
     module = load_engine(torch_plan())
     for device in ("auto", "cuda", "cpu"):
         assert module.create_engine(TINY, str(tmp_path), device).device == "cpu"
