@@ -356,8 +356,8 @@ def paged_state(device: str = "cpu") -> SearchState:
     result = EvalResult(status="passed", stage="done", device=device, score=1.0,
                         benchmark=[{"case_name": "prefill", "elapsed_ms": 5.0, "total_tokens": 512,
                                     "prefill_tokens": 512, "decode_tokens": 0, "floor_fraction": 0.03}])
-    return SearchState(spec=spec, device=device, hardware={"device": device}, best=best, best_result=result,
-                       history=[(best, result)])
+    return SearchState(spec=spec, device=device, hardware={"device": device}, seconds_left=600.0, best=best,
+                       best_result=result, history=[(best, result)])
 
 
 class Empty:
@@ -401,3 +401,42 @@ def test_prompt_carries_contract_hardware_model_profile_and_code():
     for needle in ("## Contract", "rmsnorm__VARIANT(x, w, eps)", "gpu: H100", "12 layers, hidden 768",
                    "| prefill | 5.000 | 512 | 0.0300 |", "estimated", "def rmsnorm__torch"):
         assert needle in text
+
+
+def test_no_request_without_run_time_to_judge_its_answer(tmp_path, monkeypatch):
+    with ScriptedServer("openai", [{"text": answer("plan_change", "")}]) as server:
+        point_at(monkeypatch, "openai", server.url)
+        from agent.providers.openai import create
+        options = ProviderOptions("cpu", 0, tmp_path, Empty())
+        log = []
+        options.log = log.append
+        state = paged_state()
+        state.seconds_left = 100.0   # less than a request's timeout plus an evaluation
+        assert create(options).propose(state) is None
+    assert server.requests == [] and any("not enough for a request" in line for line in log)
+
+
+def test_a_bug_on_the_llm_side_stops_the_llm_not_the_run(tmp_path, monkeypatch):
+    class Two(Empty):
+        sizes = [32, 64]
+
+        def propose(self, state):
+            return Candidate(Plan("paged", reference_slots(), {"block_size": self.sizes.pop(0)}), "builtin", "")
+
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(prompts, "profile", broken)
+    with ScriptedServer("openai", []) as server:
+        point_at(monkeypatch, "openai", server.url)
+        from agent.providers.openai import create
+        options = ProviderOptions("cpu", 0, tmp_path, Two())
+        log = []
+        options.log = log.append
+        proposer, state = create(options), paged_state()
+        first = proposer.propose(state)            # the builtin's turn
+        second = proposer.propose(state)           # the LLM's turn: it breaks, the builtin goes on
+    assert (first.plan.params, second.plan.params) == ({"block_size": 32}, {"block_size": 64})
+    assert second.origin == "builtin" and server.requests == []
+    assert any("KeyError: 'boom'" in line for line in log)
+    assert any("internal error in the LLM proposer" in line for line in log)

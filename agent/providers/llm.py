@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,12 +40,14 @@ FATAL = frozenset({AUTH, BUDGET, REPLAY, UNREACHABLE})
 DETAIL_CHARS = 600   # of a verdict's detail, in the history that goes into the next prompt
 LOG_CHARS = 300      # of a verdict's detail, in the log line
 SEED_STRIDE = 7919   # unit-check seeds: run seed * stride + check number
+HISTORY_LINES = 12   # most recent attempts shown in a prompt, to bound its size
+EVAL_RESERVE_S = 60.0  # run time kept free after a request, for judging what it produced
 
 
 @dataclass
 class LLMSettings:
     model: str
-    timeout: float = 300.0          # seconds per request (reasoning models think for minutes)
+    timeout: float = 180.0          # seconds per request (reasoning models think for minutes)
     max_tokens: int = 16000         # per answer, reasoning included
     repair_rounds: int = 3          # answers after the first one, per episode
     retries: int = 3                # per request, on rate limits, server errors, timeouts, empty answers
@@ -168,14 +171,16 @@ class LLMProposer:
         self.seen: dict[str, str] = {}                   # code digest -> which attempt sent it
         self._fallback_keys: set[str] = set()
         self._pending: dict[str, _Pending] = {}
+        self._deadline = 0.0                             # monotonic time the run's budget ends
 
     # --- the Proposer interface --------------------------------------------------------
     def propose(self, state: SearchState) -> Candidate | None:
+        self._deadline = time.monotonic() + state.seconds_left
         while True:
             llm_ready = self.active and self._has_work(state)
             if llm_ready and (self.fallback_done or self.last_turn != LLM_TURN):
                 self.last_turn = LLM_TURN
-                candidate = self._episode(state)
+                candidate = self._guarded_episode(state)
                 if candidate is not None:
                     return candidate
                 continue
@@ -237,6 +242,23 @@ class LLMProposer:
         return max(SLOTS, key=lambda s: (profile.share(s) / (1 + self.attempts_per_slot[s]), -SLOTS.index(s)))
 
     # --- one episode: ask, check, repair --------------------------------------------------
+    def _guarded_episode(self, state: SearchState) -> Candidate | None:
+        """An episode; a bug on the LLM side stops the LLM, never the run (the builtin goes on)."""
+        try:
+            return self._episode(state)
+        except Exception:  # noqa: BLE001 - logged in full, then the builtin proposer carries on
+            self.log(f"llm: internal error:\n{traceback.format_exc()}")
+            self._stop("internal error in the LLM proposer (traceback above)")
+            return None
+
+    def _time_for_a_request(self) -> bool:
+        left = self._deadline - time.monotonic()
+        if left >= self.settings.timeout + EVAL_RESERVE_S:
+            return True
+        self._stop(f"{left:.0f}s of the run left, not enough for a request (up to {self.settings.timeout:.0f}s) "
+                   "and the evaluation of its answer")
+        return False
+
     def _episode(self, state: SearchState) -> Candidate | None:
         self.episodes += 1
         profile = prompts.profile(state.best_result)
@@ -244,6 +266,8 @@ class LLMProposer:
         rounds = 1 + self.settings.repair_rounds
         verdict: Verdict | None = None
         for r in range(1, rounds + 1):
+            if not self._time_for_a_request():
+                return None
             try:
                 reply = self.client.complete(episode.messages, self.settings.max_tokens)
             except ChatError as e:
@@ -288,7 +312,7 @@ class LLMProposer:
         for slot, name in self.variants:
             llm_names.setdefault(slot, []).append(name)
         common = {"hardware": prompts.hardware_facts(state), "model": state.spec.summary(),
-                  "profile": profile, "history": self.history,
+                  "profile": profile, "history": self.history[-HISTORY_LINES:],
                   "plan_menu": prompts.plan_menu(state.device, llm_names)}
         if kind == PLAN:
             text = prompts.render("plan", best_plan_json=prompts.best_plan_json(best), **common)

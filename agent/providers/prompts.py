@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 import jinja2
 
 from agent import policy
-from agent.plan import (KERNELS, REFERENCE_VARIANT, SLOTS, TEMPLATES, Plan, engine_params,
-                        engines, menu)
+from agent.plan import KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_params, engines, menu
 from agent.providers.base import Candidate, EvalResult, SearchState
 
 PROMPTS = TEMPLATES / "prompts"
@@ -156,11 +155,3 @@ def allowed_imports() -> str:
 
 def best_plan_json(best: Candidate | None) -> str:
     return json.dumps(best.plan.to_dict() if best else {}, indent=1, sort_keys=True)
-
-
-def describe_plan(plan: Plan | None) -> str:
-    return plan.describe() if plan is not None else "none yet"
-
-
-def slots_in_order() -> tuple[str, ...]:
-    return SLOTS
