@@ -48,11 +48,11 @@ def env_line() -> str:
             f"CUDA {torch.version.cuda}")
 
 
-def run_tests(timeout: int) -> str:
+def run_tests(timeout: int, select: str = "") -> str:
     """pytest on the kernel tests; returns the summary lines (full log under $OUT)."""
     log = OUT / "pytest.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "--tb=line", "-p", "no:cacheprovider",
-           "tests/test_kernels_gpu.py", "tests/test_slot_check.py"]
+           "tests/test_kernels_gpu.py", "tests/test_slot_check.py"] + (["-k", select] if select else [])
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -199,6 +199,7 @@ def main() -> int:
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--test-timeout", type=int, default=360)
+    ap.add_argument("-k", dest="select", default="", help="pytest -k expression for the tests")
     ap.add_argument("--dtype", default="fp16")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -206,7 +207,7 @@ def main() -> int:
     print(env_line(), flush=True)
     summary = [env_line()]
     if not args.no_tests:
-        summary.append(run_tests(args.test_timeout))
+        summary.append(run_tests(args.test_timeout, args.select))
         print(summary[-1], flush=True)
     dtype = slot_check.DTYPE_NAMES[args.dtype]
     if not args.no_bench:
