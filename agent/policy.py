@@ -84,6 +84,19 @@ BANNED_IN_KERNELS = {
     "torch.cuda.memory": "allocator tricks", "torch.cuda.caching_allocator_alloc": "allocator tricks",
 }
 
+# Standard modules that other modules re-export (`torch.os`, `F.torch.sys`): reaching one
+# through an allowed module is refused at every level, whatever the import allow-list says.
+REEXPORTED_MODULES = frozenset({
+    "os", "sys", "subprocess", "socket", "threading", "ctypes", "inspect", "importlib", "builtins",
+    "shutil", "pickle", "marshal", "multiprocessing", "io", "time", "gc", "pathlib", "tempfile",
+    "urllib", "http", "asyncio", "concurrent", "weakref",
+})
+# Module roots an attribute chain restarts from (`F.torch.cuda` is `torch.cuda`).
+ROOT_MODULES = ("torch", "triton")
+# A kernel is pasted below the engine's prelude, so these names are bound without an import.
+PRELUDE_NAMES = {"torch": "torch", "F": "torch.nn.functional", "math": "math", "triton": "triton",
+                 "tl": "triton.language"}
+
 # Tensor methods that wait for the device: a kernel must not synchronize with the host.
 HOST_SYNC_METHODS = frozenset({"item", "tolist", "cpu", "numpy", "synchronize"})
 
@@ -160,7 +173,9 @@ class _Checker(ast.NodeVisitor):
         self.banned = dict(BANNED_EVERYWHERE)
         if level == KERNEL:
             self.banned.update(BANNED_IN_KERNELS)
-        self.aliases: dict[str, str] = {}  # local name -> dotted module path
+        # local name -> dotted module path
+        self.aliases: dict[str, str] = dict(PRELUDE_NAMES) if level == KERNEL else {}
+        self._reported: dict[int, list[str]] = {}  # line -> dotted names already reported
         self.violations: list[Violation] = []
 
     def _add(self, node: ast.AST, rule: str, message: str) -> None:
@@ -212,10 +227,19 @@ class _Checker(ast.NodeVisitor):
         return ".".join([self.aliases[node.id], *reversed(parts)])
 
     def _check_dotted(self, node: ast.AST, dotted: str) -> None:
-        for prefix, why in self.banned.items():
-            if _matches(dotted, prefix):
-                self._add(node, "banned_api", f"'{dotted}' is not allowed ({why})")
-                return
+        line = getattr(node, "lineno", 0)
+        if any(seen.startswith(dotted + ".") for seen in self._reported.get(line, [])):
+            return  # the inner part of a chain already reported on this line
+        parts = dotted.split(".")
+        reexported = next((p for p in parts[1:] if p in REEXPORTED_MODULES), None)
+        roots = [i for i, p in enumerate(parts) if p in ROOT_MODULES]
+        normal = ".".join(parts[roots[-1]:]) if roots else dotted
+        why = next((why for prefix, why in self.banned.items() if _matches(normal, prefix)), None)
+        if reexported:
+            why = f"module '{reexported}' reached through another module"
+        if why:
+            self._reported.setdefault(line, []).append(dotted)
+            self._add(node, "banned_api", f"'{dotted}' is not allowed ({why})")
 
     def visit_Name(self, node: ast.Name) -> None:
         if node.id in BANNED_BUILTINS and node.id not in self.bound and node.id not in self.aliases:

@@ -82,9 +82,18 @@ def test_syntax_error_is_one_violation_with_its_line():
     ("def f(x):\n    return x.tolist()", "host_sync"),
     ("def f(x):\n    return x.cpu()", "host_sync"),
     ("import torch\ndef f():\n    global torch\n    torch = None", "patching"),
+    ("import torch\ntorch.os.system('ls')", "banned_api"),
+    ("s = F.torch.cuda.Stream()", "banned_api"),           # prelude names, re-exported torch
+    ("torch.cuda.synchronize()", "banned_api"),            # torch from the prelude, no import
+    ("tl.store = None", "patching"),
 ])
 def test_kernel_rule(source, rule):
     assert rule in rules(source)
+
+
+def test_a_chain_is_reported_once():
+    (v,) = policy.check_kernel("x = torch.os.path.join('a', 'b')\n")
+    assert "'torch.os.path.join'" in v.message and "reached through another module" in v.message
 
 
 def test_violations_carry_line_numbers_and_read_well():
