@@ -440,3 +440,13 @@ def test_a_bug_on_the_llm_side_stops_the_llm_not_the_run(tmp_path, monkeypatch):
     assert second.origin == "builtin" and server.requests == []
     assert any("KeyError: 'boom'" in line for line in log)
     assert any("internal error in the LLM proposer" in line for line in log)
+
+
+def test_unit_check_survives_a_crashing_or_hanging_proposal():
+    from agent.providers.proposals import unit_check, variant_template
+    crash = variant_template("silu_mul", "llm_9", "cpu", "def silu_mul__llm_9(gate_up):\n    raise SystemExit(3)\n")
+    hang = variant_template("silu_mul", "llm_9", "cpu", "def silu_mul__llm_9(gate_up):\n    while True:\n        pass\n")
+    ok, detail, _ = unit_check("silu_mul", hang, "cpu", 3.0, seed=1)
+    assert not ok and detail.startswith("timeout")
+    ok, detail, _ = unit_check("silu_mul", crash, "cpu", 120.0, seed=1)
+    assert not ok and ("crash" in detail or "SystemExit" in detail)

@@ -138,10 +138,11 @@ def unit_check(slot: str, template: str, device: str, timeout: float, seed: int)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             return False, f"timeout: the unit check did not finish in {timeout:.0f}s (a hang or far too slow)", None
-        if not out.is_file():
+        try:
+            result = json.loads(out.read_text())
+        except (OSError, ValueError):
             tail = "\n".join(stderr.strip().splitlines()[-ERROR_LINES:])
             return False, f"crash: the unit check process died (exit {proc.returncode}):\n{tail}", None
-        result = json.loads(out.read_text())
     err = result.get("max_abs_err")
     err = float(err) if err is not None else None
     cases = result.get("cases") or []
