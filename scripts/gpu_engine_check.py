@@ -5,22 +5,21 @@
 
 For every plan: render templates/engine/paged.py.j2, check it against the SPEC §3 reference
 (public sequence + the quick stress scenarios of evaluator/traces.py) on the public config
-(fp16, toy weights) and on a bf16 GQA config (larger weights, non-unit norms), then time the
-SPEC §5 cases on the public config with the SPEC method: a warm-up engine runs the trace, then
-each repeat builds a fresh engine, synchronize, perf_counter, the whole trace, synchronize;
-median by elapsed time; peak = torch.cuda.max_memory_allocated, reset before each timed run.
-Prints a table; writes results.json under --out.
+(fp16, toy weights) and on a bf16 GQA config (toy scale, non-unit norms), then run
+evaluator.evaluate on it (public sequence, stress suite, SPEC §5 benchmark with floor fractions;
+timed even when stress fails, marked unverified), and measure whether eager prefill is
+launch-bound. Prints a table; writes results.json under --out.
 
 `--plans auto`: the all-torch plan; the torch plan with a graph-safe torch decode (gathers the
 whole block table, so the CUDA-graph path runs before any Triton variant exists); every CUDA
-variant on disk alone; all CUDA variants together with graphs on and off.
+variant on disk alone; one CUDA variant of every slot together (Triton ones first) with graphs
+on and off.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -34,8 +33,10 @@ from agent.plan import SLOTS, Plan, menu  # noqa: E402
 from agent.render import render_engine  # noqa: E402
 from evaluator.common import Tolerance, load_config, make_generator  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
-from evaluator.session import CheckedSession, draw_op_tokens  # noqa: E402
-from evaluator.traces import BENCHMARK_CASES, QUICK, STRESS_SCENARIOS, public_sequence, token_counts  # noqa: E402
+from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
+from evaluator.evaluate import evaluate  # noqa: E402
+from evaluator.session import CheckedSession  # noqa: E402
+from evaluator.traces import QUICK, STRESS_SCENARIOS, public_sequence  # noqa: E402
 from evaluator.weights import random_weights  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,21 +64,28 @@ def auto_plans() -> dict[str, Plan]:
                                   {"max_graph_batch": 8})}
     combined = dict(torch_slots)
     for slot, variants in menu().items():
-        for v in variants:
-            if v.name != "torch" and "cuda" in v.devices:
-                plans[f"{slot}={v.name}"] = Plan("paged", {**torch_slots, slot: v.name})
-                combined[slot] = combined[slot] if combined[slot] != "torch" else v.name
+        cuda = [v.name for v in variants if v.name != "torch" and "cuda" in v.devices]
+        for name in cuda:
+            plans[f"{slot}={name}"] = Plan("paged", {**torch_slots, slot: name})
+        triton_first = sorted(cuda, key=lambda n: (not n.startswith("triton"), n))
+        if triton_first:
+            combined[slot] = triton_first[0]
     if combined != torch_slots:
         plans["all-cuda"] = Plan("paged", combined)
         plans["all-cuda eager"] = Plan("paged", combined, {"decode_graphs": False})
+        plans["all-cuda prefill-graphs"] = Plan("paged", combined, {"prefill_graphs": True})
     return plans
 
 
-def load(plan: Plan, tag: str):
-    """Render to a file (Triton needs source files to compile) and import it."""
-    import importlib.util
+def render_to_file(plan: Plan, tag: str) -> Path:
+    """Triton compiles only functions defined in a file."""
     path = Path(tempfile.mkdtemp()) / f"engine_{abs(hash(tag))}.py"
     path.write_text(render_engine(plan, EXTRA))
+    return path
+
+
+def load(path: Path):
+    import importlib.util
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = module
@@ -96,46 +104,6 @@ def check(module, cfg: dict, weights: dict, weight_dir: str, device: str) -> dic
         session.run(scenario(rng, QUICK))
     s = session.stats
     return {"calls": s.calls, "max_abs_err": s.max_abs_err, "worst_margin": s.worst_margin}
-
-
-def run_trace(engine, trace, tokens):
-    for op, drawn in zip(trace, tokens):
-        ids = list(op.request_ids)
-        if op.kind == "prefill":
-            engine.prefill(ids, drawn)
-        elif op.kind == "decode":
-            engine.decode(ids, drawn[0])
-        else:
-            engine.remove(ids)
-
-
-@torch.no_grad()
-def bench(module, cfg: dict, weight_dir: str, case: str, warmup: int, repeat: int) -> dict:
-    trace = BENCHMARK_CASES[case]()
-    gen = make_generator(0, "cuda")
-    tokens = [draw_op_tokens(op, gen, cfg["vocab_size"], "cuda") for op in trace]
-    engine = module.create_engine(cfg, weight_dir, "cuda")
-    for _ in range(warmup):
-        run_trace(engine, trace, tokens)
-    del engine
-    runs = []
-    for _ in range(repeat):
-        engine = module.create_engine(cfg, weight_dir, "cuda")
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run_trace(engine, trace, tokens)
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        runs.append((elapsed, torch.cuda.max_memory_allocated() / 2**20))
-        del engine
-    elapsed, peak = sorted(runs)[len(runs) // 2]
-    pre, dec = token_counts(trace)
-    return {"case_name": case, "elapsed_ms": elapsed * 1e3, "prefill_tokens": pre, "decode_tokens": dec,
-            "total_tokens": pre + dec, "tokens_per_second": (pre + dec) / elapsed,
-            "decode_tokens_per_second": dec / elapsed, "peak_memory_mb": peak,
-            "spread_ms": [round(r[0] * 1e3, 3) for r in runs]}
 
 
 @torch.no_grad()
@@ -163,7 +131,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=PUBLIC_CASES)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--no-bench", default="torch,torch+graphs", help="plans that are checked but not timed")
+    ap.add_argument("--stress", default="quick", choices=("off", "quick", "full"))
+    ap.add_argument("--check-on", default="public-fp16,gqa-bf16", help="configs the non-timed plans are checked on")
+    ap.add_argument("--bench", default="all-cuda,all-cuda eager,all-cuda prefill-graphs", help="plans that are also evaluated and timed")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the checks (no timing)")
     a = ap.parse_args(argv)
@@ -176,40 +146,59 @@ def main(argv=None) -> int:
            "head_dim": 80, "num_hidden_layers": 4}
     tmp = Path(tempfile.mkdtemp())
     setups = {}
-    for name, cfg, kw in (("public-fp16", public, {}), ("gqa-bf16", gqa, {"scale": 0.05, "norm_spread": 0.5})):
+    for name, cfg, kw in (("public-fp16", public, {}), ("gqa-bf16", gqa, {"norm_spread": 0.5})):
         weights = random_weights(cfg, seed=0, **kw)
         write_weights(weights, tmp / name)
         setups[name] = (cfg, weights, str(tmp / name))
 
     if a.device == "cuda":
         print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    public_dir = setups["public-fp16"][2]
+    bench = a.bench.split(",")
     results = {}
     for pname, plan in plans.items():
         res = results[pname] = {"plan": plan.to_dict()}
         try:
-            module = load(plan, pname)
+            path = render_to_file(plan, pname)
+            module = load(path)
             for sname, (cfg, weights, wdir) in setups.items():
-                res[sname] = check(module, cfg, weights, wdir, a.device)
+                if sname not in a.check_on.split(",") and pname not in bench:
+                    continue
+                try:
+                    res[sname] = check(module, cfg, weights, wdir, a.device)
+                except Exception as e:  # noqa: BLE001 - a wrong result on one config; time it anyway
+                    res[sname] = {"max_abs_err": float("nan"), "worst_margin": float("nan"),
+                                  "error": f"{type(e).__name__}: {e}"}
                 print(f"[{pname}] {sname}: {res[sname]}", flush=True)
-            if a.device == "cuda" and pname not in a.no_bench.split(","):
-                cfg, _, wdir = setups["public-fp16"]
-                res["prefill_profile"] = prefill_launch_profile(module, cfg, wdir)
-                res["bench"] = [bench(module, cfg, wdir, c, a.warmup, a.repeat) for c in a.cases.split(",")]
+            if a.device == "cuda" and pname in bench:
+                verdict = evaluate(path, setups["public-fp16"][0], public_dir, "cuda", stress=a.stress,
+                                   cases=a.cases.split(","), warmup=a.warmup, repeat=a.repeat)
+                res["evaluate"] = {k: verdict[k] for k in ("status", "stage", "error", "stress", "score")}
+                print(f"[{pname}] evaluate: {res['evaluate']}", flush=True)
+                if verdict["benchmark"] is None:    # failed before timing: time it anyway, unverified
+                    verdict["benchmark"] = run_benchmark(path, setups["public-fp16"][0], public_dir, "cuda",
+                                                         a.cases.split(","), a.warmup, a.repeat,
+                                                         verify_outputs=False)
+                res["bench"] = verdict["benchmark"]
                 for b in res["bench"]:
                     print(f"[{pname}] {b}", flush=True)
+                res["prefill_profile"] = prefill_launch_profile(module, setups["public-fp16"][0], public_dir)
         except Exception as e:  # noqa: BLE001 - report and go on to the next plan
             res["error"] = f"{type(e).__name__}: {e}"
             print(f"[{pname}] ERROR {res['error']}", flush=True)
+        if a.out:   # after every plan, so a run cut short still leaves what it measured
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            (Path(a.out) / "results.json").write_text(json.dumps(results, indent=1))
 
-    if a.out:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "results.json").write_text(json.dumps(results, indent=1))
     cases = a.cases.split(",")
     print("\nplan                          check(max err, margin)      " + "  ".join(f"{c:>12}" for c in cases))
     for pname, res in results.items():
         chk = " ".join(f"{res[s]['max_abs_err']:.1e}/{res[s]['worst_margin']:.2f}" for s in setups if s in res)
-        row = "  ".join(f"{b['tokens_per_second'] / 1e3:9.1f}k/s" for b in res.get("bench", []))
-        print(f"{pname:29} {chk:27} {row} {res.get('error', '')}")
+        row = "  ".join(f"{b['tokens_per_second'] / 1e3:7.1f}k/s {100 * b['floor_fraction']:4.1f}%"
+                        for b in res.get("bench", []))
+        verdict = res.get("evaluate", {})
+        print(f"{pname:29} {chk:27} {row} {verdict.get('status', '')} {verdict.get('score') or ''} "
+              f"{verdict.get('error') or ''} {res.get('error', '')}")
     for pname, res in results.items():
         if "bench" in res:
             print(f"{pname:29} peak MiB " + " ".join(f"{b['peak_memory_mb']:.0f}" for b in res["bench"])

@@ -7,10 +7,13 @@ slots and for every CUDA variant on disk.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 import sys
+import tempfile
 from itertools import count
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,18 +28,26 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             rms_norm_eps=1e-5, rope_theta=10000.0, torch_dtype="float16")
 CPU_ATOL = 1e-4          # fp32 engine vs fp32 reference: only the order of operations differs
 GPU_ATOL = GPU_RTOL = 1e-2   # the judge's tolerance
+# Weight scales: large on CPU (fp32 costs nothing, attention far from uniform); on CUDA where the
+# compute dtype's own rounding keeps a correct engine clear of the tolerance at hidden 64
+# (fp16 k = hidden * s^2 ~ 0.25, bf16 ~ 0.08, as evaluator/stress.py draws them).
+CPU_SCALE = 0.2
+GPU_SCALE = {"float16": 0.06, "bfloat16": 0.035}
 SMALL_CACHE = {"cache_tokens": 32, "block_size": 16}   # forces the pool to grow in every trace
 
 _modules = count()
 
 
 def load_engine(plan: Plan):
-    """Render a plan and import it as a fresh module (dataclasses need it in sys.modules)."""
+    """Render a plan to a file (Triton compiles only functions defined in a file) and import it
+    as a fresh module (dataclasses need it in sys.modules)."""
     name = f"paged_engine_under_test_{next(_modules)}"
-    spec = importlib.util.spec_from_loader(name, loader=None)
+    path = Path(tempfile.mkdtemp(prefix="paged-engine-")) / f"{name}.py"
+    path.write_text(render_engine(plan))
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    exec(compile(render_engine(plan), f"<{name}>", "exec"), module.__dict__)
+    spec.loader.exec_module(module)
     return module
 
 
@@ -54,8 +65,8 @@ class Checked:
     """An engine and the reference side by side: every call's rows are checked against the
     reference run on the request's full history."""
 
-    def __init__(self, plan, cfg, tmp_path, device="cpu", atol=CPU_ATOL, rtol=0.0, seed=0):
-        weights = random_weights(cfg, seed=seed, scale=0.2, norm_spread=0.5)
+    def __init__(self, plan, cfg, tmp_path, device="cpu", atol=CPU_ATOL, rtol=0.0, seed=0, scale=CPU_SCALE):
+        weights = random_weights(cfg, seed=seed, scale=scale, norm_spread=0.5)
         write_weights(weights, tmp_path)
         self.engine = load_engine(plan).create_engine(cfg, str(tmp_path), device)
         self.reference = ReferenceModel(cfg, weights, device)
@@ -135,17 +146,20 @@ def torch_plan(**params):
 
 def test_header_params_match_template_defaults():
     declared = {name: p.default for name, p in engine_params("paged").items()}
-    assert {"block_size", "decode_graphs", "max_graph_batch", "cache_tokens"} <= set(declared)
+    assert {"block_size", "decode_graphs", "max_graph_batch", "cache_tokens", "prefill_graphs",
+            "max_graph_tokens"} <= set(declared)
     module = load_engine(Plan("paged"))           # no params: the template's own defaults
     assert module.BLOCK_SIZE == declared["block_size"]
     assert module.INITIAL_CACHE_TOKENS == declared["cache_tokens"]
     assert module.MAX_GRAPH_BATCH == declared["max_graph_batch"]
+    assert module.MAX_GRAPH_TOKENS == declared["max_graph_tokens"]
 
 
 def test_params_reach_the_engine():
     module = load_engine(torch_plan(block_size=32, cache_tokens=1024, max_graph_batch=16))
     assert (module.BLOCK_SIZE, module.INITIAL_CACHE_TOKENS, module.MAX_GRAPH_BATCH) == (32, 1024, 16)
-    assert module.DECODE_GRAPHS is False          # the torch decode variant is not graph-safe
+    assert module.DECODE_GRAPHS is False          # the torch attention variants are not graph-safe
+    assert load_engine(torch_plan(prefill_graphs=True)).PREFILL_GRAPHS is False
 
 
 def test_device_resolution_without_gpu(tmp_path):
@@ -212,19 +226,78 @@ def test_decode_output_survives_the_next_call_cpu(tmp_path):
     assert torch.equal(first, kept)
 
 
+def with_fake_graphs(engine, module, max_batch=4, max_tokens=64):
+    """Run the CUDA-graph code path on the CPU: 'capture' runs the step once into a static
+    output and 'replay' reruns it on the static inputs, so bucketing, padding, static buffers
+    and recapture after growth are all exercised. The attention slots get graph-safe stand-ins
+    (they read the layout from cu_seqlens / context_lens, never from host lists)."""
+    def capture(tokens, meta, step):
+        engine.captured.append(("decode" if meta.dim() == 2 else "prefill", tokens.shape[0]))
+        logits = step()
+
+        class Replay:
+            def replay(self):
+                logits.copy_(step())
+
+        return module.CapturedStep(Replay(), tokens, meta, logits)
+
+    def prefill_from_cu(q, k, v, cu_seqlens, seq_lens, max_seqlen, scale):
+        bounds = cu_seqlens.tolist()
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        return module.prefill_attention__torch(q, k, v, cu_seqlens, lens, max_seqlen, scale)
+
+    def decode_full_width(q, k_cache, v_cache, block_table, context_lens, max_context, block_size, scale):
+        return module.decode_attention__torch(q, k_cache, v_cache, block_table, context_lens,
+                                              block_table.shape[1] * block_size, block_size, scale)
+
+    kernels = dataclasses.replace(engine.kernels, prefill_attention=prefill_from_cu,
+                                  decode_attention=decode_full_width)
+    engine.kernels = engine.model.kernels = kernels
+    engine.captured = []
+    engine._capture = capture
+    engine.decode_buckets = module.powers_of_two(1, max_batch)
+    engine.prefill_buckets = module.powers_of_two(module.MIN_GRAPH_TOKENS, max_tokens)
+    return engine
+
+
+def test_graph_code_path_on_cpu(tmp_path):
+    c = Checked(torch_plan(**SMALL_CACHE), config(num_key_value_heads=2, head_dim=24), tmp_path)
+    module = sys.modules[type(c.engine).__module__]
+    with_fake_graphs(c.engine, module)
+    public_sequence(c)
+    ragged_trace(c)                                  # pool growth invalidates and recaptures
+    c.prefill([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6])   # 21 tokens: the 32 bucket, padded
+    c.prefill(list(range(10, 28)), [1] * 18)         # more prompts than a captured prefill holds
+    c.prefill([30], [65])                            # more tokens than the largest bucket
+    c.decode([1, 30, 2, 3, 4])                       # batch 5: eager (largest bucket is 4)
+    c.decode([6, 5, 30])                             # batch 3: the 4 bucket, padded
+    assert {("prefill", 32), ("decode", 4)} <= set(c.engine.captured)
+
+
+def test_prefill_metadata_padding():
+    module = load_engine(torch_plan())
+    meta = module.prefill_metadata([0, 1, 0], [33, 34, 48], [1, 1, 2], [2, 1], 5, 4)
+    slot = module.SCRATCH_SLOT
+    assert meta == ([0, 1, 0, 0, 0] + [33, 34, 48, slot, slot] + [1, 1, 2, 0, 0]
+                    + [1, 2, 0, 0] + [0, 2, 3, 5, 5])
+    assert module.padded_seq_lens([2, 1], 5, 4) == [2, 1, 2, 0]
+    assert module.prefill_metadata([0], [16], [3], [1], 1, 1) == [0, 16, 3, 0, 0, 1]
+
+
 # ---- CUDA: fp16 and bf16, graphs on and off, torch and CUDA variants ----
 
 def cuda_variant_plans():
-    """The all-torch plan, and one plan per CUDA variant on disk (other slots torch), plus one
-    with the first CUDA variant of every slot that has one."""
+    """The all-torch plan, one plan per CUDA variant on disk (other slots torch), and one with a
+    CUDA variant of every slot that has one (Triton variants first)."""
     plans = {"torch": {s: "torch" for s in SLOTS}}
-    combined = {s: "torch" for s in SLOTS}
+    combined = dict(plans["torch"])
     for slot, variants in menu().items():
-        for v in variants:
-            if v.name != "torch" and "cuda" in v.devices:
-                plans[f"{slot}={v.name}"] = {**plans["torch"], slot: v.name}
-                if combined[slot] == "torch":
-                    combined[slot] = v.name
+        cuda = [v.name for v in variants if v.name != "torch" and "cuda" in v.devices]
+        for name in cuda:
+            plans[f"{slot}={name}"] = {**plans["torch"], slot: name}
+        triton_first = sorted(cuda, key=lambda n: (not n.startswith("triton"), n))
+        if triton_first:
+            combined[slot] = triton_first[0]
     if combined != plans["torch"]:
         plans["all-cuda"] = combined
     return plans
@@ -243,8 +316,10 @@ CUDA_PLANS = cuda_variant_plans()
     config(torch_dtype="bfloat16", num_key_value_heads=2, head_dim=24, num_attention_heads=8),
 ], ids=["fp16", "bf16-mqa", "bf16-gqa"])
 def test_cuda(tmp_path, slots, graphs, cfg):
-    plan = Plan("paged", slots=slots, params={**SMALL_CACHE, "decode_graphs": graphs, "max_graph_batch": 4})
-    c = Checked(plan, cfg, tmp_path, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL)
+    plan = Plan("paged", slots=slots, params={**SMALL_CACHE, "decode_graphs": graphs, "max_graph_batch": 4,
+                                              "prefill_graphs": graphs, "max_graph_tokens": 64})
+    c = Checked(plan, cfg, tmp_path, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL,
+                scale=GPU_SCALE[cfg["torch_dtype"]])
     public_sequence(c)
     ragged_trace(c)
     c.prefill([9, 10, 11, 12, 13, 14], [1100, 3, 64, 65, 2, 16])   # long prompt; batch above the graphs
