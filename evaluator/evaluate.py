@@ -57,8 +57,10 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
               "public": None, "stress": None, "benchmark": None, "score": None, "seconds": 0.0}
     try:
         module = load_engine_module(engine)
+        identities.check("at import")
         result["stage"] = "public"
         public = run_public_sequence(module, config, weight_dir, device, tol.atol, tol.rtol)
+        identities.check("after the public sequence")
         result["public"] = {"status": public["status"], "max_abs_err": public["max_abs_err"],
                             "cases": public["cases"], "worst_margin": public["worst_margin"]}
         log(f"public: passed, max abs err {public['max_abs_err']:.3g}")
@@ -67,6 +69,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             report = run_stress(module, device, seed, quick=stress == "quick", target=(config, weight_dir),
                                 fail_fast=True, tol=tol, log=log)
             result["stress"] = report.to_dict()
+            identities.check("after the stress suite")
             failure = report.first_failure
             if failure is not None:
                 result["error_kind"] = failure.error_kind

@@ -123,9 +123,12 @@ def _head_dim(rng: random.Random, hidden: int, heads: int, choices: list[int]) -
 
 def _model(rng: random.Random, kind: str, dtype_name: str, hidden_choices: list[int],
            head_dims: list[int], max_vocab: int, explicit: bool = True) -> dict:
-    heads = rng.choice([2, 4, 8])
+    heads = rng.choice([4, 8] if kind == "gqa" else [2, 4, 8])
     hidden = rng.choice([h for h in hidden_choices if h % heads == 0])
-    kv = {"mha": heads, "mqa": 1, "gqa": rng.choice([g for g in (2, 4) if heads % g == 0 and g < heads] or [heads])}[kind]
+    if kind == "gqa":
+        kv = rng.choice([g for g in (2, 4) if g < heads])
+    else:
+        kv = heads if kind == "mha" else 1
     config = {
         "hidden_size": hidden,
         "intermediate_size": rng.choice([2, 3, 4]) * hidden + rng.choice([0, 8, 24]),

@@ -217,21 +217,24 @@ def churn_scenario(rng: random.Random, size: StressSize) -> list[Op]:
     """Lifecycle edge cases: id reuse after remove, prefill replacing a live request (alone
     and next to a new one), removing unknown ids, removing everything then continuing."""
     a, b, c, d, e, unknown = _ids(rng, 6)
-    n = lambda: rng.randint(1, size.churn_max_prompt)  # noqa: E731 - a prompt length
+
+    def p(ids: list[int]) -> Op:
+        return prefill(_unsorted(rng, ids), [rng.randint(1, size.churn_max_prompt) for _ in ids])
+
     return [
-        prefill([a, b, c], [n(), n(), n()]),
+        p([a, b, c]),
         decode(_unsorted(rng, [a, b, c])),
         remove([b]),
-        prefill([b], [n()]),                      # id reuse after remove
+        p([b]),                                   # id reuse after remove
         decode(_unsorted(rng, [a, b, c])),
-        prefill([a], [n()]),                      # replace a live request
+        p([a]),                                   # replace a live request
         decode(_unsorted(rng, [c, a])),
-        prefill([d, c], [n(), n()]),              # a new one and a replacement in one call
+        p([d, c]),                                # a new one and a replacement in one call
         decode(_unsorted(rng, [a, b, c, d])),
         remove([unknown, c]),                     # unknown ids are ignored
         decode(_unsorted(rng, [d, a, b])),
         remove([a, b, d, unknown]),               # everything gone
-        prefill([e, a], [n(), n()]),              # ...and the engine keeps working
+        p([e, a]),                                # ...and the engine keeps working
         decode(_unsorted(rng, [a, e])),
         decode(_unsorted(rng, [e, a])),
         remove([a, e]),
@@ -244,7 +247,7 @@ def mixed_scenario(rng: random.Random, size: StressSize) -> list[Op]:
     live: list[int] = []
     trace: list[Op] = []
     for _ in range(size.mixed_rounds):
-        new = [pool.pop() for _ in range(rng.randint(1, 4))]
+        new = _unsorted(rng, [pool.pop() for _ in range(rng.randint(1, 4))])
         trace.append(prefill(new, [rng.randint(1, size.mixed_max_prompt) for _ in new]))
         live += new
         for _ in range(rng.randint(1, 3)):

@@ -1,0 +1,119 @@
+"""The benchmark (SPEC.md §5): its traces, its floor model (SPEC.md §6) and a short CPU run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import evaluator.floor as floor
+from evaluator.benchmark_throughput import run_benchmark
+from evaluator.common import REPO_ROOT, WRONG_RESULT, EvalFailure, ModelDims, load_config
+from evaluator.floor import Hardware, detect_hardware, floor_seconds
+from evaluator.traces import DECODE, PREFILL, REMOVE, benchmark_trace, mixed_case, replay, token_counts
+
+from tests.fixtures.broken_engines import broken_source
+
+H100 = Hardware("H100", 3000.0, 790.0, "table")
+OFFICIAL_FIELDS = {"case_name", "elapsed_ms", "prefill_tokens", "decode_tokens", "total_tokens",
+                   "tokens_per_second", "decode_tokens_per_second", "peak_memory_mb"}
+
+
+@pytest.mark.parametrize("case,prefill,decode", [
+    ("prefill", 512, 0), ("decode", 256, 128), ("mixed", 640, 30),
+    ("decode128", 1024, 128), ("mixed128", 1280, 30), ("prefill-long", 16384, 0), ("decode-wide", 32768, 2048),
+])
+def test_case_token_counts(case, prefill, decode):
+    assert token_counts(benchmark_trace(case)) == (prefill, decode)
+
+
+def test_mixed_schedule_takes_the_lowest_live_ids():
+    trace = mixed_case()
+    shape = [(op.kind, list(op.request_ids)) for op in trace]
+    assert shape == [
+        (PREFILL, [0, 1, 2, 3]), (DECODE, [0, 1, 2, 3]), (DECODE, [0, 1, 2, 3]), (PREFILL, [4, 5]),
+        (DECODE, [0, 1, 2, 3, 4, 5]), (REMOVE, [0, 1]), (PREFILL, [6, 7, 8, 9]),
+        (DECODE, [2, 3, 4, 5, 6, 7, 8, 9]), (DECODE, [2, 3, 4, 5, 6, 7, 8, 9]), (REMOVE, [2, 3, 4, 5, 6, 7, 8, 9]),
+    ]
+    assert [op.lengths for op in trace if op.kind == PREFILL] == [(64,) * 4, (128,) * 2, (32,) * 4]
+    *_, (_, live) = replay(trace)
+    assert live == {}
+
+
+# SPEC.md §6, "physical floor" column: one H100, public config, fp16.
+SPEC_FLOORS_MS = {"prefill": 0.15, "decode": 1.38, "mixed": 0.65, "decode128": 1.75, "mixed128": 0.81}
+
+
+@pytest.mark.parametrize("case,expected_ms", SPEC_FLOORS_MS.items())
+def test_floor_reproduces_the_spec_table(case, expected_ms):
+    dims = ModelDims.from_config(load_config(REPO_ROOT / "target/model_config.json"))
+    got_ms = floor_seconds(dims, 2, benchmark_trace(case), H100) * 1e3
+    assert got_ms == pytest.approx(expected_ms, rel=0.10)
+
+
+def test_hardware_from_flags_table_and_measurement(monkeypatch):
+    monkeypatch.setattr(floor, "measure_hardware", lambda device, dtype: (11.0, 0.5))
+    assert detect_hardware("cpu", torch.float32, 100.0, 2.0) == Hardware(floor._device_name("cpu"), 100.0, 2.0, "flags")
+    measured = detect_hardware("cpu", torch.float32)
+    assert (measured.bandwidth_gbs, measured.peak_tflops, measured.source) == (11.0, 0.5, "measured")
+    half = detect_hardware("cpu", torch.float32, peak_tflops=3.0)
+    assert (half.bandwidth_gbs, half.peak_tflops) == (11.0, 3.0)
+    monkeypatch.setattr(floor, "_device_name", lambda device: "NVIDIA H200")
+    h200 = detect_hardware("cuda", torch.float16)
+    assert (h200.bandwidth_gbs, h200.peak_tflops, h200.source) == (4300.0, 790.0, "table")
+
+
+def test_measure_hardware_gives_positive_numbers():
+    bw, peak = floor.measure_hardware("cpu", torch.float32)
+    assert bw > 0 and peak > 0
+
+
+def test_short_benchmark_on_a_tiny_model(recompute_engine_path, tiny_model, monkeypatch):
+    created = []
+    real_load = torch.load
+
+    def counting_load(*args, **kwargs):  # each create_engine loads the weights once
+        created.append(1)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    hw = Hardware("test", 10.0, 0.1, "flags")
+    results = run_benchmark(recompute_engine_path, tiny_model.config, tiny_model.weight_dir, "cpu",
+                            cases=["prefill", "mixed"], warmup=1, repeat=2, hardware=hw)
+    assert len(created) == 2 * (1 + 2) + 1  # warm-up engine + one per repeat, per case; + reference
+    assert [r["case_name"] for r in results] == ["prefill", "mixed"]
+    for r in results:
+        assert OFFICIAL_FIELDS <= r.keys()
+        assert r["total_tokens"] == r["prefill_tokens"] + r["decode_tokens"]
+        assert r["tokens_per_second"] == pytest.approx(r["total_tokens"] / (r["elapsed_ms"] / 1e3))
+        assert r["decode_tokens_per_second"] == pytest.approx(r["decode_tokens"] / (r["elapsed_ms"] / 1e3))
+        assert len(r["runs_ms"]) == 2 and r["elapsed_ms"] == max(r["runs_ms"])  # median of 2: the upper one
+        dims = ModelDims.from_config(tiny_model.config)
+        expected_floor = floor_seconds(dims, 4, benchmark_trace(r["case_name"]), hw) * 1e3
+        assert r["floor_ms"] == pytest.approx(expected_floor)
+        assert r["floor_fraction"] == pytest.approx(r["floor_ms"] / r["elapsed_ms"])
+
+
+def test_timed_outputs_are_checked_after_timing(recompute_source, write_engine, tiny_model):
+    engine = write_engine(broken_source("decode_ignores_cache", recompute_source))
+    with pytest.raises(EvalFailure, match="benchmark case decode, last output") as err:
+        run_benchmark(engine, tiny_model.config, tiny_model.weight_dir, "cpu", cases=["decode"],
+                      warmup=0, repeat=1, hardware=H100)
+    assert err.value.kind == WRONG_RESULT
+    results = run_benchmark(engine, tiny_model.config, tiny_model.weight_dir, "cpu", cases=["decode"],
+                            warmup=0, repeat=1, hardware=H100, verify_outputs=False)
+    assert results[0]["decode_tokens"] == 128
+
+
+def test_cli_prints_a_json_list(recompute_engine_path, tiny_model):
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "evaluator/benchmark_throughput.py"), "--engine", str(recompute_engine_path),
+         "--model-config", str(tiny_model.config_path), "--weight-dir", str(tiny_model.weight_dir),
+         "--device", "cpu", "--warmup", "0", "--repeat", "1", "--cases", "prefill",
+         "--bandwidth-gbs", "20", "--peak-tflops", "0.2"],
+        capture_output=True, text=True, check=True)
+    (result,) = json.loads(proc.stdout)
+    assert result["case_name"] == "prefill" and result["prefill_tokens"] == 512
+    assert "20 GB/s" in proc.stderr

@@ -1,0 +1,78 @@
+"""evaluator.evaluate: one candidate → one EvalResult JSON (docs/design.md §2)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from evaluator.common import REPO_ROOT
+from evaluator.evaluate import evaluate, score
+
+from tests.fixtures.broken_engines import broken_source
+
+TOP_KEYS = {"status", "stage", "error_kind", "error", "device", "public", "stress", "benchmark", "score", "seconds"}
+
+
+def run_cli(engine, model, out, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "evaluator.evaluate", "--engine", str(engine), "--model-config", str(model.config_path),
+         "--weight-dir", str(model.weight_dir), "--device", "cpu", "--out", str(out), *extra],
+        capture_output=True, text=True, cwd=REPO_ROOT)
+
+
+def test_cli_passes_a_correct_engine(recompute_engine_path, tiny_model, tmp_path, test_seed):
+    out = tmp_path / "result.json"
+    proc = run_cli(recompute_engine_path, tiny_model, out, "--stress", "quick", "--cases", "prefill,decode",
+                   "--warmup", "0", "--repeat", "1", "--seed", str(test_seed))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert r.keys() >= TOP_KEYS
+    assert (r["status"], r["stage"], r["error_kind"], r["error"], r["device"]) == ("passed", "done", None, None, "cpu")
+    assert r["public"]["status"] == "passed" and r["public"]["cases"] == 6
+    assert r["stress"]["failed"] == 0 and r["stress"]["passed"] > 0 and r["stress"]["seed"] == test_seed
+    assert [b["case_name"] for b in r["benchmark"]] == ["prefill", "decode"]
+    assert r["score"] == pytest.approx(score(r["benchmark"]))
+    assert proc.stdout.startswith("passed: score")
+    assert "target/churn" in proc.stderr  # the real model is stressed too
+
+
+def test_cli_writes_the_verdict_of_a_wrong_engine(recompute_source, write_engine, tiny_model, tmp_path):
+    out = tmp_path / "result.json"
+    proc = run_cli(write_engine(broken_source("sorted_rows", recompute_source)), tiny_model, out)
+    assert proc.returncode == 1
+    r = json.loads(out.read_text())
+    assert (r["status"], r["stage"], r["error_kind"]) == ("failed", "stress", "wrong_result")
+    assert r["public"]["status"] == "passed" and r["benchmark"] is None and r["score"] is None
+    assert "stress case" in r["error"] and "max abs err" in r["error"] and r["stress"]["failed"] == 1
+
+
+def test_import_failure_is_a_compile_error(write_engine, tiny_model):
+    r = evaluate(write_engine("import torch\ndef create_engine(:\n"), tiny_model.config, tiny_model.weight_dir, "cpu")
+    assert (r["status"], r["stage"], r["error_kind"]) == ("failed", "import", "compile_error")
+    assert "SyntaxError" in r["error"] and r["public"] is None
+
+
+def test_a_raising_engine_is_a_runtime_error(recompute_source, write_engine, tiny_model):
+    r = evaluate(write_engine(broken_source("raises_in_decode", recompute_source)), tiny_model.config,
+                 tiny_model.weight_dir, "cpu")
+    assert (r["stage"], r["error_kind"]) == ("public", "runtime_error")
+    assert "decode exploded" in r["error"]
+
+
+def test_patching_the_timer_is_caught(recompute_source, write_engine, tiny_model, monkeypatch):
+    monkeypatch.setattr(time, "perf_counter", time.perf_counter)  # restored after the test
+    r = evaluate(write_engine(broken_source("patches_timer", recompute_source)), tiny_model.config,
+                 tiny_model.weight_dir, "cpu", stress="off", cases=["prefill"], warmup=0, repeat=1)
+    assert (r["status"], r["stage"], r["error_kind"]) == ("failed", "import", "wrong_result")
+    assert "perf_counter was replaced" in r["error"]
+
+
+def test_score_is_the_geometric_mean_of_floor_fractions():
+    assert score([{"floor_fraction": 0.01}, {"floor_fraction": 1.0}]) == pytest.approx(0.1)
+    assert score([{"floor_fraction": 0.5}]) == pytest.approx(0.5)
+    assert score([]) is None
+    assert math.isclose(score([{"floor_fraction": f} for f in (0.2, 0.2, 0.2)]), 0.2)

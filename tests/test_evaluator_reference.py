@@ -1,0 +1,126 @@
+"""The reference model (SPEC.md §3) checked against independent formulations, and the toy
+weight generator (SPEC.md §1)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from evaluator.common import REPO_ROOT, ModelDims, compute_dtype, resolve_device
+from evaluator.reference_model import ReferenceModel, apply_rope, rope_tables
+from evaluator.weights import random_weights, weight_shapes
+
+from tests.conftest import TINY_CONFIG
+
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def test_rope_is_the_interleaved_complex_rotation(test_seed):
+    """Pairs (x[2j], x[2j+1]) as complex numbers, multiplied by exp(i * pos * inv_freq_j)."""
+    gen = torch.Generator().manual_seed(test_seed)
+    seq, heads, head_dim, theta = 9, 3, 20, 10000.0
+    x = torch.randn(seq, heads, head_dim, generator=gen)
+    pos = torch.arange(seq)
+    cos, sin = rope_tables(pos, head_dim, theta, torch.float32)
+    inv_freq = torch.tensor([theta ** (-(2 * j) / head_dim) for j in range(head_dim // 2)])
+    rot = torch.polar(torch.ones(seq, head_dim // 2), pos[:, None].float() * inv_freq[None, :])
+    expected = torch.view_as_real(torch.view_as_complex(x.reshape(seq, heads, -1, 2)) * rot[:, None, :])
+    torch.testing.assert_close(apply_rope(x, cos, sin), expected.reshape(seq, heads, head_dim), **FP32_TOL)
+
+
+def test_rope_tables_round_to_the_compute_dtype():
+    cos, sin = rope_tables(torch.arange(50), 16, 10000.0, torch.float16)
+    assert cos.dtype == sin.dtype == torch.float16
+    cos32, _ = rope_tables(torch.arange(50), 16, 10000.0, torch.float32)
+    assert torch.equal(cos, cos32.half())
+
+
+def test_logits_are_causal(test_seed):
+    """Position t of a long sequence equals the last position of its prefix of length t + 1."""
+    ref = ReferenceModel(TINY_CONFIG, random_weights(TINY_CONFIG, test_seed, 0.12, 0.5), "cpu")
+    tokens = torch.randint(0, TINY_CONFIG["vocab_size"], (12,), generator=torch.Generator().manual_seed(test_seed))
+    full = ref.logits(tokens)
+    for t in (0, 5, 11):
+        torch.testing.assert_close(full[t], ref.last_logits(tokens[:t + 1]), **FP32_TOL)
+    assert not torch.allclose(full[4], full[5], atol=1e-2), "different positions should differ"
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads(test_seed):
+    """Query head h reads kv head h // (heads // kv_heads)."""
+    gqa = dict(TINY_CONFIG, num_attention_heads=4, num_key_value_heads=2)
+    mha = dict(gqa, num_key_value_heads=4)
+    w = random_weights(gqa, test_seed, 0.12, 0.5)
+    d = ModelDims.from_config(gqa)
+    w_mha = dict(w)
+    for i in range(d.layers):
+        for proj in ("k_proj", "v_proj"):
+            key = f"layers.{i}.self_attn.{proj}.weight"
+            w_mha[key] = w[key].view(d.kv_heads, d.head_dim, d.hidden).repeat_interleave(2, dim=0).reshape(-1, d.hidden)
+    tokens = torch.randint(0, gqa["vocab_size"], (10,), generator=torch.Generator().manual_seed(test_seed))
+    a = ReferenceModel(gqa, w, "cpu").logits(tokens)
+    b = ReferenceModel(mha, w_mha, "cpu").logits(tokens)
+    torch.testing.assert_close(a, b, **FP32_TOL)
+    swapped = dict(w_mha)  # the other grouping (h % kv_heads) must give something else
+    for i in range(d.layers):
+        for proj in ("k_proj", "v_proj"):
+            key = f"layers.{i}.self_attn.{proj}.weight"
+            swapped[key] = w[key].view(d.kv_heads, d.head_dim, d.hidden).repeat(2, 1, 1).reshape(-1, d.hidden)
+    assert not torch.allclose(a, ReferenceModel(mha, swapped, "cpu").logits(tokens), atol=1e-3)
+
+
+def test_cpu_computes_in_fp32_and_cuda_dtype_follows_the_config(monkeypatch):
+    for name in ("float16", "bfloat16", "bf16"):
+        ref = ReferenceModel(dict(TINY_CONFIG, torch_dtype=name), random_weights(TINY_CONFIG), "cpu")
+        assert ref.dtype == torch.float32 and ref.w["lm_head.weight"].dtype == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda"
+    assert compute_dtype({"torch_dtype": "bf16"}, "cuda") == torch.bfloat16
+    assert compute_dtype({"torch_dtype": "BFloat16"}, "cuda") == torch.bfloat16
+    assert compute_dtype({"torch_dtype": "float32"}, "cuda") == torch.float16
+    assert compute_dtype({}, "cuda") == torch.float16
+
+
+def test_cuda_without_a_gpu_resolves_to_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == resolve_device("cuda") == "cpu"
+
+
+def test_config_defaults():
+    bare = {k: v for k, v in TINY_CONFIG.items() if k not in ("rms_norm_eps", "rope_theta", "head_dim")}
+    d = ModelDims.from_config(bare)
+    assert (d.eps, d.theta, d.head_dim) == (1e-5, 10000.0, bare["hidden_size"] // bare["num_attention_heads"])
+
+
+def test_toy_weights_layout_and_init():
+    w = random_weights(TINY_CONFIG, seed=3)
+    d = ModelDims.from_config(TINY_CONFIG)
+    assert {k: tuple(v.shape) for k, v in w.items()} == weight_shapes(d)
+    assert w["layers.1.self_attn.q_proj.weight"].shape == (d.heads * d.head_dim, d.hidden)
+    assert w["layers.1.self_attn.k_proj.weight"].shape == (d.kv_heads * d.head_dim, d.hidden)
+    assert all(v.dtype == torch.float32 for v in w.values())
+    assert all(torch.equal(v, torch.ones_like(v)) for k, v in w.items() if k.endswith("norm.weight"))
+    matrices = torch.cat([v.flatten() for v in w.values() if v.dim() == 2])
+    assert matrices.std().item() == pytest.approx(0.02, rel=0.05)
+    assert all(torch.equal(w[k], v) for k, v in random_weights(TINY_CONFIG, seed=3).items())
+    assert not torch.equal(w["lm_head.weight"], random_weights(TINY_CONFIG, seed=4)["lm_head.weight"])
+
+
+def test_norm_spread_gives_non_unit_norms():
+    w = random_weights(TINY_CONFIG, seed=0, scale=0.1, norm_spread=0.5)
+    norm = w["norm.weight"]
+    assert norm.min() >= 0.5 and norm.max() <= 1.5 and norm.std() > 0.1
+
+
+def test_generate_toy_weights_script_writes_the_seeded_toy_weights(tmp_path):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(TINY_CONFIG))
+    out = tmp_path / "weights" / "model.pt"
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts/generate_toy_weights.py"), "--config", str(cfg),
+                    "--output", str(out), "--seed", "5"], check=True, capture_output=True)
+    written = torch.load(out, weights_only=True)
+    expected = random_weights(TINY_CONFIG, seed=5)
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[k], v) for k, v in expected.items())

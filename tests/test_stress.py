@@ -1,0 +1,119 @@
+"""The stress suite accepts a correct engine and rejects each named fault (issue #2)."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from evaluator.common import REPO_ROOT, compute_dtype
+from evaluator.reference_model import ReferenceModel
+from evaluator.stress import NORM_SPREAD, run_stress, stress_models
+from evaluator.traces import (DECODE, FULL, PREFILL, QUICK, STRESS_SCENARIOS, Contexts, churn_scenario)
+from evaluator.weights import TOY_SCALE, random_weights
+
+from tests.fixtures.broken_engines import BROKEN, broken_source
+
+
+def test_recompute_engine_passes_quick_stress(recompute_engine_path, test_seed):
+    report = run_stress(recompute_engine_path, "cpu", seed=test_seed, quick=True)
+    assert report.failed == 0, report.first_failure
+    assert report.passed >= 12 and report.summary() == f"{report.passed} passed, 0 failed"
+    assert report.to_dict()["max_abs_err"] == 0.0  # the recompute engine mirrors the reference op for op
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_stress_rejects_each_fault(name, recompute_source, write_engine, test_seed):
+    report = run_stress(write_engine(broken_source(name, recompute_source)), "cpu", seed=test_seed,
+                        quick=True, fail_fast=True)
+    failure = report.first_failure
+    assert failure is not None, f"{name} passed the stress suite (seed {test_seed})"
+    assert failure.error_kind == "wrong_result" and "max abs err" in failure.error
+    assert report.to_dict()["worst_margin"] < 0
+
+
+def test_cli_prints_one_line_per_case_and_exits_by_verdict(recompute_source, write_engine, test_seed):
+    def run(source: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(REPO_ROOT / "evaluator/stress.py"), "--engine",
+                               str(write_engine(source)), "--device", "cpu", "--seed", str(test_seed),
+                               "--quick", "--fail-fast"], capture_output=True, text=True)
+    bad = run(broken_source("sorted_rows", recompute_source))
+    lines = bad.stdout.strip().splitlines()
+    assert bad.returncode == 1 and lines[-1] == "0 passed, 1 failed", bad.stdout + bad.stderr
+    assert lines[1].startswith("FAIL ") and "margin" in lines[1] and "request" in lines[2]
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_models_cover_the_promised_variety(quick, test_seed):
+    models = stress_models(random.Random(test_seed), quick, "cpu")
+    configs = [m.config for m in models]
+    kv = {(c["num_attention_heads"], c["num_key_value_heads"]) for c in configs}
+    assert any(h == k for h, k in kv) and any(k == 1 for h, k in kv) and any(1 < k < h for h, k in kv)
+    assert {c["torch_dtype"] for c in configs} >= {"float16", "bfloat16", "bf16"}
+    assert any(c.get("head_dim", 0) * c["num_attention_heads"] != c["hidden_size"] for c in configs)
+    assert any("rope_theta" not in c for c in configs)
+    assert max(c["vocab_size"] for c in configs) == 32000
+    assert all(1 <= c["num_hidden_layers"] <= 4 for c in configs)
+    assert all(m.scale > TOY_SCALE for m in models)
+    long_prompt = [m for m in models if "long_prompt" in m.scenarios]
+    assert len(long_prompt) == (1 if quick else len(models))
+
+
+def test_cpu_stress_weights_give_logits_of_order_one_to_ten(test_seed):
+    """Large enough that a wrong RoPE or bf16 rounding is far outside the tolerance, small
+    enough not to saturate."""
+    gen = torch.Generator().manual_seed(test_seed)
+    for m in stress_models(random.Random(test_seed), True, "cpu"):
+        ref = ReferenceModel(m.config, random_weights(m.config, m.weight_seed, m.scale, NORM_SPREAD), "cpu")
+        logits = ref.last_logits(torch.randint(0, m.config["vocab_size"], (40,), generator=gen))
+        assert 1.0 < logits.abs().max().item() < 30.0, m.name
+
+
+def test_half_precision_scales_stay_nearer_the_toy_init(test_seed, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cpu = stress_models(random.Random(test_seed), True, "cpu")
+    gpu = stress_models(random.Random(test_seed), True, "cuda")
+    for a, b in zip(cpu, gpu):
+        assert a.config == b.config and b.scale < a.scale
+        if compute_dtype(b.config, "cuda") == torch.bfloat16:
+            k = b.config["hidden_size"] * b.scale**2
+            assert k <= 0.1 or b.scale <= 1.2 * TOY_SCALE
+
+
+@pytest.mark.parametrize("size", [QUICK, FULL], ids=["quick", "full"])
+def test_scenarios_are_well_formed(size, test_seed):
+    """Every call's ids out of ascending order, decode only of live ids, nothing live at the
+    end, a >= 1024-token prompt, and the widest batch as promised."""
+    rng = random.Random(test_seed)
+    widest, longest = 0, 0
+    for name, build in STRESS_SCENARIOS.items():
+        ctx = Contexts()
+        for op in build(rng, size):
+            if len(op.request_ids) > 1 and op.kind != "remove":
+                assert list(op.request_ids) != sorted(op.request_ids), (name, op)
+            if op.kind == DECODE:
+                assert set(op.request_ids) <= ctx.lengths.keys(), (name, op)
+            if op.kind == PREFILL:
+                widest, longest = max(widest, len(op.request_ids)), max(longest, *op.lengths)
+            ctx.apply(op)
+        assert ctx.lengths == {}, name
+    assert longest >= 1024 and widest == size.wide_batch
+    assert FULL.wide_batch == 64
+
+
+def test_churn_covers_the_lifecycle_edges(test_seed):
+    trace = churn_scenario(random.Random(test_seed), QUICK)
+    ctx, seen = Contexts(), set()
+    reused = replaced = removed_all = unknown_removed = False
+    for op in trace:
+        if op.kind == PREFILL:
+            reused |= any(r in seen and r not in ctx.lengths for r in op.request_ids)
+            replaced |= any(r in ctx.lengths for r in op.request_ids)
+            seen.update(op.request_ids)
+        if op.kind == "remove":
+            unknown_removed |= any(r not in seen for r in op.request_ids)
+        ctx.apply(op)
+        removed_all |= op.kind == "remove" and not ctx.lengths and op is not trace[-1]
+    assert reused and replaced and removed_all and unknown_removed
