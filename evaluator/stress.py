@@ -1,15 +1,18 @@
 """Randomized correctness traces against the reference: what the public sequence never tries.
 
-    python3 evaluator/stress.py --engine PATH --device D [--seed N] [--quick]
+    python3 evaluator/stress.py --engine PATH --device D [--seed N] [--quick | --full]
         [--model-config CFG --weight-dir DIR]   # also stress the real model
+        [--fail-fast] [--atol 1e-2 --rtol 1e-2]
+
+Quick mode (small traces, for CPU and CI) is the default on CPU, full mode on CUDA.
 
 Random models (MHA, GQA, MQA; fp16 and bf16 configs; head_dim not hidden/heads; 1 to 4
 layers; vocab up to 32k; norm weights not all ones; weights larger than the toy init) each
-run four scenarios (traces.py; in quick mode one model only has the long prompt): a
->= 1024-token prompt beside a 1-token one, a wide ragged
-batch with shuffled decode subsets, lifecycle churn (id reuse, replacing a live request,
-unknown ids, removing everything then continuing) and random mixed rounds. Request ids are
-large and non-contiguous, and every call's ids are out of ascending order.
+run four scenarios (traces.py): a >= 1024-token prompt beside a 1-token one (in quick mode
+on one model only), a wide ragged batch with shuffled decode subsets, lifecycle churn (id
+reuse, replacing a live request, unknown ids, removing everything then continuing) and
+random mixed rounds. Request ids are large and non-contiguous, and every call's ids are out
+of ascending order.
 
 Prints one line per case (max abs error, margin to the tolerance), then `N passed, M failed`;
 exits 0 only when every case passed. Without --seed the draw is fresh (the seed is printed).
@@ -254,7 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine", required=True)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, help="reproduce a run (default: a fresh draw, printed)")
-    p.add_argument("--quick", action="store_true", help="small traces for CPU and CI (default: full, for the GPU)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="small traces (the default on CPU)")
+    mode.add_argument("--full", action="store_true", help="large traces (the default on CUDA)")
     p.add_argument("--model-config", help="also stress the real model (with --weight-dir)")
     p.add_argument("--weight-dir")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failing case")
@@ -264,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     if bool(a.model_config) != bool(a.weight_dir):
         p.error("--model-config and --weight-dir go together")
     target = (a.model_config, a.weight_dir) if a.model_config else None
-    report = run_stress(a.engine, a.device, a.seed, a.quick, target, a.fail_fast,
+    quick = a.quick or (not a.full and resolve_device(a.device) != "cuda")
+    report = run_stress(a.engine, a.device, a.seed, quick, target, a.fail_fast,
                         Tolerance(a.atol, a.rtol), log=lambda line: print(line, flush=True))
     sys.exit(0 if report.failed == 0 else 1)
 
