@@ -121,8 +121,10 @@ def _measure_case(module: ModuleType, config: dict, weight_dir: str, device: str
     trace = benchmark_trace(case)
     gen = make_generator(seed, device)
     vocab = int(config["vocab_size"])
-    create = lambda: call_engine(f"create_engine (case {case})", module.create_engine,  # noqa: E731
-                                 config, weight_dir, device)
+
+    def create():
+        return call_engine(f"create_engine (case {case})", module.create_engine, config, weight_dir, device)
+
     if warmup > 0:
         engine = create()
         for _ in range(warmup):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,10 +96,6 @@ class ModelDims:
     def kv_values_per_token(self) -> int:
         """K and V values one token leaves in the cache, over all layers."""
         return 2 * self.kv_heads * self.head_dim * self.layers
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
 
 
 def load_config(config: dict | str | Path) -> dict:

@@ -41,7 +41,7 @@ from evaluator.common import (WEIGHT_FILE, EvalFailure, Tolerance, call_engine, 
 from evaluator.guards import FunctionIdentities  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
 from evaluator.session import CheckedSession  # noqa: E402
-from evaluator.traces import FULL, LONG_PROMPT, QUICK, STRESS_SCENARIOS, StressSize, churn_scenario  # noqa: E402
+from evaluator.traces import FULL, LONG_PROMPT, QUICK, STRESS_SCENARIOS, StressSize  # noqa: E402
 from evaluator.weights import TOY_SCALE, random_weights, save_weights  # noqa: E402
 
 # Weight scale per compute dtype: s = max(TOY_SCALE * f, sqrt(k / hidden)). k = hidden * s^2
@@ -65,6 +65,7 @@ class StressModel:
     config: dict
     scale: float
     weight_seed: int
+    trace_seed: int
     scenarios: tuple[str, ...]
 
 
@@ -178,43 +179,55 @@ def stress_models(rng: random.Random, quick: bool, device: str) -> list[StressMo
                 f"-d{config.get('head_dim', 'auto')}-l{config['num_hidden_layers']}-v{config['vocab_size']}")
         scenarios = tuple(s for s in STRESS_SCENARIOS
                           if s != LONG_PROMPT or not quick or i == long_prompt_model)
-        out.append(StressModel(name, config, scale, rng.randrange(2**31), scenarios))
+        out.append(StressModel(name, config, scale, rng.randrange(2**31), rng.randrange(2**31), scenarios))
     return out
 
 
 # ---- running ----
 
-def _run_model(module: ModuleType, config: dict, weight_dir: str, weights: dict, device: str,
-               scenarios: dict[str, Callable], size: StressSize, rng: random.Random, name: str,
-               tol: Tolerance, report: StressReport, log: Callable[[str], None], fail_fast: bool) -> bool:
-    """Every scenario on one model, one engine shared while it keeps passing (a failure leaves
-    its state suspect, so the next scenario gets a fresh one). False to stop (fail_fast)."""
-    engine = reference = None
-    gen = make_generator(rng.randrange(2**31), device)
-    for scenario, build in scenarios.items():
-        case = CaseResult(f"{name}/{scenario}", passed=False)
-        t0 = time.perf_counter()
-        session = None
-        try:
-            if engine is None:  # the engine first, then the reference (as the harness does)
-                engine = call_engine("create_engine", module.create_engine, config, weight_dir, device)
-            if reference is None:
-                reference = ReferenceModel(config, weights, device)
-            session = CheckedSession(engine, reference, gen, tol, label=f"{scenario}: ")
-            session.run(build(rng, size))
-            case.passed = True
-        except EvalFailure as e:
-            case.error, case.error_kind = str(e), e.kind
-            engine = None
-        if session is not None:
-            s = session.stats
-            case.calls, case.max_abs_err, case.worst_margin = s.calls, s.max_abs_err, s.worst_margin
-        case.seconds = time.perf_counter() - t0
-        report.cases.append(case)
-        log(case.line())
-        if fail_fast and not case.passed:
-            return False
-    return True
+@dataclass
+class _Runner:
+    """What every model's run shares: the candidate, the device, the sizes, the report."""
+
+    module: ModuleType
+    device: str
+    size: StressSize
+    tol: Tolerance
+    report: StressReport
+    log: Callable[[str], None]
+    fail_fast: bool
+
+    def model(self, name: str, config: dict, weight_dir: str, weights: dict[str, torch.Tensor],
+              scenarios: list[str], trace_seed: int) -> bool:
+        """Every scenario on one model, one engine shared while it keeps passing (a failure
+        leaves its state suspect, so the next scenario gets a fresh one). False: stop."""
+        rng = random.Random(trace_seed)
+        gen = make_generator(rng.randrange(2**31), self.device)
+        engine = reference = None
+        for scenario in scenarios:
+            case = CaseResult(f"{name}/{scenario}", passed=False)
+            t0 = time.perf_counter()
+            session = None
+            try:
+                if engine is None:  # the engine first, then the reference (as the harness does)
+                    engine = call_engine("create_engine", self.module.create_engine, config, weight_dir, self.device)
+                if reference is None:
+                    reference = ReferenceModel(config, weights, self.device)
+                session = CheckedSession(engine, reference, gen, self.tol, label=f"{scenario}: ")
+                session.run(STRESS_SCENARIOS[scenario](rng, self.size))
+                case.passed = True
+            except EvalFailure as e:
+                case.error, case.error_kind = str(e), e.kind
+                engine = None
+            if session is not None:
+                s = session.stats
+                case.calls, case.max_abs_err, case.worst_margin = s.calls, s.max_abs_err, s.worst_margin
+            case.seconds = time.perf_counter() - t0
+            self.report.cases.append(case)
+            self.log(case.line())
+            if self.fail_fast and not case.passed:
+                return False
+        return True
 
 
 def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int | None = None,
@@ -224,28 +237,28 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
     """Run the stress suite on `engine` (a module or a path). `target` = (model config, weight
     dir) adds the real model: its churn scenario in quick mode, every scenario in full mode.
     Never raises for a wrong engine: failures are in the report (EvalFailure only if the
-    module cannot be imported)."""
+    module cannot be imported). The same seed draws the same models and traces."""
     identities = FunctionIdentities()
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     rng = random.Random(seed)
     device = resolve_device(device)
-    size = QUICK if quick else FULL
+    models = stress_models(rng, quick, device)
+    target_trace_seed = rng.randrange(2**31)
     report = StressReport(seed, "quick" if quick else "full")
     module = load_engine_module(engine)
+    run = _Runner(module, device, QUICK if quick else FULL, tol, report, log, fail_fast)
     log(f"stress ({report.mode}) on {device}, seed {seed}")
     go_on = True
     if target is not None:
-        config, weight_dir = load_config(target[0]), str(target[1])
-        scenarios = {"churn": churn_scenario} if quick else STRESS_SCENARIOS
-        go_on = _run_model(module, config, weight_dir, load_weights(weight_dir), device, scenarios,
-                           size, rng, "target", tol, report, log, fail_fast)
-    for model in stress_models(rng, quick, device) if go_on else []:
+        weight_dir = str(target[1])
+        scenarios = ["churn"] if quick else list(STRESS_SCENARIOS)
+        go_on = run.model("target", load_config(target[0]), weight_dir, load_weights(weight_dir), scenarios,
+                          target_trace_seed)
+    for model in models if go_on else []:
         weights = random_weights(model.config, model.weight_seed, model.scale, NORM_SPREAD)
         with tempfile.TemporaryDirectory(prefix="stress-weights-") as tmp:
             save_weights(weights, Path(tmp) / WEIGHT_FILE)
-            scenarios = {s: STRESS_SCENARIOS[s] for s in model.scenarios}
-            if not _run_model(module, model.config, tmp, weights, device, scenarios, size,
-                              rng, model.name, tol, report, log, fail_fast):
+            if not run.model(model.name, model.config, tmp, weights, list(model.scenarios), model.trace_seed):
                 break
     identities.check("after the stress suite")
     log(report.summary())
