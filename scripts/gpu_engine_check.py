@@ -7,8 +7,8 @@ For every plan: render templates/engine/paged.py.j2, check it against the SPEC ย
 (public sequence + the quick stress scenarios of evaluator/traces.py) on the public config
 (fp16, toy weights) and on a bf16 GQA config (toy scale, non-unit norms), then run
 evaluator.evaluate on it (public sequence, stress suite, SPEC ยง5 benchmark with floor fractions;
-timed even when stress fails, marked unverified), and measure whether eager prefill is
-launch-bound. Prints a table; writes results.json under --out.
+timed even when stress fails, marked unverified), profile a prefill and decode steps (host
+enqueue vs total, top kernels), and measure bf16 noise (engine and bf16 reference vs fp32). Prints a table; writes results.json under --out.
 
 `--plans auto`: the all-torch plan; the torch plan with a graph-safe torch decode (gathers the
 whole block table, so the CUDA-graph path runs before any Triton variant exists); every CUDA
@@ -73,7 +73,7 @@ def auto_plans() -> dict[str, Plan]:
     if combined != torch_slots:
         plans["all-cuda"] = Plan("paged", combined)
         plans["all-cuda eager"] = Plan("paged", combined, {"decode_graphs": False})
-        plans["all-cuda prefill-graphs"] = Plan("paged", combined, {"prefill_graphs": True})
+        plans["all-cuda bs32"] = Plan("paged", combined, {"block_size": 32})
     return plans
 
 
@@ -106,22 +106,78 @@ def check(module, cfg: dict, weights: dict, weight_dir: str, device: str) -> dic
     return {"calls": s.calls, "max_abs_err": s.max_abs_err, "worst_margin": s.worst_margin}
 
 
+def _kernel_table(prof, rows=14) -> str:
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        except Exception:  # noqa: BLE001 - the sort key's name changed across torch versions
+            continue
+    return ""
+
+
 @torch.no_grad()
-def prefill_launch_profile(module, cfg: dict, weight_dir: str) -> dict:
-    """Is eager prefill launch-bound? Host time to enqueue one 4x128 prefill vs its total time."""
-    engine = module.create_engine(cfg, weight_dir, "cuda")
-    gen = make_generator(0, "cuda")
-    prompts = [torch.randint(0, cfg["vocab_size"], (128,), generator=gen, device="cuda") for _ in range(4)]
+def step_profile(module, cfg: dict, weight_dir: str, device: str = "cuda") -> dict:
+    """Where a step's time goes: host enqueue vs total for a 4x128 prefill and for decode steps
+    of 8 requests (context ~40), the raw replay time of the batch-8 decode graph, and the top
+    kernels of each (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    engine = module.create_engine(cfg, weight_dir, device)
+    gen = make_generator(0, device)
+    draw = lambda n: torch.randint(0, cfg["vocab_size"], (n,), generator=gen, device=device)  # noqa: E731
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = {}
-    for i in range(4):
-        torch.cuda.synchronize()
+
+    def timed(fn, reps):
+        sync()
         t0 = time.perf_counter()
-        engine.prefill([0, 1, 2, 3], prompts)
+        for _ in range(reps):
+            fn()
         t1 = time.perf_counter()
-        torch.cuda.synchronize()
+        sync()
         t2 = time.perf_counter()
-        out = {"enqueue_ms": (t1 - t0) * 1e3, "total_ms": (t2 - t0) * 1e3}
+        return {"enqueue_ms": (t1 - t0) * 1e3 / reps, "total_ms": (t2 - t0) * 1e3 / reps}
+
+    prompts = [draw(128) for _ in range(4)]
+    timed(lambda: engine.prefill([100, 101, 102, 103], prompts), 2)
+    out["prefill_4x128"] = timed(lambda: engine.prefill([100, 101, 102, 103], prompts), 3)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.prefill([100, 101, 102, 103], prompts)
+        sync()
+    out["prefill_kernels"] = _kernel_table(prof)
+    engine.remove([100, 101, 102, 103])
+
+    ids = list(range(8))
+    engine.prefill(ids, [draw(32) for _ in ids])
+    steps = [draw(8) for _ in range(8)]
+    it = iter(steps)
+    out["decode_b8"] = timed(lambda: engine.decode(ids, next(it)), 8)
+    graph = getattr(engine, "decode_graphs", {}).get(8)
+    if graph is not None:
+        out["decode_b8_replay"] = timed(graph.graph.replay, 20)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            engine.decode(ids, draw(8))
+        sync()
+    out["decode_kernels"] = _kernel_table(prof)
     return out
+
+
+@torch.no_grad()
+def bf16_noise(module, cfg: dict, weights: dict, weight_dir: str, device: str = "cuda") -> dict:
+    """Is a bf16 mismatch the engine's or bf16's own? For a 1034-token and an 11-token prompt:
+    max |engine - bf16 reference|, |bf16 reference - fp32 reference| and |engine - fp32 reference|."""
+    engine = module.create_engine(cfg, weight_dir, device)
+    ref16 = ReferenceModel(cfg, weights, device)
+    ref32 = ReferenceModel(cfg, weights, "cpu")
+    gen = make_generator(3, device)
+    prompts = [torch.randint(0, cfg["vocab_size"], (n,), generator=gen, device=device) for n in (1034, 11)]
+    got = engine.prefill([0, 1], prompts).float().cpu()
+    r16 = torch.stack([ref16.last_logits(p) for p in prompts]).float().cpu()
+    r32 = torch.stack([ref32.last_logits(p.cpu()) for p in prompts]).float()
+    return {"engine_vs_bf16_ref": (got - r16).abs().amax(-1).tolist(),
+            "bf16_ref_vs_fp32_ref": (r16 - r32).abs().amax(-1).tolist(),
+            "engine_vs_fp32_ref": (got - r32).abs().amax(-1).tolist(),
+            "logit_absmax": r32.abs().amax(-1).tolist()}
 
 
 def main(argv=None) -> int:
@@ -132,8 +188,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--stress", default="quick", choices=("off", "quick", "full"))
+    ap.add_argument("--noise", default="torch,all-cuda", help="plans whose bf16 noise is measured")
     ap.add_argument("--check-on", default="public-fp16,gqa-bf16", help="configs the non-timed plans are checked on")
-    ap.add_argument("--bench", default="all-cuda,all-cuda eager,all-cuda prefill-graphs", help="plans that are also evaluated and timed")
+    ap.add_argument("--bench", default="all-cuda,all-cuda bs32", help="plans that are also evaluated and timed")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the checks (no timing)")
     a = ap.parse_args(argv)
@@ -182,7 +239,14 @@ def main(argv=None) -> int:
                 res["bench"] = verdict["benchmark"]
                 for b in res["bench"]:
                     print(f"[{pname}] {b}", flush=True)
-                res["prefill_profile"] = prefill_launch_profile(module, setups["public-fp16"][0], public_dir)
+                res["profile"] = step_profile(module, setups["public-fp16"][0], public_dir)
+                if a.out:
+                    (Path(a.out) / f"kernels_{pname.replace(' ', '_').replace('=', '-')}.txt").write_text(
+                        res["profile"].pop("prefill_kernels") + "\n\n" + res["profile"].pop("decode_kernels"))
+            if a.device == "cuda" and pname in a.noise.split(","):
+                cfg, weights, wdir = setups["gqa-bf16"]
+                res["bf16_noise"] = bf16_noise(module, cfg, weights, wdir)
+                print(f"[{pname}] bf16 noise: {res['bf16_noise']}", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on to the next plan
             res["error"] = f"{type(e).__name__}: {e}"
             print(f"[{pname}] ERROR {res['error']}", flush=True)
@@ -201,9 +265,13 @@ def main(argv=None) -> int:
               f"{verdict.get('error') or ''} {res.get('error', '')}")
     for pname, res in results.items():
         if "bench" in res:
+            prof = res.get("profile", {})
             print(f"{pname:29} peak MiB " + " ".join(f"{b['peak_memory_mb']:.0f}" for b in res["bench"])
-                  + f"   prefill 4x128 enqueue/total ms {res['prefill_profile']['enqueue_ms']:.2f}"
-                  f"/{res['prefill_profile']['total_ms']:.2f}")
+                  + "   " + "  ".join(f"{k} {v['enqueue_ms']:.3f}/{v['total_ms']:.3f} ms"
+                                      for k, v in prof.items() if isinstance(v, dict)))
+        if "bf16_noise" in res:
+            print(f"{pname:29} bf16 noise " + " ".join(f"{k}={[round(x, 4) for x in v]}"
+                                                     for k, v in res["bf16_noise"].items()))
     return 0 if all("error" not in r for r in results.values()) else 1
 
 
