@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shlex
 import signal
 import subprocess
@@ -17,9 +18,10 @@ from pathlib import Path
 
 from agent.judge import REPO, JudgeSettings, judge
 from agent.providers import NAMES, ProviderOptions, make_proposer
-from agent.providers.base import SearchState
+from agent.plan import Plan
+from agent.providers.base import EvalResult, SearchState
 from agent.providers.builtin import BuiltinProposer
-from agent.report import Reporter, describe
+from agent.report import Entry, Reporter, describe
 from agent.spec import WEIGHTS_FILE, ModelSpec, SpecError, load_spec
 from agent.workspace import Workspace
 from agent import loop
@@ -37,6 +39,7 @@ DEFAULT_BUDGET = {"cpu": 600.0, "cuda": 1800.0}
 # the public cases; on CUDA the official method (warm-up, median of 3) and every case.
 BENCH = {"cpu": {"warmup": 0, "repeat": 1, "cases": "prefill,decode,mixed"},
          "cuda": {"warmup": 1, "repeat": 3, "cases": None}}
+SEED_RANGE = 1_000_000
 ENV = {"config": "MODEL_CONFIG", "weights": "WEIGHT_DIR", "device": "DEVICE", "budget": "BUDGET",
        "provider": "PROVIDER", "seed": "SEED", "workspace": "WORKSPACE"}
 
@@ -67,7 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"{DEFAULT_BUDGET['cuda']:.0f} on cuda]")
     p.add_argument("--provider", choices=NAMES, default=env("provider", "builtin"),
                    help=f"who proposes candidates [{ENV['provider']}; default builtin, offline]")
-    p.add_argument("--seed", type=int, default=env("seed", 0), help=f"evaluator seed [{ENV['seed']}]")
+    p.add_argument("--seed", type=int, default=env("seed"),
+                   help=f"stress-suite seed, the same for every candidate of the run [{ENV['seed']}; default: "
+                        "drawn fresh and logged, so inputs differ between runs]")
     p.add_argument("--workspace", default=env("workspace", str(REPO / "workspace")),
                    help=f"output folder [{ENV['workspace']}; default workspace/]")
     args = p.parse_args(argv)
@@ -86,7 +91,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     weights = Path(args.weights) if args.weights else (MOUNTED_WEIGHTS if MOUNTED_WEIGHTS.is_dir() else REPO_WEIGHTS)
     device = resolve_device(args.device)
     budget = float(args.budget) if args.budget is not None else DEFAULT_BUDGET[device]
-    return RunConfig(config.resolve(), weights.resolve(), device, budget, args.provider, int(args.seed),
+    seed = int(args.seed) if args.seed is not None else random.randrange(SEED_RANGE)
+    return RunConfig(config.resolve(), weights.resolve(), device, budget, args.provider, seed,
                      Path(args.workspace).resolve())
 
 
@@ -123,16 +129,16 @@ def selftest_commands(cfg: RunConfig) -> list[str]:
             f"python3 evaluator/benchmark_throughput.py {common}"]
 
 
-def closing_lines(ws: Workspace, entries, cfg: RunConfig) -> list[str]:
+def closing_lines(ws: Workspace, entries: list[Entry], cfg: RunConfig) -> list[str]:
     verdict = ws.installed_verdict()
     if verdict is None:
         return ["result: no candidate passed; workspace/engine.py was not written"]
-    best = next(e for e in entries if e.index == verdict["index"])
-    conservative = next((e for e in entries if e.index == 1 and e.result and e.result.passed), None)
-    speedup = (f", {best.result.rank() / conservative.result.rank():.1f}x the conservative engine"
-               if conservative and conservative is not best and conservative.result.rank() > 0 else "")
-    return [f"result: {ws.engine} = #{best.index:03d} {describe(best.candidate.plan)} "
-            f"(score {best.result.rank():.4g}{speedup})",
+    result = EvalResult.from_dict(verdict["result"])
+    conservative = entries[0].result if entries and entries[0].result and entries[0].result.passed else None
+    speedup = (f", {result.rank() / conservative.rank():.1f}x the conservative engine's score"
+               if conservative and verdict["index"] != 1 and conservative.rank() > 0 else "")
+    return [f"result: {ws.engine} = #{verdict['index']:03d} {describe(Plan.from_dict(verdict['plan']))} "
+            f"(score {result.rank():.4g}{speedup})",
             "re-run the self-tests on it:", *[f"  {c}" for c in selftest_commands(cfg)]]
 
 
@@ -155,14 +161,16 @@ def main(argv: list[str] | None = None) -> int:
                              cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"])
     state = SearchState(spec=spec, device=cfg.device, hardware=hardware(cfg.device), seconds_left=cfg.budget)
     builtin = BuiltinProposer(cfg.device)
-    proposer = make_proposer(cfg.provider, ProviderOptions(cfg.device, cfg.seed, cfg.workspace, builtin), report.warn)
+    options = ProviderOptions(cfg.device, cfg.seed, cfg.workspace, builtin, log=report.line)
+    proposer = make_proposer(cfg.provider, options, report.warn)
     report.start({"run": {k: str(v) for k, v in cfg.__dict__.items()}, "spec": spec.to_dict(),
                   "hardware": state.hardware, "proposer": proposer.name},
                  header_lines(cfg, spec, state.hardware, proposer.name, settings))
     interrupted = False
     try:
-        loop.run(state, proposer, lambda engine, out, timeout: judge(engine, out, timeout, settings), ws, report,
-                 cfg.budget)
+        loop.run(state, proposer, lambda engine, out, timeout, phase: judge(engine, out, timeout,
+                                                                             settings.for_phase(phase)),
+                 ws, report, cfg.budget)
     except (KeyboardInterrupt, SystemExit):
         interrupted = True
         report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent.providers.base import EvalResult
@@ -22,6 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 TERM_GRACE_SECONDS = 3.0        # between SIGTERM and SIGKILL of the evaluator's group
 ERROR_TAIL_CHARS = 2000         # how much of stderr goes into a crash's error text
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
+VERIFY, FULL = "verify", "full"   # phases: see agent/loop.py
+VERIFY_CASES = "prefill"        # the cheapest benchmark case (the evaluator always runs one)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,13 @@ class JudgeSettings:
     cases: str | None = None     # None: the evaluator's default cases
     warmup: int = 1
     repeat: int = 3
+
+    def for_phase(self, phase: str) -> "JudgeSettings":
+        """FULL: these settings. VERIFY: the public sequence and one short timing, the quickest
+        verdict the evaluator gives (a verified conservative engine on disk before anything slow)."""
+        if phase == FULL:
+            return self
+        return replace(self, stress="off", cases=VERIFY_CASES, warmup=0, repeat=1)
 
     def command(self, engine: Path, out: Path) -> list[str]:
         cmd = [self.python, "-m", "evaluator.evaluate", "--engine", str(engine),
@@ -72,6 +81,7 @@ def _tail(path: Path) -> str:
 
 def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) -> EvalResult:
     """Run the evaluator on `engine`, leaving stdout/stderr/result.json in `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / RESULT
     out.unlink(missing_ok=True)
     start = time.monotonic()

@@ -1,6 +1,11 @@
 """The agent loop: judge the conservative engine, then whatever the proposer suggests, and
 keep the fastest candidate that passed. Anytime: workspace/engine.py only ever holds a
 candidate the evaluator passed, and it is replaced only by one that passed and is faster.
+
+The conservative engine is judged in two phases so that a verified engine is on disk as
+early as possible: VERIFY (the public sequence and one short timing) installs it; FULL (the
+stress suite and the benchmark every later candidate gets) then gives it comparable numbers,
+within a share of the budget. Every other candidate gets FULL alone.
 """
 from __future__ import annotations
 
@@ -8,19 +13,22 @@ import json
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from agent import policy, search
+from agent.judge import FULL, VERIFY
 from agent.providers.base import Candidate, EvalResult, Proposer, SearchState, improves
 from agent.render import render_engine
 from agent.report import Entry, Reporter, describe
 from agent.workspace import Workspace, atomic_write
 
-Judge = Callable[[Path, Path, float], EvalResult]    # (engine.py, candidate dir, timeout s) → verdict
+Judge = Callable[[Path, Path, float, str], EvalResult]   # (engine.py, out dir, timeout s, phase) → verdict
 
 RESERVE_SECONDS = 5.0        # kept back from the budget to write the summary and exit
 MIN_EVAL_SECONDS = 10.0      # less than this left: no evaluation can finish, stop proposing
 HANG_FACTOR, HANG_SLACK_SECONDS = 3.0, 120.0   # a candidate this much slower than any pass is hung
+CONSERVATIVE_FULL_SHARE = 0.35   # of the budget left, at most, for timing the (slow) conservative engine
 MAX_REPEATS = 20             # consecutive already-judged proposals before the search gives up
 
 
@@ -32,54 +40,86 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
         budget: float) -> None:
     """Judge candidates until the proposer runs dry or the budget cannot fit another one."""
     deadline = time.monotonic() + budget
-    report.seconds_left = lambda: deadline - time.monotonic()
+    left = lambda: deadline - time.monotonic() - RESERVE_SECONDS  # noqa: E731
+    report.seconds_left = left
     candidate: Candidate | None = conservative_candidate()
     while candidate is not None:
-        left = deadline - time.monotonic() - RESERVE_SECONDS
-        if state.history and left < expected_seconds(state):
-            report.line(f"budget: {left:.0f}s left, not enough for another evaluation; stopping")
+        if state.history and left() < expected_seconds(state):
+            report.line(f"budget: {left():.0f}s left, not enough for another evaluation; stopping")
             break
-        entry = judge_one(len(state.history) + 1, candidate, state, judge, ws, report, timeout_for(state, left))
+        entry = judge_one(len(state.history) + 1, candidate, state, judge, ws, report, left)
         state.history.append((candidate, entry.result))
         if entry.accepted:
             state.best, state.best_result = candidate, entry.result
-        if len(state.history) > 1:
+        if len(state.history) > 1:  # the conservative step is the loop's own, not the proposer's
             proposer.feedback(candidate, entry.result)
-        state.seconds_left = deadline - time.monotonic()
+        state.seconds_left = left()
         candidate = next_candidate(proposer, state, report)
 
 
 def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge, ws: Workspace,
-              report: Reporter, timeout: float) -> Entry:
+              report: Reporter, left: Callable[[], float]) -> Entry:
     """Render, check, judge; install the engine if it passed and beats the best."""
-    directory = ws.candidate_dir(index, describe(candidate.plan))
-    entry = Entry(index, candidate, directory)
+    entry = Entry(index, candidate, ws.candidate_dir(index, describe(candidate.plan)))
     report.started(entry)
+    source, entry.result = prepare(candidate, entry.directory, state.device)
+    if entry.result is None and not state.history:
+        entry.result = judge_conservative(entry, source, judge, ws, report, left)
+    else:
+        if entry.result is None:
+            entry.result = judge(entry.directory / "engine.py", entry.directory, timeout_for(state, left()), FULL)
+        report.verdict(entry, entry.result)
+        if improves(entry.result, state.best_result):
+            install(entry, entry.result, source, ws, report)
+    report.finished(entry)
+    return entry
+
+
+def judge_conservative(entry: Entry, source: str, judge: Judge, ws: Workspace, report: Reporter,
+                       left: Callable[[], float]) -> EvalResult:
+    """VERIFY, install at once (anytime), then FULL within a share of the budget. If FULL does
+    not pass, the engine stays, ranked 0 (untimed), so any candidate that passes replaces it."""
+    engine = entry.directory / "engine.py"
+    verified = judge(engine, entry.directory / VERIFY, left(), VERIFY)
+    report.verdict(entry, verified, label="verified")
+    if not verified.passed:
+        return verified
+    install(entry, verified, source, ws, report)
+    full = judge(engine, entry.directory, CONSERVATIVE_FULL_SHARE * left(), FULL)
+    report.verdict(entry, full, label="timed")
+    if full.passed:
+        install(entry, full, source, ws, report)
+        return full
+    report.warn(f"the conservative engine stays installed, ranked 0: its full evaluation did not pass "
+                f"({full.error_kind} at {full.stage})")
+    return replace(verified, score=0.0, error=f"full evaluation: {full.error_kind} at {full.stage}")
+
+
+def prepare(candidate: Candidate, directory: Path, device: str) -> tuple[str | None, EvalResult | None]:
+    """Render the candidate into its folder; a failure to render or a policy breach is its verdict."""
     atomic_write(directory / "plan.json", json.dumps(candidate.to_dict(), indent=2) + "\n")
-    source, result = None, None
     try:
         source = render_engine(candidate.plan, candidate.extra_variants)
     except Exception as e:  # noqa: BLE001 - a template that does not render is a failed candidate
-        result = EvalResult.failure("render", "compile_error", f"{type(e).__name__}: {e}", state.device)
-    if source is not None:
+        failure = EvalResult.failure("render", "compile_error", f"{type(e).__name__}: {e}", device)
+    else:
         atomic_write(directory / "engine.py", source)
         # Our own templates are trusted; code that came from a proposer is checked before it runs.
         violations = policy.check_engine(source) if candidate.extra_variants else []
-        if violations:
-            result = EvalResult.failure("policy", "policy", policy.describe(violations), state.device)
-        else:
-            result = judge(directory / "engine.py", directory, timeout)
-    if result.stage in ("render", "policy"):
-        atomic_write(directory / "result.json", json.dumps(result.to_dict(), indent=2) + "\n")
-    entry.result = result
-    entry.accepted = improves(result, state.best_result)
-    if entry.accepted:
-        ws.install_engine(source, {"index": index, **candidate.to_dict(), "result": result.to_dict()})
-    report.finished(entry, installed=str(ws.engine) if entry.accepted else None)
-    if entry.accepted:
-        ws.commit(f"#{index:03d} {describe(candidate.plan)}: score {result.rank():.4g}\n\n"
-                  f"{candidate.note}\n{json.dumps(candidate.to_dict(), indent=2)}")
-    return entry
+        if not violations:
+            return source, None
+        failure = EvalResult.failure("policy", "policy", policy.describe(violations), device)
+    atomic_write(directory / "result.json", json.dumps(failure.to_dict(), indent=2) + "\n")
+    return None, failure
+
+
+def install(entry: Entry, result: EvalResult, source: str, ws: Workspace, report: Reporter) -> None:
+    """Atomically make this candidate workspace/engine.py, say so, and commit it to the history."""
+    ws.install_engine(source, {"index": entry.index, **entry.candidate.to_dict(), "result": result.to_dict()})
+    report.accepted(entry, result)
+    entry.accepted = True
+    ws.commit(f"#{entry.index:03d} {describe(entry.candidate.plan)}: {result.status}, score {result.rank():.4g}\n\n"
+              f"{entry.candidate.note}\n{json.dumps(entry.candidate.to_dict(), indent=2)}")
 
 
 def next_candidate(proposer: Proposer, state: SearchState, report: Reporter) -> Candidate | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from agent.plan import Plan, engine_params
 from agent.providers.base import Candidate, EvalResult
-from agent.workspace import RESULTS_JSON, RESULTS_LOG, atomic_write
+from agent.workspace import ENGINE, RESULTS_JSON, RESULTS_LOG, atomic_write
 
 ERROR_CHARS = 400           # of an error, in the log line (the whole text is in results.json)
 PLAN_CHARS = 60             # of a plan's description, in the summary table
@@ -76,7 +76,8 @@ def summary_rows(entries: list[Entry]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for e in entries:
         r = e.result
-        verdict = "running" if r is None else ("passed" if r.passed else f"{r.stage}:{r.error_kind}")
+        verdict = ("unfinished" if r is None else f"{r.stage}:{r.error_kind}" if not r.passed
+                   else "verified" if r.error else "passed")   # verified: passed, but not timed in full
         tps = r.tokens_per_second() if r else {}
         rows.append(["*" if e.accepted else "", str(e.index), describe(e.candidate.plan)[:PLAN_CHARS],
                      e.candidate.origin, verdict, f"{r.rank():.4g}" if r and r.passed else "-",
@@ -142,11 +143,15 @@ class Reporter:
         c = entry.candidate
         self.line(f"#{entry.index:03d} {describe(c.plan)}  [{c.origin}] {c.note}")
 
-    def finished(self, entry: Entry, installed: str | None) -> None:
-        self.line(f"     {verdict_line(entry.result)}")
-        if entry.accepted:
-            self.best_line = f"#{entry.index:03d} {describe(entry.candidate.plan)} (score {entry.result.rank():.4g})"
-            self.line(f"     ACCEPTED -> {installed}")
+    def verdict(self, entry: Entry, result: EvalResult, label: str = "") -> None:
+        self.line(f"     {label + ': ' if label else ''}{verdict_line(result)}")
+
+    def accepted(self, entry: Entry, result: EvalResult) -> None:
+        again = " (same engine, verdict updated)" if entry.accepted else ""
+        self.best_line = f"#{entry.index:03d} {describe(entry.candidate.plan)} (score {result.rank():.4g})"
+        self.line(f"     ACCEPTED -> {self.root / ENGINE}{again}")
+
+    def finished(self, entry: Entry) -> None:
         self._write_json(finished=False)
 
     def finish(self, closing_lines: list[str]) -> None:
@@ -154,7 +159,7 @@ class Reporter:
             self._live.stop()
             self._live = None
         self.line()
-        self.line("summary (* = written to engine.py when judged)")
+        self.line(f"summary (* = written to {ENGINE} when judged; the last * is the result)")
         self.line(text_table(*summary_rows(self.entries)))
         self.line()
         for text in closing_lines:

@@ -33,6 +33,7 @@ class ProviderOptions:
     seed: int
     workspace: Path                  # where a provider may keep transcripts
     builtin: "BuiltinProposer"
+    log: Callable[[str], None] | None = None   # one line to results.log and the console
 
 
 def resolve_name(name: str) -> str:

@@ -1,0 +1,111 @@
+"""End to end through `bash run.sh` on a tiny model, CPU, real evaluator and templates:
+interrupted mid-run it leaves a passing engine; re-run, it finishes with the conservative
+engine and a KV-cache engine, both with numbers, in the log, and the engine passes the
+public check."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_spec import REPO, TINY_CONFIG, write_model
+
+# Big enough that a KV cache matters on a CPU (recompute re-runs ~40 tokens per request per
+# decode step), small enough that every evaluation takes seconds.
+SMALL_CONFIG = {**TINY_CONFIG, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+                "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024}
+BUDGET_SECONDS = 100        # the conservative engine (verified, timed) and the KV-cache engine, under load
+WAIT_SECONDS = 120          # for the first engine of the interrupted run
+
+
+def run_sh(tmp_path: Path, *args: str, **popen) -> subprocess.Popen:
+    config, weights = write_model(tmp_path / "model", SMALL_CONFIG) if not (tmp_path / "model").exists() else \
+        (tmp_path / "model" / "config.json", tmp_path / "model" / "weights")
+    cmd = ["bash", str(REPO / "run.sh"), "--config", str(config), "--weights", str(weights), "--device", "cpu",
+           "--workspace", str(tmp_path / "ws"), "--seed", "1", *args]
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **popen)
+
+
+def public_check(tmp_path: Path) -> dict:
+    done = subprocess.run([sys.executable, str(REPO / "evaluator" / "test_correctness.py"),
+                           "--engine", str(tmp_path / "ws" / "engine.py"),
+                           "--model-config", str(tmp_path / "model" / "config.json"),
+                           "--weight-dir", str(tmp_path / "model" / "weights"), "--device", "cpu"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout[done.stdout.index("{"):])
+
+
+def evaluators_running(workspace: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(workspace) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_bad_input_through_run_sh(tmp_path):
+    write_model(tmp_path / "model")
+    (tmp_path / "model" / "weights" / "model.pt").unlink()
+    proc = run_sh(tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert err.strip().splitlines()[-1].startswith("error: missing weights file")
+    assert not (tmp_path / "ws" / "engine.py").exists()
+
+
+def test_interrupt_then_rerun(tmp_path):
+    # 1. Interrupted once the conservative engine is on disk, while later evaluations run.
+    proc = run_sh(tmp_path, "--budget", str(BUDGET_SECONDS))
+    log = tmp_path / "ws" / "results.log"
+    deadline = time.monotonic() + WAIT_SECONDS
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and "ACCEPTED" in log.read_text():
+            break
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail(f"no engine accepted within {WAIT_SECONDS}s:\n{log.read_text() if log.exists() else ''}")
+    time.sleep(2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    verdict = json.loads((tmp_path / "ws" / "engine.json").read_text())
+    assert verdict["plan"]["engine"] == "recompute" and verdict["result"]["status"] == "passed"
+    assert public_check(tmp_path)["status"] == "passed"
+    time.sleep(1)
+    assert not evaluators_running(tmp_path / "ws"), "the evaluator outlived the interrupted agent"
+
+    # 2. Re-run to the end of the budget.
+    start = time.monotonic()
+    proc = run_sh(tmp_path, "--budget", str(BUDGET_SECONDS))
+    out, err = proc.communicate(timeout=BUDGET_SECONDS * 2)
+    elapsed = time.monotonic() - start
+    text = log.read_text()
+    assert proc.returncode == 0, text + err[-2000:]
+    assert elapsed < BUDGET_SECONDS * 1.1 + 15, f"run took {elapsed:.0f}s for a {BUDGET_SECONDS}s budget"
+    assert public_check(tmp_path)["status"] == "passed"
+    results = json.loads((tmp_path / "ws" / "results.json").read_text())
+    first, *rest = results["candidates"]
+    assert first["plan"]["engine"] == "recompute" and first["result"]["status"] == "passed"
+    paged = [c for c in rest if c["plan"]["engine"] == "paged" and c["result"]["status"] == "passed"]
+    assert paged, text
+    assert paged[0]["result"]["benchmark"] and paged[0]["result"]["score"] > 0
+    assert "#001 recompute" in text and "#002 paged" in text and "tok/s" in text and "summary" in text
+    # Keep-the-best, as recorded: the installed engine is the first of the highest-ranked passes.
+    # (Which engine that is depends on the machine's timing noise, so it is not asserted.)
+    best = json.loads((tmp_path / "ws" / "engine.json").read_text())
+    assert best["index"] == results["best"] and results["candidates"][best["index"] - 1]["accepted"]
+    for name in ("engine.py", "plan.json", "result.json", "stdout.txt", "stderr.txt"):
+        assert (tmp_path / "ws" / results["candidates"][1]["dir"] / name).exists(), name
