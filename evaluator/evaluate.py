@@ -51,11 +51,11 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
         raise ValueError(f"stress must be one of {STRESS_MODES}")
     start = time.perf_counter()
     identities = FunctionIdentities()
-    config = load_config(model_config)
     device = resolve_device(device)
     result = {"status": "failed", "stage": "import", "error_kind": None, "error": None, "device": device,
               "public": None, "stress": None, "benchmark": None, "score": None, "seconds": 0.0}
     try:
+        config = load_config(model_config)
         module = load_engine_module(engine)
         identities.check("at import")
         result["stage"] = "public"
