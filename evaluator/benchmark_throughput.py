@@ -16,7 +16,6 @@ reference after all timing is done (so an engine cannot time one path and pass a
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import sys
@@ -31,8 +30,8 @@ if __package__ in (None, ""):  # run as a script: make the `evaluator` package i
 import torch  # noqa: E402
 
 from evaluator.common import (EngineRaised, ModelDims, Tolerance, WrongResult, call_engine,  # noqa: E402
-                              compute_dtype, load_config, load_engine_module, make_generator,
-                              resolve_device, synchronize)
+                              compute_dtype, harness_parser, load_config, load_engine_module,
+                              make_generator, parse_cases, resolve_device, synchronize)
 from evaluator.floor import Hardware, detect_hardware, floor_seconds  # noqa: E402
 from evaluator.guards import FunctionIdentities, compare, take_output  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
@@ -198,11 +197,7 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", required=True)
-    p.add_argument("--model-config", required=True)
-    p.add_argument("--weight-dir", required=True)
-    p.add_argument("--device", default="auto")
+    p = harness_parser(__doc__.splitlines()[0])
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--cases", default=",".join(PUBLIC_CASES),
@@ -216,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     hw = detect_hardware(device, compute_dtype(config, device), a.bandwidth_gbs, a.peak_tflops)
     print(f"floor hardware: {hw.name}, {hw.bandwidth_gbs:.0f} GB/s, {hw.peak_tflops:.1f} TFLOP/s ({hw.source})",
           file=sys.stderr)
-    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    cases = parse_cases(a.cases)
     results = run_benchmark(a.engine, config, a.weight_dir, device, cases, a.warmup, a.repeat,
                             hardware=hw, verify_outputs=not a.no_verify)
     print(json.dumps(results, indent=2))

@@ -5,6 +5,7 @@ script here must agree with it, so each of those rules is written once, in this 
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -188,3 +189,18 @@ def call_engine(what: str, fn: Callable[..., Any], *args: Any) -> Any:
     except Exception as e:  # noqa: BLE001 - the candidate may raise anything
         raise EngineRaised(f"{what} raised {_describe(e)}", _kind_of(e)) from e
 
+
+
+def harness_parser(description: str) -> argparse.ArgumentParser:
+    """A parser with the flags every official-style script takes, spelled as the harness does."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--engine", required=True)
+    p.add_argument("--model-config", required=True)
+    p.add_argument("--weight-dir", required=True)
+    p.add_argument("--device", default="auto")
+    return p
+
+
+def parse_cases(text: str) -> list[str]:
+    """`--cases a,b,c` as a list."""
+    return [c.strip() for c in text.split(",") if c.strip()]

@@ -10,7 +10,6 @@ Progress goes to stderr, a one-line verdict to stdout. Timeouts are the caller's
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -23,8 +22,8 @@ if __package__ in (None, ""):  # run as a script: make the `evaluator` package i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
-from evaluator.common import (CRASH, EvalFailure, Tolerance, load_config,  # noqa: E402
-                              load_engine_module, resolve_device)
+from evaluator.common import (CRASH, EvalFailure, Tolerance, harness_parser, load_config,  # noqa: E402
+                              load_engine_module, parse_cases, resolve_device)
 from evaluator.guards import FunctionIdentities  # noqa: E402
 from evaluator.stress import run_stress  # noqa: E402
 from evaluator.test_correctness import run_public_sequence  # noqa: E402
@@ -101,11 +100,7 @@ def write_json(result: dict, out: str | Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", required=True)
-    p.add_argument("--model-config", required=True)
-    p.add_argument("--weight-dir", required=True)
-    p.add_argument("--device", default="auto")
+    p = harness_parser(__doc__.splitlines()[0])
     p.add_argument("--stress", choices=STRESS_MODES, default="quick")
     p.add_argument("--cases", default=",".join(PUBLIC_CASES), help=f"comma-separated, of: {', '.join(BENCHMARK_CASES)}")
     p.add_argument("--warmup", type=int, default=1)
@@ -115,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peak-tflops", type=float)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    cases = parse_cases(a.cases)
     result = evaluate(a.engine, a.model_config, a.weight_dir, a.device, a.stress, cases, a.warmup, a.repeat,
                       a.seed, a.bandwidth_gbs, a.peak_tflops,
                       log=lambda line: print(line, file=sys.stderr, flush=True))

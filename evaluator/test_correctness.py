@@ -9,7 +9,6 @@ step, the max abs and rel error).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,8 +17,8 @@ from types import ModuleType
 if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evaluator.common import (Tolerance, call_engine, load_config, load_engine_module,  # noqa: E402
-                              make_generator, resolve_device)
+from evaluator.common import (Tolerance, call_engine, harness_parser, load_config,  # noqa: E402
+                              load_engine_module, make_generator, resolve_device)
 from evaluator.guards import FunctionIdentities  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
 from evaluator.session import CheckedSession  # noqa: E402
@@ -50,11 +49,7 @@ def run_public_sequence(engine: ModuleType | str | Path, model_config: dict | st
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", required=True)
-    p.add_argument("--model-config", required=True)
-    p.add_argument("--weight-dir", required=True)
-    p.add_argument("--device", default="auto")
+    p = harness_parser(__doc__.splitlines()[0])
     p.add_argument("--atol", type=float, default=1e-2)
     p.add_argument("--rtol", type=float, default=1e-2)
     a = p.parse_args(argv)
