@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +144,7 @@ def closing_lines(ws: Workspace, entries: list[Entry], cfg: RunConfig) -> list[s
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()  # the budget covers the whole run, input checks included
     args = parse_args(argv)
     try:
         cfg = resolve(args)
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loop.run(state, proposer, lambda engine, out, timeout, phase: judge(engine, out, timeout,
                                                                              settings.for_phase(phase)),
-                 ws, report, cfg.budget)
+                 ws, report, started + cfg.budget)
     except (KeyboardInterrupt, SystemExit):
         interrupted = True
         report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")

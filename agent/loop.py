@@ -29,6 +29,7 @@ RESERVE_SECONDS = 5.0        # kept back from the budget to write the summary an
 MIN_EVAL_SECONDS = 10.0      # less than this left: no evaluation can finish, stop proposing
 HANG_FACTOR, HANG_SLACK_SECONDS = 3.0, 120.0   # a candidate this much slower than any pass is hung
 CONSERVATIVE_FULL_SHARE = 0.35   # of the budget left, at most, for timing the (slow) conservative engine
+UNTIMED = "verified on the public sequence, not timed in full"
 MAX_REPEATS = 20             # consecutive already-judged proposals before the search gives up
 
 
@@ -37,9 +38,9 @@ def conservative_candidate() -> Candidate:
 
 
 def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, report: Reporter,
-        budget: float) -> None:
-    """Judge candidates until the proposer runs dry or the budget cannot fit another one."""
-    deadline = time.monotonic() + budget
+        deadline: float) -> None:
+    """Judge candidates until the proposer runs dry or the time left (to `deadline`, on the
+    time.monotonic clock) cannot fit another evaluation."""
     left = lambda: deadline - time.monotonic() - RESERVE_SECONDS  # noqa: E731
     report.seconds_left = left
     candidate: Candidate | None = conservative_candidate()
@@ -81,6 +82,8 @@ def judge_conservative(entry: Entry, source: str, judge: Judge, ws: Workspace, r
     not pass, the engine stays, ranked 0 (untimed), so any candidate that passes replaces it."""
     engine = entry.directory / "engine.py"
     verified = judge(engine, entry.directory / VERIFY, left(), VERIFY)
+    if verified.passed:  # its one short timing does not compare with full scores: rank it 0 for now
+        verified = replace(verified, score=0.0, error=UNTIMED)
     report.verdict(entry, verified, label="verified")
     if not verified.passed:
         return verified
@@ -92,7 +95,7 @@ def judge_conservative(entry: Entry, source: str, judge: Judge, ws: Workspace, r
         return full
     report.warn(f"the conservative engine stays installed, ranked 0: its full evaluation did not pass "
                 f"({full.error_kind} at {full.stage})")
-    return replace(verified, score=0.0, error=f"full evaluation: {full.error_kind} at {full.stage}")
+    return replace(verified, error=f"{UNTIMED}: full evaluation {full.error_kind} at {full.stage}")
 
 
 def prepare(candidate: Candidate, directory: Path, device: str) -> tuple[str | None, EvalResult | None]:

@@ -60,7 +60,7 @@ def verdict_line(r: EvalResult) -> str:
         if len(error) > ERROR_CHARS:
             error = error[:ERROR_CHARS] + "…"
         return f"FAILED at {r.stage} ({r.error_kind}): {error}  [{r.seconds:.1f}s]"
-    parts = [f"PASSED  score {r.rank():.4g}"]
+    parts = [f"PASSED  score {r.rank():.4g}" if not r.error else f"PASSED ({r.error})"]
     parts += [f"{name} {rate(tps)} tok/s" for name, tps in r.tokens_per_second().items()]
     if r.public:
         parts.append(f"public max err {r.public.get('max_abs_err', '?')}")
