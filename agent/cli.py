@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loop.run(state, proposer, lambda engine, out, timeout, phase: judge(engine, out, timeout,
                                                                              settings.for_phase(phase)),
-                 ws, report, started + cfg.budget)
+                 ws, report, cfg.budget, started)
     except (KeyboardInterrupt, SystemExit):
         interrupted = True
         report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")

@@ -38,9 +38,10 @@ def conservative_candidate() -> Candidate:
 
 
 def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, report: Reporter,
-        deadline: float) -> None:
-    """Judge candidates until the proposer runs dry or the time left (to `deadline`, on the
-    time.monotonic clock) cannot fit another evaluation."""
+        budget: float, started: float | None = None) -> None:
+    """Judge candidates until the proposer runs dry or the budget (seconds from `started`, a
+    time.monotonic() reading; default now) cannot fit another evaluation."""
+    deadline = (time.monotonic() if started is None else started) + budget
     left = lambda: deadline - time.monotonic() - RESERVE_SECONDS  # noqa: E731
     report.seconds_left = left
     candidate: Candidate | None = conservative_candidate()

@@ -3,7 +3,6 @@ never install a failure, never judge a plan twice, stop at the budget, survive t
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -69,7 +68,7 @@ def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: 
     report = Reporter(ws.root, live=False)
     ws.open_history(warn=report.warn)
     state = SearchState(spec=None, device=device, hardware={})
-    loop.run(state, proposer, judge, ws, report, time.monotonic() + budget)
+    loop.run(state, proposer, judge, ws, report, budget)
     report.finish([])
     firsts = [(k, t) for i, (k, t, _) in enumerate(judged) if i == 0 or judged[i - 1][0] != k]
     return ws, state, firsts  # one (plan key, timeout) per candidate, in order
