@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from agent.plan import Plan
 from agent.render import render_engine
@@ -34,6 +35,9 @@ TINY_CONFIG = {
     "torch_dtype": "float16",
     "vocab_size": 256,
 }
+# For subprocesses of tiny-model tests: one intra-op thread (see `single_thread`).
+SINGLE_THREAD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
 # Weights that make attention far from uniform, so that most faults are visible.
 LARGE_SCALE = 0.12
 NORM_SPREAD = 0.5
@@ -103,3 +107,13 @@ def test_seed() -> int:
     seed = int(os.environ.get("EVAL_TEST_SEED", random.SystemRandom().randrange(2**31)))
     print(f"EVAL_TEST_SEED={seed}")
     return seed
+
+
+@pytest.fixture
+def single_thread():
+    """One intra-op thread while the test runs: tiny-model tests are all per-op overhead, and
+    a second spinning thread only slows them down on a busy or 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -14,7 +14,10 @@ from evaluator.common import REPO_ROOT, WRONG_RESULT, EvalFailure, ModelDims, lo
 from evaluator.floor import Hardware, detect_hardware, floor_seconds
 from evaluator.traces import DECODE, PREFILL, REMOVE, benchmark_trace, mixed_case, replay, token_counts
 
+from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import broken_source
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 H100 = Hardware("H100", 3000.0, 790.0, "table")
 OFFICIAL_FIELDS = {"case_name", "elapsed_ms", "prefill_tokens", "decode_tokens", "total_tokens",
@@ -113,7 +116,7 @@ def test_cli_prints_a_json_list(recompute_engine_path, tiny_model):
          "--model-config", str(tiny_model.config_path), "--weight-dir", str(tiny_model.weight_dir),
          "--device", "cpu", "--warmup", "0", "--repeat", "1", "--cases", "prefill",
          "--bandwidth-gbs", "20", "--peak-tflops", "0.2"],
-        capture_output=True, text=True, check=True)
+        capture_output=True, env=SINGLE_THREAD_ENV, text=True, check=True)
     (result,) = json.loads(proc.stdout)
     assert result["case_name"] == "prefill" and result["prefill_tokens"] == 512
     assert "20 GB/s" in proc.stderr

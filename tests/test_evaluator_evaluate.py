@@ -12,7 +12,10 @@ import pytest
 from evaluator.common import REPO_ROOT
 from evaluator.evaluate import evaluate, score
 
+from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import broken_source
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 TOP_KEYS = {"status", "stage", "error_kind", "error", "device", "public", "stress", "benchmark", "score", "seconds"}
 
@@ -21,7 +24,7 @@ def run_cli(engine, model, out, *extra) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "evaluator.evaluate", "--engine", str(engine), "--model-config", str(model.config_path),
          "--weight-dir", str(model.weight_dir), "--device", "cpu", "--out", str(out), *extra],
-        capture_output=True, text=True, cwd=REPO_ROOT)
+        capture_output=True, env=SINGLE_THREAD_ENV, text=True, cwd=REPO_ROOT)
 
 
 def test_cli_passes_a_correct_engine(recompute_engine_path, tiny_model, tmp_path, test_seed):

@@ -14,7 +14,10 @@ from evaluator.guards import FunctionIdentities, InputSnapshot, compare, take_ou
 from evaluator.test_correctness import run_public_sequence
 from evaluator.traces import public_sequence, token_counts
 
+from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import broken_source
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_public_sequence_is_the_spec_sequence():
@@ -37,7 +40,7 @@ def test_cli_prints_the_passed_json(recompute_engine_path, tiny_model):
         [sys.executable, str(REPO_ROOT / "evaluator/test_correctness.py"), "--engine", str(recompute_engine_path),
          "--model-config", str(tiny_model.config_path), "--weight-dir", str(tiny_model.weight_dir),
          "--device", "auto", "--atol", "1e-2", "--rtol", "1e-2"],
-        capture_output=True, text=True, check=True)
+        capture_output=True, env=SINGLE_THREAD_ENV, text=True, check=True)
     assert json.loads(proc.stdout)["status"] == "passed"
 
 

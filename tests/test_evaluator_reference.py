@@ -13,7 +13,9 @@ from evaluator.common import REPO_ROOT, ModelDims, compute_dtype, resolve_device
 from evaluator.reference_model import ReferenceModel, apply_rope, rope_tables
 from evaluator.weights import random_weights, weight_shapes
 
-from tests.conftest import TINY_CONFIG
+from tests.conftest import SINGLE_THREAD_ENV, TINY_CONFIG
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -119,7 +121,7 @@ def test_generate_toy_weights_script_writes_the_seeded_toy_weights(tmp_path):
     cfg.write_text(json.dumps(TINY_CONFIG))
     out = tmp_path / "weights" / "model.pt"
     subprocess.run([sys.executable, str(REPO_ROOT / "scripts/generate_toy_weights.py"), "--config", str(cfg),
-                    "--output", str(out), "--seed", "5"], check=True, capture_output=True)
+                    "--output", str(out), "--seed", "5"], check=True, capture_output=True, env=SINGLE_THREAD_ENV)
     written = torch.load(out, weights_only=True)
     expected = random_weights(TINY_CONFIG, seed=5)
     assert written.keys() == expected.keys()

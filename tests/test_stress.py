@@ -14,7 +14,10 @@ from evaluator.stress import NORM_SPREAD, run_stress, stress_models
 from evaluator.traces import (DECODE, FULL, PREFILL, QUICK, STRESS_SCENARIOS, Contexts, churn_scenario)
 from evaluator.weights import TOY_SCALE, random_weights
 
+from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import BROKEN, broken_source
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_recompute_engine_passes_quick_stress(recompute_engine_path, test_seed):
@@ -38,7 +41,7 @@ def test_cli_prints_one_line_per_case_and_exits_by_verdict(recompute_source, wri
     def run(source: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, str(REPO_ROOT / "evaluator/stress.py"), "--engine",
                                str(write_engine(source)), "--device", "cpu", "--seed", str(test_seed),
-                               "--quick", "--fail-fast"], capture_output=True, text=True)
+                               "--quick", "--fail-fast"], capture_output=True, env=SINGLE_THREAD_ENV, text=True)
     bad = run(broken_source("sorted_rows", recompute_source))
     lines = bad.stdout.strip().splitlines()
     assert bad.returncode == 1 and lines[-1] == "0 passed, 1 failed", bad.stdout + bad.stderr
