@@ -7,6 +7,7 @@ timeout, a crash or a missing verdict become an EvalResult like any other failur
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from agent.providers.base import EvalResult
 from agent.workspace import atomic_write
 
 REPO = Path(__file__).resolve().parent.parent
+PR_SET_PDEATHSIG = 1            # prctl option (linux/prctl.h)
 TERM_GRACE_SECONDS = 3.0        # between SIGTERM and SIGKILL of the evaluator's group
 ERROR_TAIL_CHARS = 2000         # how much of stderr goes into a crash's error text
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
@@ -57,6 +59,15 @@ class JudgeSettings:
         return cmd
 
 
+def _die_with_parent() -> None:
+    """In the evaluator, before exec (Linux): be SIGKILLed when the agent dies, even by SIGKILL,
+    so a killed run leaves no evaluator behind writing into the next run's workspace."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the group kill on timeout/interrupt still applies
+        pass
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM the evaluator's whole process group, then SIGKILL whatever is left."""
     try:
@@ -87,7 +98,7 @@ def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) 
     start = time.monotonic()
     with open(out_dir / STDOUT, "wb") as so, open(out_dir / STDERR, "wb") as se:
         proc = subprocess.Popen(settings.command(engine, out), cwd=REPO, stdin=subprocess.DEVNULL,
-                                stdout=so, stderr=se, start_new_session=True)
+                                stdout=so, stderr=se, start_new_session=True, preexec_fn=_die_with_parent)
         try:
             rc = proc.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,6 +70,7 @@ def test_candidate_dirs_are_numbered_and_safe(tmp_path):
 FAKE_EVALUATORS = {
     "passes": "json.dump({'status': 'passed', 'stage': 'done', 'score': 0.5, 'benchmark': []}, open(out, 'w'))",
     "hangs": "import subprocess; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)",
+    "sleeps": "time.sleep(60)",
     "crashes": "sys.stderr.write('Traceback: engine segfaulted\\n'); sys.exit(-11 % 256)",
     "lies": "json.dump({'status': 'passed', 'stage': 'done', 'score': 9.0}, open(out, 'w')); sys.exit(1)",
     "fails": "json.dump({'status': 'failed', 'stage': 'public', 'error_kind': 'wrong_result', "
@@ -105,6 +107,36 @@ def test_judge_kills_a_hanging_evaluator_and_its_children(tmp_path, monkeypatch)
     time.sleep(0.2)
     leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_sleeper(p)]
     assert not leftovers
+
+
+def test_evaluator_dies_with_a_killed_agent(tmp_path):
+    settings = fake_evaluator(tmp_path, "sleeps")
+    agent = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from pathlib import Path; from agent.judge import JudgeSettings, judge; "
+        f"judge(Path('e.py'), Path({str(tmp_path)!r}), 60.0, JudgeSettings({settings.python!r}, Path('c'), "
+        "Path('w'), 'cpu', 0))")], cwd=judge_mod.REPO)
+    deadline = time.monotonic() + 30
+    while not _evaluators(settings.python) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _evaluators(settings.python), "the fake evaluator never started"
+    agent.kill()
+    agent.wait()
+    deadline = time.monotonic() + 5
+    while _evaluators(settings.python) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _evaluators(settings.python)
+
+
+def _evaluators(script: str) -> list[Path]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if proc.name.isdigit() and (proc / "stat").read_text().split()[2] != "Z" and argv[1:2] == [script]:
+                out.append(proc)
+        except (OSError, IndexError):
+            continue
+    return out
 
 
 def _is_sleeper(proc: Path) -> bool:
