@@ -39,10 +39,11 @@ DEFAULT_BUDGET = {"cpu": 600.0, "cuda": 1800.0}
 # the recompute engine is slow (a decode step re-runs the whole prompt), so one timed run of
 # the public cases; on CUDA the official method (warm-up, median of 3) and every case.
 BENCH = {"cpu": {"warmup": 0, "repeat": 1, "cases": "prefill,decode,mixed"},
-         "cuda": {"warmup": 1, "repeat": 3, "cases": None}}
+         "cuda": {"warmup": 1, "repeat": 3, "cases": "prefill,decode,mixed,decode128,mixed128"}}
+DEVICES = ("auto", "cuda", "cpu")
 SEED_RANGE = 1_000_000
 ENV = {"config": "MODEL_CONFIG", "weights": "WEIGHT_DIR", "device": "DEVICE", "budget": "BUDGET",
-       "provider": "PROVIDER", "seed": "SEED", "workspace": "WORKSPACE"}
+       "provider": "PROVIDER", "seed": "SEED", "workspace": "AGENT_WORKSPACE"}  # not WORKSPACE: CI servers set it
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"model config JSON [{ENV['config']}; default {MOUNTED_CONFIG} if present, else target/]")
     p.add_argument("--weights", "--weight-dir", default=env("weights"),
                    help=f"folder with {WEIGHTS_FILE} [{ENV['weights']}; default {MOUNTED_WEIGHTS} if present, else target/weights]")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default=env("device", "auto"),
+    p.add_argument("--device", choices=DEVICES, default=env("device", "auto"),
                    help=f"[{ENV['device']}] cuda without a GPU falls back to cpu, as the harness does")
     p.add_argument("--budget", type=float, default=env("budget"),
                    help=f"seconds for the whole search [{ENV['budget']}; default {DEFAULT_BUDGET['cpu']:.0f} on cpu, "
@@ -77,6 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workspace", default=env("workspace", str(REPO / "workspace")),
                    help=f"output folder [{ENV['workspace']}; default workspace/]")
     args = p.parse_args(argv)
+    args.device = "cuda" if str(args.device).startswith("cuda:") else args.device   # DEVICE=cuda:0
+    for name, choices in (("device", DEVICES), ("provider", NAMES)):
+        if getattr(args, name) not in choices:  # argparse checks flags, not environment defaults
+            p.error(f"{ENV[name]}={getattr(args, name)!r}: choose from {', '.join(choices)}")
     if args.budget is not None and not float(args.budget) > 0:
         p.error(f"--budget must be a positive number of seconds, got {args.budget}")
     return args
@@ -157,17 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     ws = Workspace(cfg.workspace)
     ws.reset()
     report = Reporter(cfg.workspace)
-    ws.open_history(warn=report.warn)
     bench = BENCH[cfg.device]
     settings = JudgeSettings(sys.executable, cfg.config, cfg.weights, cfg.device, cfg.seed, stress="quick",
                              cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"])
     state = SearchState(spec=spec, device=cfg.device, hardware=hardware(cfg.device), seconds_left=cfg.budget)
-    builtin = BuiltinProposer(cfg.device)
-    options = ProviderOptions(cfg.device, cfg.seed, cfg.workspace, builtin, log=report.line)
-    proposer = make_proposer(cfg.provider, options, report.warn)
     report.start({"run": {k: str(v) for k, v in cfg.__dict__.items()}, "spec": spec.to_dict(),
-                  "hardware": state.hardware, "proposer": proposer.name},
-                 header_lines(cfg, spec, state.hardware, proposer.name, settings))
+                  "hardware": state.hardware}, header_lines(cfg, spec, state.hardware, settings))
+    ws.open_history(warn=report.warn)
+    options = ProviderOptions(cfg.device, cfg.seed, cfg.workspace, BuiltinProposer(cfg.device), log=report.line)
+    proposer = make_proposer(cfg.provider, options, report.warn)
+    report.meta["proposer"] = proposer.name
+    report.line(f"proposer {proposer.name}")
     interrupted = False
     try:
         loop.run(state, proposer, lambda engine, out, timeout, phase: judge(engine, out, timeout,
@@ -182,10 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK if ws.installed_verdict() else EXIT_NO_ENGINE
 
 
-def header_lines(cfg: RunConfig, spec: ModelSpec, hw: dict, proposer: str, settings: JudgeSettings) -> list[str]:
+def header_lines(cfg: RunConfig, spec: ModelSpec, hw: dict, settings: JudgeSettings) -> list[str]:
     return [f"config {cfg.config}   weights {cfg.weights}",
-            f"device {cfg.device}   budget {cfg.budget:.0f}s   proposer {proposer}   seed {cfg.seed}",
+            f"device {cfg.device}   budget {cfg.budget:.0f}s   provider {cfg.provider}   seed {cfg.seed}",
             f"hardware {', '.join(f'{k} {v}' for k, v in hw.items())}",
             f"model {spec.summary()}",
             *[f"warning: {w}" for w in spec.warnings],
-            f"evaluator python3 {' '.join(settings.command(Path('<engine>'), Path('<out>'))[1:])}", ""]
+            f"evaluator python3 {' '.join(settings.command(Path('<engine>'), Path('<out>'))[1:])}"]
