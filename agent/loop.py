@@ -85,12 +85,12 @@ def judge_conservative(entry: Entry, source: str, judge: Judge, ws: Workspace, r
     verified = judge(engine, entry.directory / VERIFY, left(), VERIFY)
     if verified.passed:  # its one short timing does not compare with full scores: rank it 0 for now
         verified = replace(verified, score=0.0, error=UNTIMED)
-    report.verdict(entry, verified, label="verified")
+    report.verdict(entry, verified, label="verify")
     if not verified.passed:
         return verified
     install(entry, verified, source, ws, report)
     full = judge(engine, entry.directory, CONSERVATIVE_FULL_SHARE * left(), FULL)
-    report.verdict(entry, full, label="timed")
+    report.verdict(entry, full, label="timing")
     if full.passed:
         install(entry, full, source, ws, report)
         return full
