@@ -54,6 +54,10 @@ def rate(x: float) -> str:
     return f"{x:.0f}"
 
 
+def _num(x) -> str:
+    return f"{x:.3g}" if isinstance(x, (int, float)) else "?"
+
+
 def verdict_line(r: EvalResult) -> str:
     if not r.passed:
         error = " ".join((r.error or "").split())
@@ -63,9 +67,9 @@ def verdict_line(r: EvalResult) -> str:
     parts = [f"PASSED  score {r.rank():.4g}" if not r.error else f"PASSED ({r.error})"]
     parts += [f"{name} {rate(tps)} tok/s" for name, tps in r.tokens_per_second().items()]
     if r.public:
-        parts.append(f"public max err {r.public.get('max_abs_err', '?')}")
+        parts.append(f"public max err {_num(r.public.get('max_abs_err'))}")
     if r.stress:
-        parts.append(f"stress {r.stress.get('passed', '?')} ok, margin {r.stress.get('worst_margin', '?')}")
+        parts.append(f"stress {r.stress.get('passed', '?')} ok, margin {_num(r.stress.get('worst_margin'))}")
     return "  ".join(parts) + f"  [{r.seconds:.1f}s]"
 
 
