@@ -1,7 +1,9 @@
 """Kernel variants on CUDA: every variant passes evaluator.slot_check in fp16 and bf16 (the full
 case list: long contexts, wide ragged batches), the wrong variants fail, tuning params keep
-the kernels correct, and the split decode kernel survives CUDA-graph capture and replay with
-new contexts. Skipped without CUDA."""
+the kernels correct, the split decode kernels survive CUDA-graph capture and replay with
+new contexts, and the faithful variants (norm/rope_cache/silu_mul `triton`, attention
+`triton_exact`) round like the torch variants: bit-equal or within one ulp of the compute dtype
+on random inputs. Skipped without CUDA."""
 import math
 
 import pytest
@@ -50,6 +52,11 @@ TUNINGS = [
     ("prefill_attention", "triton", {"prefill_block_m": 64, "prefill_block_n": 64}),
     ("prefill_attention", "triton", {"prefill_block_m": 128, "prefill_block_n": 32, "prefill_warps": 8}),
     ("prefill_attention", "triton", {"prefill_block_m": 16, "prefill_block_n": 16, "prefill_stages": 1}),
+    ("decode_attention", "triton_exact", {"decode_splits": 1}),
+    ("decode_attention", "triton_exact", {"decode_splits": 7, "decode_block_n": 16}),
+    ("decode_attention", "triton_exact", {"decode_splits": 32, "decode_block_n": 64, "decode_warps": 8}),
+    ("prefill_attention", "triton_exact", {"prefill_block_m": 128, "prefill_block_n": 32, "prefill_warps": 8}),
+    ("prefill_attention", "triton_exact", {"prefill_block_m": 16, "prefill_block_n": 16, "prefill_stages": 1}),
 ]
 
 
@@ -64,10 +71,14 @@ def _fn(slot, variant, fn, params=None):
     return getattr(module, f"{fn}__{variant}")
 
 
-def test_split_decode_replays_in_a_cuda_graph_with_new_contexts():
+SPLIT_DECODES = [("triton_split", None), ("triton_exact", None), ("triton_exact", {"decode_splits": 1})]
+
+
+@pytest.mark.parametrize("variant,params", SPLIT_DECODES)
+def test_split_decode_replays_in_a_cuda_graph_with_new_contexts(variant, params):
     """Capture once at short contexts, then grow every context inside the same buffers and
     replay: the kernel must read its bounds from context_lens, not from capture-time values."""
-    decode = _fn("decode_attention", "triton_split", "decode_attention")
+    decode = _fn("decode_attention", variant, "decode_attention", params)
     spec = {"ctx": [5, 17, 33, 2], "Hq": 8, "Hkv": 2, "D": 80, "block_size": 16, "max_context": "bound",
             "q_scale": 2.0, "scale_mult": 1.0}
     inp = slot_check.make_inputs("decode_attention", spec, torch.float16, "cuda", seed=1)
@@ -105,8 +116,9 @@ def test_split_decode_replays_in_a_cuda_graph_with_new_contexts():
     assert err < 5e-3 and not math.isnan(err), err
 
 
-def test_split_decode_zero_context_rows_give_zeros_not_nan():
-    decode = _fn("decode_attention", "triton_split", "decode_attention")
+@pytest.mark.parametrize("variant,params", SPLIT_DECODES)
+def test_split_decode_zero_context_rows_give_zeros_not_nan(variant, params):
+    decode = _fn("decode_attention", variant, "decode_attention", params)
     spec = {"ctx": [9, 30], "Hq": 4, "Hkv": 4, "D": 64, "block_size": 16, "max_context": "exact",
             "q_scale": 1.0, "scale_mult": 1.0}
     inp = slot_check.make_inputs("decode_attention", spec, torch.bfloat16, "cuda", seed=0)
@@ -134,3 +146,68 @@ def test_rope_cache_negative_slot_skips_the_cache_write():
     inp["slot_mapping"][2] = -1
     rope(**inp)
     assert torch.isnan(inp["k_cache"]).sum().item() == (inp["k_cache"].shape[0] - 3) * 2 * 64
+
+
+# ---- faithful rounding: the Triton variants against the torch variants, in ulps of dt ----
+
+
+def _ulp_key(t):
+    """A 16-bit float's bits as an integer monotone in its value (+0 and -0 both 0)."""
+    i = t.detach().contiguous().view(torch.int16).to(torch.int32)
+    return torch.where(i < 0, -(i & 0x7FFF), i)
+
+
+def _slot_outputs(slot, fns, inp):
+    c = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    if slot == "norm":
+        y = fns["rmsnorm"](c["x"], c["w"], c["eps"])
+        y2, r = fns["add_rmsnorm"](c["x"].clone(), c["residual"].clone(), c["w"], c["eps"])
+        return {"rmsnorm": y, "add_rmsnorm.y": y2, "add_rmsnorm.r": r}
+    if slot == "rope_cache":
+        fns["rope_cache"](**c)
+        sm = c["slot_mapping"]
+        return {"q": c["q"], "k": c["k"], "k_cache": c["k_cache"][sm], "v_cache": c["v_cache"][sm]}
+    if slot == "silu_mul":
+        return {"out": fns["silu_mul"](**c)}
+    return {"o": fns[slot](**c)}
+
+
+# (slot, variant, spec, max ulps, min fraction of bit-equal elements)
+FAITHFUL = [
+    ("rope_cache", "triton", {"N": 300, "Hq": 8, "Hkv": 2, "D": 80, "fused_qkv": True, "P": 4096,
+                              "theta": 10000.0}, 0, 1.0),
+    ("rope_cache", "triton", {"N": 64, "Hq": 4, "Hkv": 4, "D": 192, "fused_qkv": False, "P": 4096,
+                              "theta": 500000.0}, 0, 1.0),
+    ("norm", "triton", {"N": 300, "H": 768, "eps": 1e-5, "x_scale": 3.0, "row_strided": True}, 1, 0.99),
+    ("norm", "triton", {"N": 33, "H": 2000, "eps": 1e-6, "x_scale": 0.5, "row_strided": False}, 1, 0.99),
+    ("silu_mul", "triton", {"N": 300, "I": 3072}, 1, 0.999),
+    ("prefill_attention", "triton_exact", {"seq_lens": [128, 128, 37, 300], "Hq": 4, "Hkv": 4, "D": 192,
+                                           "fused_qkv": True, "q_scale": 3.0, "scale_mult": 1.0}, 1, 0.9),
+    ("prefill_attention", "triton_exact", {"seq_lens": [1034, 11], "Hq": 8, "Hkv": 2, "D": 80,
+                                           "fused_qkv": False, "q_scale": 1.0, "scale_mult": 1.0}, 1, 0.9),
+    ("decode_attention", "triton_exact", {"ctx": [48, 144, 1, 17, 700, 1034], "Hq": 8, "Hkv": 2, "D": 80,
+                                          "block_size": 16, "max_context": "bound", "q_scale": 3.0,
+                                          "scale_mult": 1.0}, 1, 0.9),
+    ("decode_attention", "triton_exact", {"ctx": [48] * 4 + [144] * 4, "Hq": 4, "Hkv": 4, "D": 192,
+                                          "block_size": 16, "max_context": "exact", "q_scale": 1.0,
+                                          "scale_mult": 1.0}, 1, 0.9),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("slot,variant,spec,max_ulp,min_exact", FAITHFUL,
+                         ids=[f"{f[0]}-{f[1]}-{i}" for i, f in enumerate(FAITHFUL)])
+def test_faithful_variant_rounds_like_the_torch_variant(slot, variant, spec, max_ulp, min_exact, dtype):
+    """Same inputs through the torch variant (the reference's op order) and the faithful one: every
+    output element within `max_ulp` units in the last place of dt, and most of them bit-equal."""
+    fns = {fn: _fn(slot, variant, fn) for fn in slot_check.SLOT_FUNCTIONS[slot]}
+    ref = {fn: _fn(slot, "torch", fn) for fn in slot_check.SLOT_FUNCTIONS[slot]}
+    for seed in (1, 2):
+        inp = slot_check.make_inputs(slot, spec, dtype, "cuda", seed=seed)
+        got, want = _slot_outputs(slot, fns, inp), _slot_outputs(slot, ref, inp)
+        for name in want:
+            d = (_ulp_key(got[name]) - _ulp_key(want[name])).abs()
+            exact = (d == 0).float().mean().item()
+            assert d.max().item() <= max_ulp and exact >= min_exact, (
+                f"{name} (seed {seed}): max {d.max().item()} ulp (allowed {max_ulp}), "
+                f"{100 * exact:.3f}% bit-equal (want >= {100 * min_exact:.1f}%)")
