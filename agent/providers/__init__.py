@@ -5,8 +5,8 @@ A provider `NAME` is a module `agent/providers/NAME.py` with
     def create(options: ProviderOptions) -> Proposer
 
 It may raise (no API key, package missing); the run then goes on with the builtin proposer
-and says so. `options.builtin` is the offline proposer, for a provider that wants to run it
-first (`Chain([options.builtin, mine])`) or fall back on it.
+and says so. `options.builtin` is the offline proposer, for a provider that wants to take
+turns with it or fall back on it.
 """
 from __future__ import annotations
 

@@ -133,26 +133,3 @@ class Proposer(Protocol):
     def feedback(self, candidate: Candidate, result: EvalResult) -> None:
         """The verdict on a candidate this proposer returned."""
 
-
-class Chain:
-    """Several proposers in turn: each is asked until it has nothing left. Lets an LLM
-    proposer run after the builtin walk (`Chain([options.builtin, mine])`)."""
-
-    def __init__(self, proposers: list[Proposer]):
-        self.proposers = list(proposers)
-        self.name = "+".join(p.name for p in self.proposers)
-        self._owner: dict[str, Proposer] = {}
-
-    def propose(self, state: SearchState) -> Candidate | None:
-        while self.proposers:
-            candidate = self.proposers[0].propose(state)
-            if candidate is not None:
-                self._owner[candidate.key()] = self.proposers[0]
-                return candidate
-            self.proposers.pop(0)
-        return None
-
-    def feedback(self, candidate: Candidate, result: EvalResult) -> None:
-        owner = self._owner.get(candidate.key())
-        if owner is not None:
-            owner.feedback(candidate, result)
