@@ -43,7 +43,7 @@ BENCH = {"cpu": {"warmup": 0, "repeat": 1, "cases": "prefill,decode,mixed"},
 DEVICES = ("auto", "cuda", "cpu")
 SEED_RANGE = 1_000_000
 ENV = {"config": "MODEL_CONFIG", "weights": "WEIGHT_DIR", "device": "DEVICE", "budget": "BUDGET",
-       "provider": "PROVIDER", "seed": "SEED", "workspace": "AGENT_WORKSPACE"}  # not WORKSPACE: CI servers set it
+       "provider": "PROVIDER", "model": "LLM_MODEL", "seed": "SEED", "workspace": "AGENT_WORKSPACE"}  # not WORKSPACE: CI servers set it
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class RunConfig:
     device: str          # resolved: "cpu" | "cuda"
     budget: float        # seconds, wall clock, for the whole search
     provider: str
+    model: str | None    # the LLM to ask; None: the provider's default
     seed: int
     workspace: Path
 
@@ -72,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"{DEFAULT_BUDGET['cuda']:.0f} on cuda]")
     p.add_argument("--provider", choices=NAMES, default=env("provider", "builtin"),
                    help=f"who proposes candidates [{ENV['provider']}; default builtin, offline]")
+    p.add_argument("--model", default=env("model"),
+                   help=f"the LLM an LLM provider asks [{ENV['model']}; default OPENAI_MODEL / ANTHROPIC_MODEL, "
+                        "else the provider's default]")
     p.add_argument("--seed", type=int, default=env("seed"),
                    help=f"stress-suite seed, the same for every candidate of the run [{ENV['seed']}; default: "
                         "drawn fresh and logged, so inputs differ between runs]")
@@ -98,7 +102,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     device = resolve_device(args.device)
     budget = float(args.budget) if args.budget is not None else DEFAULT_BUDGET[device]
     seed = int(args.seed) if args.seed is not None else random.randrange(SEED_RANGE)
-    return RunConfig(config.resolve(), weights.resolve(), device, budget, args.provider, seed,
+    return RunConfig(config.resolve(), weights.resolve(), device, budget, args.provider, args.model, seed,
                      Path(args.workspace).resolve())
 
 
@@ -169,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     report.start({"run": {k: str(v) for k, v in cfg.__dict__.items()}, "spec": spec.to_dict(),
                   "hardware": state.hardware}, header_lines(cfg, spec, state.hardware, settings))
     ws.open_history(warn=report.warn)
-    options = ProviderOptions(cfg.device, cfg.seed, cfg.workspace, BuiltinProposer(cfg.device), log=report.line)
+    options = ProviderOptions(cfg.device, cfg.seed, cfg.workspace, BuiltinProposer(cfg.device),
+                              log=report.line, model=cfg.model)
     proposer = make_proposer(cfg.provider, options, report.warn)
     report.meta["proposer"] = proposer.name
     report.line(f"proposer {proposer.name}")

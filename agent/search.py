@@ -3,7 +3,7 @@
 A greedy walk over the menu that the templates declare (agent/plan.py):
   1. the KV-cache engine with every slot on its torch variant (the loop has already
      judged the conservative recompute engine before any proposer is asked);
-  2. each slot in turn, each of its variants that runs on this device, applied to the
+  2. each slot in turn (WALK_ORDER), each of its variants that runs on this device, applied to the
      best KV-cache plan so far (a variant stays only if it made that plan faster);
   3. each engine parameter in turn, each other value, on the best plan so far.
 Every step starts from the *current* best, so an improvement found in step 2 is kept
@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from agent.plan import REFERENCE_VARIANT, SLOTS, Param, Plan, Variant, reference_slots
+from agent.plan import REFERENCE_VARIANT, Param, Plan, Variant, reference_slots
 from agent.providers.base import SearchState, improves
 
 CONSERVATIVE_ENGINE = "recompute"
 FAST_ENGINE = "paged"
+# Slots in the order the walk tries them: the attention slots first, because a graph-safe
+# attention variant is what lets the engine capture CUDA graphs (the largest single gain);
+# the elementwise slots then trim what is left of each step.
+WALK_ORDER = ("decode_attention", "prefill_attention", "norm", "rope_cache", "silu_mul")
 
 
 def conservative_plan() -> Plan:
@@ -43,7 +47,7 @@ def walk(base: Callable[[], Plan], device: str, menu: dict[str, list[Variant]],
     """Yield (plan, why) in search order; `base()` is re-read at every step so the walk
     builds on whatever has been kept so far."""
     yield start, "KV cache, batched prefill/decode, all-torch slots"
-    for slot in SLOTS:
+    for slot in WALK_ORDER:
         for variant in menu.get(slot, []):
             if variant.name == REFERENCE_VARIANT or device not in variant.devices:
                 continue

@@ -9,7 +9,7 @@ import pytest
 
 from agent import loop
 from agent.plan import Param, Plan, Variant
-from agent.providers.base import MIN_GAIN, Candidate, EvalResult, SearchState, improves
+from agent.providers.base import MIN_GAIN, MIN_SAFETY_MARGIN, Candidate, EvalResult, SearchState, improves
 from agent.providers.builtin import BuiltinProposer
 from agent.report import Reporter
 from agent.workspace import Workspace
@@ -86,6 +86,25 @@ def test_improves_rule():
     assert not improves(passed(1.0 + MIN_GAIN / 2), passed(1.0))
     assert improves(passed(1.1), passed(1.0))
     assert not improves(failed(), passed(1.0))
+
+
+def with_margin(result: EvalResult, public: float, stress: float) -> EvalResult:
+    result.public = {"status": "passed", "worst_margin": public}
+    result.stress = {"passed": 4, "failed": 0, "worst_margin": stress}
+    return result
+
+
+def test_a_pass_too_close_to_the_tolerance_is_not_kept(tmp_path, monkeypatch):
+    thin = with_margin(passed(50.0), public=0.9, stress=MIN_SAFETY_MARGIN - 0.05)
+    assert thin.margin() == MIN_SAFETY_MARGIN - 0.05 and not thin.safe()
+    assert not improves(thin, passed(1.0))
+    assert improves(with_margin(passed(2.0), public=0.9, stress=MIN_SAFETY_MARGIN), passed(1.0))
+    a, b = Plan("paged", params={"x": 0}), Plan("paged", params={"x": 1})
+    verdicts = {CONSERVATIVE: with_margin(passed(1.0), 1.0, 1.0), a.key(): thin,
+                b.key(): with_margin(passed(5.0), 0.8, 0.7)}
+    ws, _, _ = run_loop(tmp_path, ListProposer([a, b]), verdicts, monkeypatch=monkeypatch)
+    assert installed_key(ws) == b.key()
+    assert "too close to the tolerance" in (ws.root / "results.log").read_text()
 
 
 def test_conservative_first_then_keeps_the_fastest(tmp_path, monkeypatch):
@@ -203,8 +222,10 @@ def test_builtin_walk_is_greedy_and_never_repeats(tmp_path, monkeypatch):
     ws, state, judged = run_loop(tmp_path, BuiltinProposer("cuda"), verdicts, device="cuda", monkeypatch=monkeypatch)
     keys = [k for k, _ in judged]
     assert len(keys) == len(set(keys))
-    assert keys == [CONSERVATIVE, key(), key(s={"norm": "triton_bad"}), key(s={"decode_attention": "triton_a"}),
-                    key(s={"decode_attention": "triton_b"}), key({"block_size": 32}, {"decode_attention": "triton_a"}),
+    # attention slots first (search.WALK_ORDER), then the rest, each on the best plan so far
+    assert keys == [CONSERVATIVE, key(), key(s={"decode_attention": "triton_a"}),
+                    key(s={"decode_attention": "triton_b"}), key(s={"decode_attention": "triton_a", "norm": "triton_bad"}),
+                    key({"block_size": 32}, {"decode_attention": "triton_a"}),
                     key({"graphs": False, "block_size": 32}, {"decode_attention": "triton_a"})]
     assert installed_key(ws) == key({"block_size": 32}, {"decode_attention": "triton_a"})
 

@@ -164,13 +164,13 @@ def test_toy_weights_only_for_the_repository_target(tmp_path, monkeypatch):
     weights = tmp_path / "target" / "weights"
     monkeypatch.setattr(cli, "REPO_CONFIG", config)
     monkeypatch.setattr(cli, "REPO_WEIGHTS", weights)
-    run = cli.RunConfig(config.resolve(), weights.resolve(), "cpu", 60.0, "builtin", 0, tmp_path / "ws")
+    run = cli.RunConfig(config.resolve(), weights.resolve(), "cpu", 60.0, "builtin", None, 0, tmp_path / "ws")
     cli.ensure_toy_weights(run)
     assert sorted(p.name for p in weights.iterdir()) == ["model.pt"]  # written aside, then renamed
     assert load_spec(config, weights).parameters > 0
     before = (weights / "model.pt").stat().st_mtime_ns
     cli.ensure_toy_weights(run)
     assert (weights / "model.pt").stat().st_mtime_ns == before  # present: left alone
-    other = cli.RunConfig(config.resolve(), (tmp_path / "elsewhere").resolve(), "cpu", 60.0, "builtin", 0, tmp_path)
+    other = cli.RunConfig(config.resolve(), (tmp_path / "elsewhere").resolve(), "cpu", 60.0, "builtin", None, 0, tmp_path)
     cli.ensure_toy_weights(other)
     assert not (tmp_path / "elsewhere").exists()  # not the repository's target: never written

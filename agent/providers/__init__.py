@@ -34,6 +34,7 @@ class ProviderOptions:
     workspace: Path                  # where a provider may keep transcripts
     builtin: "BuiltinProposer"
     log: Callable[[str], None] | None = None   # one line to results.log and the console
+    model: str | None = None                    # `--model`: the LLM to ask (None: the provider's default)
 
 
 def resolve_name(name: str) -> str:

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 # A faster candidate must beat the best by this fraction: single timing runs on a busy
 # machine move by a few percent, and replacing the engine on noise only churns the history.
 MIN_GAIN = 0.02
+# An engine must keep this much of the tolerance in hand on every output the evaluator checked
+# (public sequence and stress, the real weights included): an optimization that reorders
+# floating-point work and lands near the tolerance here will cross it on unseen weights.
+# margin = 1 - max((|s - r| - rtol*|r|) / atol): 1 is exact, 0 is at the tolerance.
+MIN_SAFETY_MARGIN = 0.5
 
 
 @dataclass
@@ -55,6 +60,16 @@ class EvalResult:
             return 0.0
         return math.exp(sum(math.log(r) for r in rates) / len(rates))
 
+    def margin(self) -> float | None:
+        """The worst margin over everything checked, or None if the verdict carries none."""
+        margins = [part["worst_margin"] for part in (self.public, self.stress)
+                   if part and part.get("worst_margin") is not None]
+        return min(margins, default=None)
+
+    def safe(self) -> bool:
+        margin = self.margin()
+        return margin is None or margin >= MIN_SAFETY_MARGIN
+
     def tokens_per_second(self) -> dict[str, float]:
         return {c.get("case_name", "?"): float(c.get("tokens_per_second") or 0.0) for c in self.benchmark}
 
@@ -76,8 +91,9 @@ class EvalResult:
 
 
 def improves(new: EvalResult, old: EvalResult | None) -> bool:
-    """The keep-the-best rule: only a passing result, and only if clearly faster than the best."""
-    if not new.passed:
+    """The keep-the-best rule: only a passing result with a safe margin, and only if clearly
+    faster than the best."""
+    if not new.passed or not new.safe():
         return False
     if old is None or not old.passed:
         return True
