@@ -2,11 +2,14 @@
 
     python3 -m evaluator.evaluate --engine PATH --model-config CFG --weight-dir DIR \
         --device cpu|cuda|auto [--stress off|quick|full] [--cases prefill,decode,mixed,...] \
-        [--warmup 1] [--repeat 3] [--seed N] --out RESULT.json
+        [--warmup 1] [--repeat 3] [--seed N] [--protect PATH ...] --out RESULT.json
 
 Stages in order: import → public (SPEC.md §4) → stress → benchmark; it stops at the first
 failing stage, writes RESULT.json (even on failure) and exits 0 only when all passed.
 Progress goes to stderr, a one-line verdict to stdout. Timeouts are the caller's to record.
+From the import on, the candidate runs inside the sandbox (evaluator/sandbox.py): no network,
+no processes (on CPU), no writes to the repository, RESULT.json's folder, the weights, the
+config or any --protect path.
 """
 from __future__ import annotations
 
@@ -22,9 +25,10 @@ if __package__ in (None, ""):  # run as a script: make the `evaluator` package i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
-from evaluator.common import (CRASH, EvalFailure, Tolerance, harness_parser, load_config,  # noqa: E402
-                              load_engine_module, parse_cases, resolve_device)
+from evaluator.common import (CRASH, REPO_ROOT, EvalFailure, Tolerance, harness_parser,  # noqa: E402
+                              load_config, load_engine_module, parse_cases, resolve_device)
 from evaluator.guards import FunctionIdentities  # noqa: E402
+from evaluator.sandbox import Sandbox  # noqa: E402
 from evaluator.stress import run_stress  # noqa: E402
 from evaluator.test_correctness import run_public_sequence  # noqa: E402
 from evaluator.traces import BENCHMARK_CASES, PUBLIC_CASES  # noqa: E402
@@ -44,8 +48,10 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              device: str = "auto", stress: str = "quick", cases=PUBLIC_CASES, warmup: int = 1,
              repeat: int = 3, seed: int | None = None, bandwidth_gbs: float | None = None,
              peak_tflops: float | None = None, tol: Tolerance = Tolerance(),
-             log=lambda line: None) -> dict:
-    """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate."""
+             log=lambda line: None, protect: tuple[str | Path, ...] = ()) -> dict:
+    """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate. The
+    candidate runs in the sandbox, which also protects the repository, the weights, the config
+    (when a path) and `protect`."""
     if stress not in STRESS_MODES:
         raise ValueError(f"stress must be one of {STRESS_MODES}")
     start = time.perf_counter()
@@ -53,33 +59,13 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     device = resolve_device(device)
     result = {"status": "failed", "stage": "import", "error_kind": None, "error": None, "device": device,
               "public": None, "stress": None, "benchmark": None, "score": None, "seconds": 0.0}
+    fenced = [REPO_ROOT, weight_dir, *protect] + ([] if isinstance(model_config, dict) else [model_config])
+    sandbox = Sandbox(fenced, device)
     try:
         config = load_config(model_config)
-        module = load_engine_module(engine)
-        identities.check("at import")
-        result["stage"] = "public"
-        public = run_public_sequence(module, config, weight_dir, device, tol.atol, tol.rtol)
-        identities.check("after the public sequence")
-        result["public"] = {"status": public["status"], "max_abs_err": public["max_abs_err"],
-                            "cases": public["cases"], "worst_margin": public["worst_margin"]}
-        log(f"public: passed, max abs err {public['max_abs_err']:.3g}")
-        if stress != "off":
-            result["stage"] = "stress"
-            report = run_stress(module, device, seed, quick=stress == "quick", target=(config, weight_dir),
-                                fail_fast=True, tol=tol, log=log)
-            result["stress"] = report.to_dict()
-            identities.check("after the stress suite")
-            failure = report.first_failure
-            if failure is not None:
-                result["error_kind"] = failure.error_kind
-                result["error"] = f"stress case {failure.name} (seed {report.seed}): {failure.error}"
-                return result
-        result["stage"] = "benchmark"
-        result["benchmark"] = run_benchmark(module, config, weight_dir, device, list(cases), warmup, repeat,
-                                            bandwidth_gbs=bandwidth_gbs, peak_tflops=peak_tflops, tol=tol)
-        result["score"] = score(result["benchmark"])
-        identities.check("after the evaluation")
-        result["stage"], result["status"] = "done", "passed"
+        with sandbox:
+            _stages(result, engine, config, weight_dir, device, stress, cases, warmup, repeat, seed,
+                    bandwidth_gbs, peak_tflops, tol, log, identities, sandbox)
     except EvalFailure as e:
         result["error_kind"], result["error"] = e.kind, str(e)
     except BaseException as e:  # noqa: BLE001 - the verdict must be written whatever happened
@@ -88,6 +74,44 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     finally:
         result["seconds"] = time.perf_counter() - start
     return result
+
+
+def _stages(result: dict, engine, config: dict, weight_dir, device: str, stress: str, cases, warmup: int,
+            repeat: int, seed: int | None, bandwidth_gbs, peak_tflops, tol: Tolerance, log,
+            identities: FunctionIdentities, sandbox: Sandbox) -> None:
+    """import → public → stress → benchmark, filling `result`; raises EvalFailure at the first
+    failure (a failing stress case is recorded in `result` and returns)."""
+    def check(when: str) -> None:
+        identities.check(when)
+        sandbox.check(when)
+
+    try:
+        module = load_engine_module(engine)
+    finally:
+        check("at import")  # a refused operation explains an import failure better than its traceback
+    result["stage"] = "public"
+    public = run_public_sequence(module, config, weight_dir, device, tol.atol, tol.rtol)
+    check("after the public sequence")
+    result["public"] = {"status": public["status"], "max_abs_err": public["max_abs_err"],
+                        "cases": public["cases"], "worst_margin": public["worst_margin"]}
+    log(f"public: passed, max abs err {public['max_abs_err']:.3g}")
+    if stress != "off":
+        result["stage"] = "stress"
+        report = run_stress(module, device, seed, quick=stress == "quick", target=(config, weight_dir),
+                            fail_fast=True, tol=tol, log=log)
+        result["stress"] = report.to_dict()
+        check("after the stress suite")
+        failure = report.first_failure
+        if failure is not None:
+            result["error_kind"] = failure.error_kind
+            result["error"] = f"stress case {failure.name} (seed {report.seed}): {failure.error}"
+            return
+    result["stage"] = "benchmark"
+    result["benchmark"] = run_benchmark(module, config, weight_dir, device, list(cases), warmup, repeat,
+                                        bandwidth_gbs=bandwidth_gbs, peak_tflops=peak_tflops, tol=tol)
+    result["score"] = score(result["benchmark"])
+    check("after the evaluation")
+    result["stage"], result["status"] = "done", "passed"
 
 
 def write_json(result: dict, out: str | Path) -> None:
@@ -115,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                       a.seed, a.bandwidth_gbs, a.peak_tflops,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
     write_json(result, a.out)
-    verdict = f"score {result['score']:.4g}" if result["status"] == "passed" else \
+    score_text = "untimed" if result["score"] is None else f"{result['score']:.4g}"
+    verdict = f"score {score_text}" if result["status"] == "passed" else \
         f"{result['error_kind']} at {result['stage']}: {(result['error'] or '').splitlines()[0]}"
     print(f"{result['status']}: {verdict} ({result['seconds']:.1f} s)")
     sys.exit(0 if result["status"] == "passed" else 1)
