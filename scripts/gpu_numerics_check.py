@@ -3,7 +3,9 @@
 to the torch variants, kernel timings, and whole engines against the reference in bf16 and fp16.
 
     python3 scripts/gpu_numerics_check.py [--sections unit,ulp,bench,engine,stress,pytest]
-        [--stress-seeds 1,2,3] [--budget 480] [--baseline .numerics_old] [--out DIR]
+        [--unit REGEX] [--bench REGEX] [--plans torch,online,faithful,faithful-elem]
+        [--stress torch:1,online:1,faithful:1,faithful:2] [--pytest-k EXPR]
+        [--budget 480] [--baseline .numerics_old] [--out DIR]
 
 Sections (each one's failures are reported, never fatal to the next):
   unit    evaluator.slot_check.check_variant of the faithful variants (norm, rope_cache, silu_mul
@@ -11,8 +13,9 @@ Sections (each one's failures are reported, never fatal to the next):
           a few tuning params of the exact attention kernels.
   ulp     on random inputs, the distance in units in the last place of the compute dtype between
           each CUDA variant and the slot's torch variant (the reference's op order): fraction of
-          elements bit-equal, fraction within 1 ulp, max ulp, max abs error. `old` = the online /
-          unmirrored kernels before this change (from --baseline, see below).
+          elements bit-equal, fraction within 1 ulp, max ulp, max abs error; for attention also the
+          error in ulps at max(|x|, rms/8) ("scaled": near-zero outputs of a sum are order noise).
+          `old` = the elementwise kernels before the rounding change (from --baseline, see below).
   bench   triton.testing.do_bench (median, eager) and do_bench_cudagraph (median, replayed) of the
           attention variants at the public shapes (decode B=8, ctx 48/144; prefill 4x128; fp16,
           head_dim 192) and of the elementwise kernels before/after.
@@ -23,7 +26,7 @@ Sections (each one's failures are reported, never fatal to the next):
           stress scenarios of evaluator/traces.py on that config (every step checked, failures
           counted, not stopping), and bf16 noise on a 1034 + 11 token prefill (engine vs bf16
           reference vs fp32 reference).
-  stress  evaluator.stress.run_stress(quick=True) for each seed and plan (a)-(c), while --budget lasts.
+  stress  evaluator.stress.run_stress(quick=True) for each plan:seed of --stress, while --budget lasts.
   pytest  the new tests of tests/test_kernels_gpu.py (-k "exact or faithful").
 
 The `old` kernels: the `triton` variants of norm/rope_cache/silu_mul as they were before the
@@ -104,10 +107,28 @@ def ulp_key(t: torch.Tensor) -> torch.Tensor:
     return torch.where(i < 0, -(i & 0x7FFF), i)
 
 
-def ulp_stats(got: torch.Tensor, want: torch.Tensor) -> dict:
+def ulp_error(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
+    """|got - want| in units in the last place of the 16-bit dtype at max(|got|, |want|, floor).
+    With floor > 0, elements smaller than the floor are judged at the floor's ulp: an attention
+    output is a sum with cancellation, and near zero its last bits are summation-order noise."""
+    g, w = got.float(), want.float()
+    mag = torch.clamp(torch.maximum(g.abs(), w.abs()), min=floor)
+    _, exp = torch.frexp(mag)                      # mag = m * 2**exp, m in [0.5, 1)
+    mant_bits = 7 if got.dtype == torch.bfloat16 else 10
+    ulp = torch.ldexp(torch.ones_like(mag), exp - 1 - mant_bits)
+    return (g - w).abs() / ulp
+
+
+ATTENTION_FLOOR = 1 / 8     # of the reference output's rms
+
+
+def ulp_stats(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> dict:
+    """exact/le1/max_ulp: bit distance (integers, monotone order); scaled: ulp_error at `floor`."""
     d = (ulp_key(got) - ulp_key(want)).abs()
+    e = ulp_error(got, want, floor)
     n = d.numel()
     return {"exact": (d == 0).sum().item() / n, "le1": (d <= 1).sum().item() / n, "max_ulp": int(d.max().item()),
+            "le1_scaled": (e <= 1).sum().item() / n, "max_scaled": e.max().item(),
             "max_abs": (got.float() - want.float()).abs().max().item(), "n": n}
 
 
@@ -168,23 +189,28 @@ def run_ulp(extra: dict) -> list[dict]:
                             want = slot_outputs(slot, ref_fns, inp)
                             got = slot_outputs(slot, fns, inp)
                             for name in want:
-                                s = ulp_stats(got[name], want[name])
-                                a = agg.setdefault(name, {"exact": 0.0, "le1": 0.0, "max_ulp": 0, "max_abs": 0.0, "n": 0})
-                                a["exact"] += s["exact"] * s["n"]
-                                a["le1"] += s["le1"] * s["n"]
+                                floor = (ATTENTION_FLOOR * want[name].float().pow(2).mean().sqrt().item()
+                                         if slot.endswith("attention") else 0.0)
+                                s = ulp_stats(got[name], want[name], floor)
+                                a = agg.setdefault(name, {"exact": 0.0, "le1": 0.0, "le1_scaled": 0.0, "max_ulp": 0,
+                                                          "max_scaled": 0.0, "max_abs": 0.0, "n": 0})
+                                for k in ("exact", "le1", "le1_scaled"):
+                                    a[k] += s[k] * s["n"]
                                 a["n"] += s["n"]
-                                a["max_ulp"] = max(a["max_ulp"], s["max_ulp"])
-                                a["max_abs"] = max(a["max_abs"], s["max_abs"])
+                                for k in ("max_ulp", "max_scaled", "max_abs"):
+                                    a[k] = max(a[k], s[k])
                 except Exception as e:  # noqa: BLE001
                     log(f"ulp {slot}/{variant}: {type(e).__name__}: {str(e)[:300]}")
                     continue
                 for name, a in agg.items():
                     row = {"slot": slot, "variant": variant, "dtype": str(dtype).split(".")[-1], "output": name,
                            "exact": a["exact"] / a["n"], "le1": a["le1"] / a["n"], "max_ulp": a["max_ulp"],
+                           "le1_scaled": a["le1_scaled"] / a["n"], "max_scaled": a["max_scaled"],
                            "max_abs": a["max_abs"]}
                     rows.append(row)
                     log(f"ulp {slot:18s} {variant:13s} {row['dtype']:9s} {name:14s} exact {100 * row['exact']:7.3f}%  "
-                        f"<=1ulp {100 * row['le1']:7.3f}%  max {row['max_ulp']:4d} ulp  max abs {row['max_abs']:.3g}")
+                        f"<=1ulp {100 * row['le1']:7.3f}%  max {row['max_ulp']:5d} ulp  scaled: <=1 "
+                        f"{100 * row['le1_scaled']:7.3f}% max {row['max_scaled']:.2f}  max abs {row['max_abs']:.3g}")
     return rows
 
 
@@ -199,9 +225,11 @@ UNIT = [("norm", "triton", None), ("rope_cache", "triton", None), ("silu_mul", "
         ("prefill_attention", "triton_exact", {"prefill_block_m": 16, "prefill_block_n": 16, "prefill_stages": 1})]
 
 
-def run_unit() -> list[dict]:
+def run_unit(select: str = "") -> list[dict]:
     rows = []
     for slot, variant, params in UNIT:
+        if select and not re.search(select, f"{slot}/{variant}"):
+            continue
         t = time.time()
         r = slot_check.check_variant(slot, variant=variant, device="cuda", seed=20261122, params=params,
                                      full=params is None)
@@ -235,7 +263,7 @@ def bench(call) -> tuple[float, float]:
     return eager, graph
 
 
-def run_bench(extra: dict) -> list[dict]:
+def run_bench(extra: dict, select: str = "") -> list[dict]:
     rows = []
     dt = torch.float16
     problems = []
@@ -262,6 +290,8 @@ def run_bench(extra: dict) -> list[dict]:
                 problems.append((f"rope_cache N={n}", "rope_cache", variant, None, "rope_cache", rope))
                 problems.append((f"silu_mul N={n}", "silu_mul", variant, None, "silu_mul", silu))
     for label, slot, variant, params, fn, kwargs in problems:
+        if select and not re.search(select, label):
+            continue
         try:
             f = slot_fn(slot, variant, fn, extra, params)
         except Exception as e:  # noqa: BLE001
@@ -349,7 +379,7 @@ def bf16_noise(module_path: Path, cfg: dict, weights: dict, wdir: str) -> dict:
             "engine_vs_fp32": (got - r32).abs().amax(-1).tolist()}
 
 
-def run_engine(extra: dict, setups: dict, paths: dict) -> dict:
+def run_engine(setups: dict, paths: dict) -> dict:
     from evaluator.test_correctness import run_public_sequence
     res = {}
     for pname, path in paths.items():
@@ -381,11 +411,11 @@ def run_engine(extra: dict, setups: dict, paths: dict) -> dict:
     return res
 
 
-def run_stress_section(paths: dict, seeds: list[int], deadline: float) -> dict:
+def run_stress_section(paths: dict, runs: list[tuple[str, int]], deadline: float) -> dict:
     from evaluator.stress import run_stress
     res = {}
-    for seed in seeds:
-        for pname in ("torch", "online", "faithful"):
+    for pname, seed in runs:
+        if True:
             if pname not in paths:
                 continue
             if time.time() > deadline:
@@ -414,7 +444,12 @@ def run_stress_section(paths: dict, seeds: list[int], deadline: float) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="unit,ulp,bench,engine,stress,pytest")
-    ap.add_argument("--stress-seeds", default="1,2,3")
+    ap.add_argument("--plans", default="torch,online,faithful,faithful-elem", help="engine section's plans")
+    ap.add_argument("--stress", default="torch:1,online:1,faithful:1,faithful:2",
+                    help="plan:seed runs of the stress section, in order")
+    ap.add_argument("--unit", default="", help="regex on slot/variant: the unit checks to run")
+    ap.add_argument("--bench", default="", help="regex on the problem label: the timings to run")
+    ap.add_argument("--pytest-k", default="exact or faithful")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds; stress and pytest stop when it is spent")
     ap.add_argument("--baseline", default=".numerics_old")
     ap.add_argument("--baseline-rev", default="4d9d6d1")
@@ -435,8 +470,8 @@ def main(argv=None) -> int:
     for section in ("unit", "ulp", "bench"):
         if section in sections:
             try:
-                results[section] = {"unit": run_unit, "ulp": lambda: run_ulp(extra),
-                                    "bench": lambda: run_bench(extra)}[section]()
+                results[section] = {"unit": lambda: run_unit(a.unit), "ulp": lambda: run_ulp(extra),
+                                    "bench": lambda: run_bench(extra, a.bench)}[section]()
             except Exception as e:  # noqa: BLE001
                 results[section] = {"error": f"{type(e).__name__}: {e}"}
                 log(traceback.format_exc()[-2000:])
@@ -445,16 +480,17 @@ def main(argv=None) -> int:
 
     paths = {}
     if "engine" in sections or "stress" in sections:
+        wanted = set(a.plans.split(",")) | {r.split(":")[0] for r in a.stress.split(",") if r}
         paths = {name: render_to_file(plan, name, extra) for name, plan in plans().items()
-                 if all(v in ("torch", "triton", "triton_split", "triton_exact", "sdpa") or (s, v) in extra
+                 if name in wanted and all(v in ("torch", "triton", "triton_split", "triton_exact", "sdpa") or (s, v) in extra
                         for s, v in plan.slots.items())}
     if "engine" in sections:
         setups = configs(Path(tempfile.mkdtemp(prefix="numerics-weights-")))
-        results["engine"] = run_engine(extra, setups, paths)
+        results["engine"] = run_engine(setups, {k: v for k, v in paths.items() if k in a.plans.split(",")})
         save()
     if "stress" in sections:
-        results["stress"] = run_stress_section(paths, [int(s) for s in a.stress_seeds.split(",") if s],
-                                               deadline - 60 if "pytest" in sections else deadline)
+        runs = [(r.split(":")[0], int(r.split(":")[1])) for r in a.stress.split(",") if r]
+        results["stress"] = run_stress_section(paths, runs, deadline - 90 if "pytest" in sections else deadline)
         save()
     if "pytest" in sections:
         left = int(deadline - time.time())
@@ -462,7 +498,7 @@ def main(argv=None) -> int:
             log("pytest: no budget left")
         else:
             cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "--tb=short", "-p", "no:cacheprovider",
-                   "tests/test_kernels_gpu.py", "-k", "exact or faithful"]
+                   "tests/test_kernels_gpu.py", "-k", a.pytest_k]
             try:
                 p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left)
                 text = p.stdout + p.stderr
@@ -480,10 +516,11 @@ def main(argv=None) -> int:
               f"{'PASS' if r['passed'] else 'FAIL'} {r['cases']} cases, max err {r['max_abs_err']:.3g}, "
               f"worst {r['worst_ratio']:.2f} of tol")
     if isinstance(results.get("ulp"), list):
-        print("ulp vs torch variant: slot variant dtype output | exact% <=1ulp% max_ulp max_abs")
+        print("ulp vs torch variant: slot variant dtype output | exact% <=1ulp% max_ulp | scaled: <=1% max | max_abs")
         for r in results["ulp"]:
             print(f"  {r['slot']:18s} {r['variant']:13s} {r['dtype']:9s} {r['output']:14s} | {100 * r['exact']:7.3f} "
-                  f"{100 * r['le1']:7.3f} {r['max_ulp']:5d} {r['max_abs']:.3g}")
+                  f"{100 * r['le1']:7.3f} {r['max_ulp']:5d} | {100 * r['le1_scaled']:7.3f} {r['max_scaled']:6.2f} | "
+                  f"{r['max_abs']:.3g}")
     if isinstance(results.get("bench"), list):
         print("bench (fp16, public shapes): problem variant | eager us (do_bench median) | graph us")
         for r in results["bench"]:

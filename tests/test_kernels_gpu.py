@@ -157,6 +157,15 @@ def _ulp_key(t):
     return torch.where(i < 0, -(i & 0x7FFF), i)
 
 
+def _ulp_error(got, want, floor):
+    """|got - want| in ulps of the 16-bit dtype at max(|got|, |want|, floor)."""
+    g, w = got.float(), want.float()
+    mag = torch.clamp(torch.maximum(g.abs(), w.abs()), min=floor)
+    _, exp = torch.frexp(mag)
+    ulp = torch.ldexp(torch.ones_like(mag), exp - 1 - (7 if got.dtype == torch.bfloat16 else 10))
+    return (g - w).abs() / ulp
+
+
 def _slot_outputs(slot, fns, inp):
     c = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
     if slot == "norm":
@@ -172,25 +181,29 @@ def _slot_outputs(slot, fns, inp):
     return {"o": fns[slot](**c)}
 
 
-# (slot, variant, spec, max ulps, min fraction of bit-equal elements)
+# (slot, variant, spec, max ulps, min fraction of bit-equal elements). Elementwise slots: the bit
+# distance. Attention: ulps at max(|x|, rms/8) (an output is a sum with cancellation; near zero its
+# last bits are summation-order noise), and a probability whose fp32 value sits at a rounding
+# boundary (exp2.approx vs torch's expf) can round the other way and move a large output by a few
+# ulps. The online variants (`triton`, `triton_split`) have only ~55-65% of elements bit-equal.
 FAITHFUL = [
     ("rope_cache", "triton", {"N": 300, "Hq": 8, "Hkv": 2, "D": 80, "fused_qkv": True, "P": 4096,
                               "theta": 10000.0}, 0, 1.0),
     ("rope_cache", "triton", {"N": 64, "Hq": 4, "Hkv": 4, "D": 192, "fused_qkv": False, "P": 4096,
                               "theta": 500000.0}, 0, 1.0),
-    ("norm", "triton", {"N": 300, "H": 768, "eps": 1e-5, "x_scale": 3.0, "row_strided": True}, 1, 0.99),
-    ("norm", "triton", {"N": 33, "H": 2000, "eps": 1e-6, "x_scale": 0.5, "row_strided": False}, 1, 0.99),
-    ("silu_mul", "triton", {"N": 300, "I": 3072}, 1, 0.999),
+    ("norm", "triton", {"N": 300, "H": 768, "eps": 1e-5, "x_scale": 3.0, "row_strided": True}, 2, 0.999),
+    ("norm", "triton", {"N": 33, "H": 2000, "eps": 1e-6, "x_scale": 0.5, "row_strided": False}, 2, 0.999),
+    ("silu_mul", "triton", {"N": 300, "I": 3072}, 0, 1.0),
     ("prefill_attention", "triton_exact", {"seq_lens": [128, 128, 37, 300], "Hq": 4, "Hkv": 4, "D": 192,
-                                           "fused_qkv": True, "q_scale": 3.0, "scale_mult": 1.0}, 1, 0.9),
+                                           "fused_qkv": True, "q_scale": 3.0, "scale_mult": 1.0}, 4, 0.98),
     ("prefill_attention", "triton_exact", {"seq_lens": [1034, 11], "Hq": 8, "Hkv": 2, "D": 80,
-                                           "fused_qkv": False, "q_scale": 1.0, "scale_mult": 1.0}, 1, 0.9),
+                                           "fused_qkv": False, "q_scale": 1.0, "scale_mult": 1.0}, 4, 0.98),
     ("decode_attention", "triton_exact", {"ctx": [48, 144, 1, 17, 700, 1034], "Hq": 8, "Hkv": 2, "D": 80,
                                           "block_size": 16, "max_context": "bound", "q_scale": 3.0,
-                                          "scale_mult": 1.0}, 1, 0.9),
+                                          "scale_mult": 1.0}, 4, 0.98),
     ("decode_attention", "triton_exact", {"ctx": [48] * 4 + [144] * 4, "Hq": 4, "Hkv": 4, "D": 192,
                                           "block_size": 16, "max_context": "exact", "q_scale": 1.0,
-                                          "scale_mult": 1.0}, 1, 0.9),
+                                          "scale_mult": 1.0}, 4, 0.98),
 ]
 
 
@@ -206,8 +219,12 @@ def test_faithful_variant_rounds_like_the_torch_variant(slot, variant, spec, max
         inp = slot_check.make_inputs(slot, spec, dtype, "cuda", seed=seed)
         got, want = _slot_outputs(slot, fns, inp), _slot_outputs(slot, ref, inp)
         for name in want:
-            d = (_ulp_key(got[name]) - _ulp_key(want[name])).abs()
-            exact = (d == 0).float().mean().item()
-            assert d.max().item() <= max_ulp and exact >= min_exact, (
-                f"{name} (seed {seed}): max {d.max().item()} ulp (allowed {max_ulp}), "
+            exact = (_ulp_key(got[name]) == _ulp_key(want[name])).float().mean().item()
+            if slot.endswith("attention"):
+                floor = want[name].float().pow(2).mean().sqrt().item() / 8
+                worst = _ulp_error(got[name], want[name], floor).max().item()
+            else:
+                worst = (_ulp_key(got[name]) - _ulp_key(want[name])).abs().max().item()
+            assert worst <= max_ulp and exact >= min_exact, (
+                f"{name} (seed {seed}): max {worst:.3g} ulp (allowed {max_ulp}), "
                 f"{100 * exact:.3f}% bit-equal (want >= {100 * min_exact:.1f}%)")
