@@ -11,8 +11,13 @@ synchronize → perf_counter → every prefill/decode/remove → synchronize →
 under torch.no_grad(). Prints a JSON list, one object per case, with the official fields
 plus the physical floor of the case and the fraction of it reached.
 
-Beyond the official harness: the last output of every timed run is checked against the
-reference after all timing is done (so an engine cannot time one path and pass another).
+Beyond the official harness (both skipped by --no-verify): before any timing, every call of
+one pass of each case is checked against the reference as it returns (one row of each output,
+at random; the first warm-up pass, or an extra pass when there is no warm-up), so an engine
+that recognises the benchmark's trace and skips work on calls whose outputs are not kept is
+caught; and the last output of every timed run is checked after all timing is done (so an
+engine cannot time one path and pass another). All warm-ups run before all timed runs, so
+the reference is not in memory while the clock runs.
 """
 from __future__ import annotations
 
@@ -33,14 +38,18 @@ from evaluator.common import (EngineRaised, ModelDims, Tolerance, WrongResult, c
                               compute_dtype, harness_parser, load_config, load_engine_module,
                               make_generator, parse_cases, resolve_device, synchronize)
 from evaluator.floor import Hardware, detect_hardware, floor_seconds  # noqa: E402
-from evaluator.guards import FunctionIdentities, compare, take_output  # noqa: E402
+from evaluator.guards import FunctionIdentities, ThreadWatch, compare, take_output  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
-from evaluator.session import (Histories, draw_op_tokens, mismatch_message,  # noqa: E402
-                               reference_rows)
+from evaluator.session import (CheckedSession, Histories, draw_op_tokens,  # noqa: E402
+                               mismatch_message, reference_rows)
 from evaluator.traces import DECODE, PREFILL, PUBLIC_CASES, Op, benchmark_trace, token_counts  # noqa: E402
 
 BENCHMARK_SEED = 0
 MIB = 2**20
+# Rows of each output the checked pass compares with the reference (chosen at random, every
+# row validated): the pass is there to catch skipped calls, and on a CPU the reference costs
+# more than a fast engine, so comparing every row would double a candidate's evaluation.
+CHECKED_ROWS_PER_CALL = 1
 
 
 @dataclass
@@ -79,9 +88,10 @@ def _calls(engine, trace: list[Op], tokens: list[list[torch.Tensor]]) -> list[tu
 
 
 def timed_run(engine, trace: list[Op], tokens: list[list[torch.Tensor]], device: str, case: str,
-              vocab: int, keep_last: bool) -> TimedRun:
+              vocab: int, keep_last: bool, threads: ThreadWatch | None = None) -> TimedRun:
     """One pass over the trace under the official timing method. With keep_last, the last
-    logits are copied (after the clock stops) for a later check against the reference."""
+    logits are copied (after the clock stops) for a later check against the reference. With
+    `threads`, a thread still running when the clock stops (work hidden from it) fails."""
     calls = _calls(engine, trace, tokens)
     last, last_index, index = None, -1, -1
     if device == "cuda":
@@ -98,6 +108,8 @@ def timed_run(engine, trace: list[Op], tokens: list[list[torch.Tensor]], device:
             seconds = time.perf_counter() - start
     except Exception as e:  # noqa: BLE001 - the candidate may raise anything
         raise EngineRaised(f"case {case} {trace[index].describe()} raised {type(e).__name__}: {e}") from e
+    if threads is not None:
+        threads.check(f"benchmark case {case}, after the timed run")
     run = TimedRun(seconds, torch.cuda.max_memory_allocated() / MIB if device == "cuda" else 0.0)
     if keep_last and last_index >= 0:
         op = trace[last_index]
@@ -115,26 +127,49 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _measure_case(module: ModuleType, config: dict, weight_dir: str, device: str, case: str,
-                  warmup: int, repeat: int, seed: int, keep_last: bool) -> list[TimedRun]:
-    trace = benchmark_trace(case)
-    gen = make_generator(seed, device)
+@dataclass
+class _Case:
+    """One benchmark case while it is measured: its trace and its token generator (seed 0; the
+    warm-up passes draw first, the timed runs continue from there, as officially)."""
+
+    name: str
+    trace: list[Op]
+    gen: torch.Generator
+
+
+def _create(module: ModuleType, config: dict, weight_dir: str, device: str, case: str):
+    return call_engine(f"create_engine (case {case})", module.create_engine, config, weight_dir, device)
+
+
+def _warm_up(module: ModuleType, config: dict, weight_dir: str, device: str, case: _Case, warmup: int,
+             reference: ReferenceModel | None, tol: Tolerance, threads: ThreadWatch) -> None:
+    """The warm-up engine runs the trace `warmup` times; with a reference, its first pass (an
+    extra one when warmup is 0) is checked call by call (one random row of each output)."""
+    passes = max(warmup, 1) if reference is not None else warmup
+    if passes == 0:
+        return
     vocab = int(config["vocab_size"])
+    engine = _create(module, config, weight_dir, device, case.name)
+    for i in range(passes):
+        if i == 0 and reference is not None:
+            CheckedSession(engine, reference, case.gen, tol, label=f"benchmark case {case.name} (checked pass): ",
+                           threads=threads, rows_per_call=CHECKED_ROWS_PER_CALL).run(case.trace)
+        else:
+            timed_run(engine, case.trace, _draw_trace(case.trace, case.gen, vocab, device), device, case.name,
+                      vocab, False, threads)
+    del engine
+    _release(device)
 
-    def create():
-        return call_engine(f"create_engine (case {case})", module.create_engine, config, weight_dir, device)
 
-    if warmup > 0:
-        engine = create()
-        for _ in range(warmup):
-            timed_run(engine, trace, _draw_trace(trace, gen, vocab, device), device, case, vocab, False)
-        del engine
-        _release(device)
+def _time_case(module: ModuleType, config: dict, weight_dir: str, device: str, case: _Case, repeat: int,
+               keep_last: bool, threads: ThreadWatch) -> list[TimedRun]:
+    """`repeat` timed runs, each on a fresh engine."""
+    vocab = int(config["vocab_size"])
     runs = []
     for _ in range(repeat):
-        engine = create()
-        tokens = _draw_trace(trace, gen, vocab, device)
-        runs.append(timed_run(engine, trace, tokens, device, case, vocab, keep_last))
+        engine = _create(module, config, weight_dir, device, case.name)
+        tokens = _draw_trace(case.trace, case.gen, vocab, device)
+        runs.append(timed_run(engine, case.trace, tokens, device, case.name, vocab, keep_last, threads))
         del engine, tokens
         _release(device)
     return runs
@@ -160,7 +195,8 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
                   tol: Tolerance = Tolerance()) -> list[dict]:
     """Time each case; return one result dict per case (official fields + floor_ms,
     floor_fraction, runs_ms). Raises EvalFailure when the engine raises or (with
-    verify_outputs) when a timed run's last output disagrees with the reference."""
+    verify_outputs) when a call of the checked pass or a timed run's last output disagrees
+    with the reference."""
     if repeat < 1:
         raise ValueError("repeat must be at least 1")
     identities = FunctionIdentities()
@@ -170,17 +206,26 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
     dims = ModelDims.from_config(config)
     dtype = compute_dtype(config, device)
     hw = hardware or detect_hardware(device, dtype, bandwidth_gbs, peak_tflops)
+    measured = [_Case(name, benchmark_trace(name), make_generator(seed, device)) for name in cases]
+    # All warm-ups first, with the reference (checked passes), which is then freed: it must not
+    # count in the timed runs' peak memory.
+    reference = ReferenceModel.load(config, weight_dir, device) if verify_outputs and measured else None
+    for case in measured:
+        _warm_up(module, config, str(weight_dir), device, case, warmup, reference, tol, identities.threads)
+        identities.check(f"after warming up benchmark case {case.name}")
+    del reference
+    _release(device)
     results, checks = [], []
-    for case in cases:
-        runs = _measure_case(module, config, str(weight_dir), device, case, warmup, repeat, seed, verify_outputs)
-        identities.check(f"after benchmark case {case}")
+    for case in measured:
+        runs = _time_case(module, config, str(weight_dir), device, case, repeat, verify_outputs, identities.threads)
+        identities.check(f"after benchmark case {case.name}")
         checks += [r.check for r in runs if r.check is not None]
         median = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
-        trace = benchmark_trace(case)
+        trace = case.trace
         pre, dec = token_counts(trace)
         floor_s = floor_seconds(dims, dtype.itemsize, trace, hw)
         results.append({
-            "case_name": case,
+            "case_name": case.name,
             "elapsed_ms": median.seconds * 1e3,
             "prefill_tokens": pre,
             "decode_tokens": dec,

@@ -25,8 +25,10 @@ if __package__ in (None, ""):  # run as a script: make the `evaluator` package i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
-from evaluator.common import (CRASH, REPO_ROOT, EvalFailure, Tolerance, harness_parser,  # noqa: E402
-                              load_config, load_engine_module, parse_cases, resolve_device)
+from evaluator.common import (CRASH, REPO_ROOT, EvalFailure, Tolerance, compute_dtype,  # noqa: E402
+                              harness_parser, load_config, load_engine_module, parse_cases,
+                              resolve_device)
+from evaluator.floor import detect_hardware  # noqa: E402
 from evaluator.guards import FunctionIdentities  # noqa: E402
 from evaluator.sandbox import Sandbox  # noqa: E402
 from evaluator.stress import run_stress  # noqa: E402
@@ -61,11 +63,43 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
               "public": None, "stress": None, "benchmark": None, "score": None, "seconds": 0.0}
     fenced = [REPO_ROOT, weight_dir, *protect] + ([] if isinstance(model_config, dict) else [model_config])
     sandbox = Sandbox(fenced, device)
+
+    def check(when: str) -> None:
+        identities.check(when)
+        sandbox.check(when)
+
     try:
         config = load_config(model_config)
+        # Before the sandbox: this is the evaluator's own work (it may run `uname`, and measures).
+        hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
         with sandbox:
-            _stages(result, engine, config, weight_dir, device, stress, cases, warmup, repeat, seed,
-                    bandwidth_gbs, peak_tflops, tol, log, identities, sandbox)
+            try:
+                module = load_engine_module(engine)
+            finally:
+                check("at import")  # a refused operation explains a failed import better than its traceback
+            result["stage"] = "public"
+            public = run_public_sequence(module, config, weight_dir, device, tol.atol, tol.rtol)
+            check("after the public sequence")
+            result["public"] = {"status": public["status"], "max_abs_err": public["max_abs_err"],
+                                "cases": public["cases"], "worst_margin": public["worst_margin"]}
+            log(f"public: passed, max abs err {public['max_abs_err']:.3g}")
+            if stress != "off":
+                result["stage"] = "stress"
+                report = run_stress(module, device, seed, quick=stress == "quick", target=(config, weight_dir),
+                                    fail_fast=True, tol=tol, log=log)
+                result["stress"] = report.to_dict()
+                check("after the stress suite")
+                failure = report.first_failure
+                if failure is not None:
+                    result["error_kind"] = failure.error_kind
+                    result["error"] = f"stress case {failure.name} (seed {report.seed}): {failure.error}"
+                    return result
+            result["stage"] = "benchmark"
+            result["benchmark"] = run_benchmark(module, config, weight_dir, device, list(cases), warmup, repeat,
+                                                hardware=hardware, tol=tol)
+            result["score"] = score(result["benchmark"])
+            check("after the evaluation")
+            result["stage"], result["status"] = "done", "passed"
     except EvalFailure as e:
         result["error_kind"], result["error"] = e.kind, str(e)
     except BaseException as e:  # noqa: BLE001 - the verdict must be written whatever happened
@@ -74,44 +108,6 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     finally:
         result["seconds"] = time.perf_counter() - start
     return result
-
-
-def _stages(result: dict, engine, config: dict, weight_dir, device: str, stress: str, cases, warmup: int,
-            repeat: int, seed: int | None, bandwidth_gbs, peak_tflops, tol: Tolerance, log,
-            identities: FunctionIdentities, sandbox: Sandbox) -> None:
-    """import → public → stress → benchmark, filling `result`; raises EvalFailure at the first
-    failure (a failing stress case is recorded in `result` and returns)."""
-    def check(when: str) -> None:
-        identities.check(when)
-        sandbox.check(when)
-
-    try:
-        module = load_engine_module(engine)
-    finally:
-        check("at import")  # a refused operation explains an import failure better than its traceback
-    result["stage"] = "public"
-    public = run_public_sequence(module, config, weight_dir, device, tol.atol, tol.rtol)
-    check("after the public sequence")
-    result["public"] = {"status": public["status"], "max_abs_err": public["max_abs_err"],
-                        "cases": public["cases"], "worst_margin": public["worst_margin"]}
-    log(f"public: passed, max abs err {public['max_abs_err']:.3g}")
-    if stress != "off":
-        result["stage"] = "stress"
-        report = run_stress(module, device, seed, quick=stress == "quick", target=(config, weight_dir),
-                            fail_fast=True, tol=tol, log=log)
-        result["stress"] = report.to_dict()
-        check("after the stress suite")
-        failure = report.first_failure
-        if failure is not None:
-            result["error_kind"] = failure.error_kind
-            result["error"] = f"stress case {failure.name} (seed {report.seed}): {failure.error}"
-            return
-    result["stage"] = "benchmark"
-    result["benchmark"] = run_benchmark(module, config, weight_dir, device, list(cases), warmup, repeat,
-                                        bandwidth_gbs=bandwidth_gbs, peak_tflops=peak_tflops, tol=tol)
-    result["score"] = score(result["benchmark"])
-    check("after the evaluation")
-    result["stage"], result["status"] = "done", "passed"
 
 
 def write_json(result: dict, out: str | Path) -> None:
@@ -132,12 +128,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, help="stress seed (default: fresh)")
     p.add_argument("--bandwidth-gbs", type=float)
     p.add_argument("--peak-tflops", type=float)
+    p.add_argument("--protect", action="append", default=[],
+                   help="a path the candidate may not write to (besides the repository, the weights, "
+                        "the config and the folder of --out); repeatable")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     cases = parse_cases(a.cases)
     result = evaluate(a.engine, a.model_config, a.weight_dir, a.device, a.stress, cases, a.warmup, a.repeat,
                       a.seed, a.bandwidth_gbs, a.peak_tflops,
-                      log=lambda line: print(line, file=sys.stderr, flush=True))
+                      log=lambda line: print(line, file=sys.stderr, flush=True),
+                      protect=(Path(a.out).resolve().parent, *a.protect))
     write_json(result, a.out)
     score_text = "untimed" if result["score"] is None else f"{result['score']:.4g}"
     verdict = f"score {score_text}" if result["status"] == "passed" else \

@@ -6,11 +6,18 @@
 - Inputs are snapshotted before each call and compared after it: an engine that mutates
   its inputs so that the reference agrees is caught, and the reference always reads the
   harness's own pristine copies.
-- The functions the harness times and compares with are snapshotted before the candidate
-  is imported and checked after it has run: patching the timer or `synchronize` is caught.
+- The functions the harness times and compares with, and every function and class of the
+  evaluator's own modules, are snapshotted before the candidate is imported and checked after
+  it has run: patching the timer, `synchronize` or the judge's comparison is caught.
+- Python threads alive after a call that were not alive before the candidate was imported
+  outlived the call: work hidden from the timer, or state changing behind the harness's back.
+- On CUDA, the caching allocator's free memory is filled with NaN before every checked call,
+  so an engine that reads memory it never wrote (a recycled block, a stale buffer) shows it.
 """
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -31,12 +38,47 @@ _WATCHED = (
 )
 
 
+EVALUATOR_PACKAGE = "evaluator"
+
+
+def _evaluator_bindings() -> list[tuple[object, str]]:
+    """(owner, name) of every function and class bound in a loaded evaluator module, and of
+    every attribute of the classes those modules define: what the judge calls to decide."""
+    out = []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or (module_name != EVALUATOR_PACKAGE and not module_name.startswith(EVALUATOR_PACKAGE + ".")):
+            continue
+        for name, value in list(vars(module).items()):
+            if callable(value):
+                out.append((module, name))
+            if isinstance(value, type) and value.__module__ == module_name:
+                out += [(value, attr) for attr in vars(value) if not attr.startswith("__")]
+    return out
+
+
+class ThreadWatch:
+    """The Python threads alive before the candidate was imported; any other thread alive after
+    one of its calls outlived that call."""
+
+    def __init__(self):
+        self._before = set(threading.enumerate())
+
+    def check(self, what: str) -> None:
+        extra = [t for t in threading.enumerate() if t not in self._before and t.is_alive()]
+        if extra:
+            names = ", ".join(t.name for t in extra[:3])
+            raise WrongResult(f"{what}: the engine left {len(extra)} thread(s) running ({names}); "
+                              "all work must finish inside the call that started it")
+
+
 class FunctionIdentities:
-    """Identities of the harness's timing and comparison functions, taken before the candidate
-    is imported."""
+    """Identities of the harness's timing and comparison functions and of the evaluator's own
+    functions and classes, taken before the candidate is imported; and the threads alive then."""
 
     def __init__(self):
         self._objs = {self._name(o, a): getattr(o, a) for o, a in _WATCHED}
+        self._own = [(o, a, vars(o).get(a)) for o, a in _evaluator_bindings()]
+        self.threads = ThreadWatch()
 
     @staticmethod
     def _name(owner, attr: str) -> str:
@@ -47,6 +89,10 @@ class FunctionIdentities:
             name = self._name(owner, attr)
             if getattr(owner, attr) is not self._objs[name]:
                 raise WrongResult(f"{name} was replaced ({when}): the candidate patched the harness")
+        for owner, attr, obj in self._own:
+            if vars(owner).get(attr) is not obj:
+                raise WrongResult(f"{self._name(owner, attr)} was replaced ({when}): the candidate patched the evaluator")
+        self.threads.check(when)
 
 
 @dataclass(frozen=True)
@@ -117,3 +163,35 @@ def compare(student: torch.Tensor, reference: torch.Tensor, tol: Tolerance) -> C
         worst_row=int(worst.argmax()),
         passed=bool(torch.allclose(student, reference, atol=tol.atol, rtol=tol.rtol)),
     )
+
+
+# Block sizes tried, largest first, when filling the CUDA caching allocator's free memory.
+POISON_BLOCK_BYTES = tuple(2**k for k in range(30, 8, -1))
+
+
+def poison_free_device_memory(device: str) -> None:
+    """Fill the memory the CUDA caching allocator holds but has not handed out with NaN.
+
+    A block is taken only while it comes from the cache (the reserved total does not grow), then
+    all are freed again: the next torch.empty in the engine gets NaN, not a plausible stale
+    tensor (the reference's last logits, a request that was just removed). Best effort: a cached
+    block smaller than 512 bytes stays as it is. Nothing to do on the CPU, whose allocator
+    returns large blocks to the system."""
+    if device != "cuda":
+        return
+    reserved = torch.cuda.memory_reserved()
+    free = reserved - torch.cuda.memory_allocated()
+    blocks = []
+    for size in POISON_BLOCK_BYTES:
+        while free >= size:
+            try:
+                block = torch.empty(size // 4, dtype=torch.float32, device="cuda")
+            except torch.cuda.OutOfMemoryError:
+                break
+            if torch.cuda.memory_reserved() != reserved:  # a fresh segment, not a cached block
+                del block
+                break
+            block.fill_(float("nan"))
+            blocks.append(block)
+            free -= size
+    del blocks

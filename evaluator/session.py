@@ -1,18 +1,21 @@
 """Drive one engine and the reference through a trace, checking every call as it returns.
 
-Shared by the public sequence and the stress suite, so both apply the same guards: fresh
-tokens drawn by the harness, outputs copied right after their call, inputs checked
-unchanged, the reference fed the harness's pristine copies of every token.
+Shared by the public sequence, the stress suite and the benchmark's checked pass, so all
+apply the same guards: fresh tokens drawn by the harness, free device memory poisoned before
+each call, outputs copied right after their call, inputs checked unchanged, no thread left
+running, the reference fed the harness's pristine copies of every token.
 """
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import torch
 
 from evaluator.common import Tolerance, WrongResult, call_engine, draw_tokens
-from evaluator.guards import Comparison, InputSnapshot, compare, take_output
+from evaluator.guards import (Comparison, InputSnapshot, ThreadWatch, compare, poison_free_device_memory,
+                              take_output)
 from evaluator.reference_model import ReferenceModel
 from evaluator.traces import DECODE, PREFILL, Op
 
@@ -84,9 +87,17 @@ class CheckedSession:
     """Runs ops on an engine, checks each output against the reference right after its call."""
 
     def __init__(self, engine, reference: ReferenceModel, gen: torch.Generator,
-                 tol: Tolerance = Tolerance(), label: str = ""):
+                 tol: Tolerance = Tolerance(), label: str = "", threads: ThreadWatch | None = None,
+                 rows_per_call: int | None = None):
+        """`threads`: the threads alive before the candidate was imported (by default those
+        alive now), checked after every call. `rows_per_call`: compare only this many rows of
+        each output with the reference, drawn by an unseeded generator the engine cannot
+        predict (every row is still validated); None compares every row."""
         self.engine, self.reference, self.gen, self.tol = engine, reference, gen, tol
         self.label = label
+        self.threads = threads or ThreadWatch()
+        self.rows_per_call = rows_per_call
+        self._row_rng = random.SystemRandom()
         self.vocab = reference.dims.vocab
         self.device = reference.device
         self.histories = Histories()
@@ -104,8 +115,10 @@ class CheckedSession:
         ids = list(op.request_ids)
         drawn = draw_op_tokens(op, self.gen, self.vocab, self.device)
         pristine = InputSnapshot.take(ids, drawn)
+        poison_free_device_memory(self.device)
         with torch.no_grad():
             out = invoke(self.engine, op, ids, drawn, what)
+        self.threads.check(what)
         if op.kind not in (PREFILL, DECODE):
             pristine.check_unchanged(ids, drawn, what)
             self.histories.apply(op, [])
@@ -113,8 +126,12 @@ class CheckedSession:
         got = take_output(out, len(ids), self.vocab, what)
         pristine.check_unchanged(ids, drawn, what)
         self.histories.apply(op, list(pristine.tensors))
-        c = compare(got, reference_rows(self.reference, self.histories, pristine.request_ids), self.tol)
+        rows = list(range(len(ids)))
+        if self.rows_per_call is not None and self.rows_per_call < len(rows):
+            rows = sorted(self._row_rng.sample(rows, self.rows_per_call))
+        checked_ids = [pristine.request_ids[r] for r in rows]
+        c = compare(got[rows], reference_rows(self.reference, self.histories, checked_ids), self.tol)
         self.stats.add(c)
         if not c.passed:
-            raise WrongResult(mismatch_message(what, c, self.tol, pristine.request_ids))
+            raise WrongResult(mismatch_message(what, c, self.tol, checked_ids))
         return c

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from evaluator.common import (WEIGHT_FILE, EvalFailure, Tolerance, call_engine,  # noqa: E402
                               compute_dtype, load_config, load_engine_module, load_weights,
                               make_generator, resolve_device)
-from evaluator.guards import FunctionIdentities  # noqa: E402
+from evaluator.guards import FunctionIdentities, ThreadWatch  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
 from evaluator.session import CheckedSession  # noqa: E402
 from evaluator.traces import FULL, LONG_PROMPT, QUICK, STRESS_SCENARIOS, StressSize  # noqa: E402
@@ -196,6 +196,7 @@ class _Runner:
     report: StressReport
     log: Callable[[str], None]
     fail_fast: bool
+    threads: ThreadWatch
 
     def model(self, name: str, config: dict, weight_dir: str, weights: dict[str, torch.Tensor],
               scenarios: list[str], trace_seed: int) -> bool:
@@ -213,7 +214,8 @@ class _Runner:
                     engine = call_engine("create_engine", self.module.create_engine, config, weight_dir, self.device)
                 if reference is None:
                     reference = ReferenceModel(config, weights, self.device)
-                session = CheckedSession(engine, reference, gen, self.tol, label=f"{scenario}: ")
+                session = CheckedSession(engine, reference, gen, self.tol, label=f"{scenario}: ",
+                                         threads=self.threads)
                 session.run(STRESS_SCENARIOS[scenario](rng, self.size))
                 case.passed = True
             except EvalFailure as e:
@@ -246,7 +248,7 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
     target_trace_seed = rng.randrange(2**31)
     report = StressReport(seed, "quick" if quick else "full")
     module = load_engine_module(engine)
-    run = _Runner(module, device, QUICK if quick else FULL, tol, report, log, fail_fast)
+    run = _Runner(module, device, QUICK if quick else FULL, tol, report, log, fail_fast, identities.threads)
     log(f"stress ({report.mode}) on {device}, seed {seed}")
     go_on = True
     if target is not None:

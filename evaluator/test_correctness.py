@@ -39,7 +39,8 @@ def run_public_sequence(engine: ModuleType | str | Path, model_config: dict | st
     candidate = call_engine("create_engine", module.create_engine, config, str(weight_dir), device)
     reference = ReferenceModel.load(config, weight_dir, device)
     tol = Tolerance(atol, rtol)
-    stats = CheckedSession(candidate, reference, make_generator(seed, device), tol).run(public_sequence())
+    stats = CheckedSession(candidate, reference, make_generator(seed, device), tol,
+                           threads=identities.threads).run(public_sequence())
     identities.check("after the public sequence")
     return {
         "status": "passed", "device": device, "cases": stats.calls,

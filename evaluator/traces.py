@@ -259,10 +259,23 @@ def mixed_scenario(rng: random.Random, size: StressSize) -> list[Op]:
     return trace + [remove(live)]
 
 
+def rerun_scenario(rng: random.Random, size: StressSize) -> list[Op]:
+    """The same calls twice (same ids, same prompt lengths, the same decode twice in a row),
+    with fresh tokens every time: an engine that answers from a cache keyed by ids or shapes
+    (the previous call's logits), or that keeps state from the first pass in blocks the second
+    pass reuses, fails."""
+    ids = _ids(rng, rng.randint(2, 4))
+    order = _unsorted(rng, ids)
+    once = [prefill(ids, [rng.randint(1, size.churn_max_prompt) for _ in ids]), decode(order), decode(order),
+            remove(_unsorted(rng, ids))]
+    return once + once
+
+
 LONG_PROMPT = "long_prompt"
 STRESS_SCENARIOS: dict[str, Callable[[random.Random, StressSize], list[Op]]] = {
     LONG_PROMPT: long_prompt_scenario,
     "wide_batch": wide_batch_scenario,
     "churn": churn_scenario,
     "mixed": mixed_scenario,
+    "rerun": rerun_scenario,
 }

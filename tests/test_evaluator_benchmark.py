@@ -85,7 +85,8 @@ def test_short_benchmark_on_a_tiny_model(recompute_engine_path, tiny_model, monk
     hw = Hardware("test", 10.0, 0.1, "flags")
     results = run_benchmark(recompute_engine_path, tiny_model.config, tiny_model.weight_dir, "cpu",
                             cases=["prefill", "mixed"], warmup=1, repeat=2, hardware=hw)
-    assert len(created) == 2 * (1 + 2) + 1  # warm-up engine + one per repeat, per case; + reference
+    # warm-up engine + one per repeat, per case; + the reference, for the checked passes and after timing
+    assert len(created) == 2 * (1 + 2) + 2
     assert [r["case_name"] for r in results] == ["prefill", "mixed"]
     for r in results:
         assert OFFICIAL_FIELDS <= r.keys()
@@ -100,7 +101,7 @@ def test_short_benchmark_on_a_tiny_model(recompute_engine_path, tiny_model, monk
 
 
 def test_timed_outputs_are_checked_after_timing(recompute_source, write_engine, tiny_model):
-    engine = write_engine(broken_source("decode_ignores_cache", recompute_source))
+    engine = write_engine(broken_source("timed_path_differs", recompute_source))
     with pytest.raises(EvalFailure, match="benchmark case decode, last output") as err:
         run_benchmark(engine, tiny_model.config, tiny_model.weight_dir, "cpu", cases=["decode"],
                       warmup=0, repeat=1, hardware=H100)
