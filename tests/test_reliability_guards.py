@@ -1,0 +1,125 @@
+"""The evaluator's run-time guards, each against an engine that cheats in the way it catches
+(issue #6; docs/reliability.md lists them). The engines are the recompute engine with one
+edit (tests/fixtures/broken_engines.py), so each is right except for its trick."""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from evaluator import benchmark_throughput, session
+from evaluator.common import CRASH, WRONG_RESULT, WrongResult, load_engine_module, make_generator
+from evaluator.evaluate import evaluate
+from evaluator.floor import Hardware
+from evaluator.guards import poison_free_device_memory
+from evaluator.reference_model import ReferenceModel
+from evaluator.session import CheckedSession
+from evaluator.test_correctness import run_public_sequence
+from evaluator.traces import QUICK, rerun_scenario
+
+from tests.fixtures.broken_engines import broken_source
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+HW = Hardware("test", 3000.0, 790.0, "flags")
+# The quickest full evaluation: public sequence and one short timing.
+QUICK_EVAL = {"stress": "off", "cases": ("prefill",), "warmup": 0, "repeat": 1, "device": "cpu"}
+
+
+def quick_evaluate(path, model) -> dict:
+    return evaluate(path, model.config, model.weight_dir, **QUICK_EVAL)
+
+
+def test_skipped_benchmark_calls_are_caught_by_the_checked_pass(recompute_source, write_engine, tiny_model,
+                                                                monkeypatch):
+    engine = write_engine(broken_source("skips_benchmark_calls", recompute_source))
+    with pytest.raises(WrongResult, match=r"benchmark case decode \(checked pass\): step 3 decode"):
+        benchmark_throughput.run_benchmark(engine, tiny_model.config, tiny_model.weight_dir, "cpu", ["decode"],
+                                           warmup=0, repeat=1, hardware=HW)
+    # Without the checked pass the cheat passes: its last output (step 16) is right.
+    monkeypatch.setattr(benchmark_throughput, "_warm_up", lambda *args: None)
+    (result,) = benchmark_throughput.run_benchmark(engine, tiny_model.config, tiny_model.weight_dir, "cpu",
+                                                   ["decode"], warmup=0, repeat=1, hardware=HW)
+    assert result["decode_tokens"] == 128
+
+
+@pytest.mark.parametrize("name", ["replays_by_shape", "skips_benchmark_calls"])
+def test_rerun_scenario_catches_answers_replayed_by_ids_or_shape(name, recompute_source, write_engine,
+                                                                   tiny_model_large, test_seed):
+    m = tiny_model_large
+    module = load_engine_module(write_engine(broken_source(name, recompute_source)))
+    engine = module.create_engine(m.config, str(m.weight_dir), "cpu")
+    reference = ReferenceModel.load(m.config, m.weight_dir, "cpu")
+    trace = rerun_scenario(random.Random(test_seed), QUICK)
+    with pytest.raises(WrongResult, match="outputs differ from the reference"):
+        CheckedSession(engine, reference, make_generator(test_seed, "cpu")).run(trace)
+
+
+@pytest.mark.parametrize("name,message", [
+    ("fills_output_late", "step 1 prefill.*outputs differ"),   # compared at return, before the next call
+    ("only_first_row", "step 3 prefill.*outputs differ"),       # every row of every call compared
+    ("spawns_thread", "step 1 prefill.*left 1 thread"),         # no thread outlives its call
+])
+def test_public_sequence_guards(name, message, recompute_source, write_engine, tiny_model):
+    with pytest.raises(WrongResult, match=message):
+        run_public_sequence(write_engine(broken_source(name, recompute_source)), tiny_model.config,
+                            tiny_model.weight_dir, "cpu")
+
+
+def test_patching_the_evaluator_is_caught(recompute_source, write_engine, tiny_model, monkeypatch):
+    monkeypatch.setattr(session, "compare", session.compare)  # restored after the test, whatever the engine does
+    result = quick_evaluate(write_engine(broken_source("patches_evaluator", recompute_source)), tiny_model)
+    assert (result["status"], result["error_kind"]) == ("failed", WRONG_RESULT)
+    assert "session.compare was replaced (at import): the candidate patched the evaluator" in result["error"]
+
+
+@pytest.mark.parametrize("name,message", [
+    ("edits_evaluator", r"tried writing .*/evaluator/guards\.py"),
+    ("opens_socket", r"tried network access \(socket\."),
+    ("runs_subprocess", r"tried starting a process \(subprocess\.Popen"),
+])
+def test_sandbox_refuses_escapes_at_run_time(name, message, recompute_source, write_engine, tiny_model):
+    result = quick_evaluate(write_engine(broken_source(name, recompute_source)), tiny_model)
+    assert (result["status"], result["stage"], result["error_kind"]) == ("failed", "import", WRONG_RESULT)
+    assert re.search(message, result["error"]), result["error"]
+
+
+def test_sandbox_lets_a_correct_engine_through_and_switches_off_after(recompute_engine_path, tiny_model, tmp_path):
+    assert quick_evaluate(recompute_engine_path, tiny_model)["status"] == "passed"
+    (tmp_path / "after.txt").write_text("the evaluator's caller may write again")
+
+
+def test_leaving_the_interpreter_is_a_crash_verdict(recompute_source, write_engine, tiny_model):
+    result = quick_evaluate(write_engine(broken_source("exits_interpreter", recompute_source)), tiny_model)
+    assert (result["status"], result["error_kind"]) == ("failed", CRASH)
+    assert "SystemExit" in result["error"]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_poison_fills_freed_device_memory_with_nan():
+    block = torch.ones(1 << 20, device="cuda")
+    del block
+    poison_free_device_memory("cuda")
+    again = torch.empty(1 << 20, device="cuda")
+    assert torch.isnan(again).all()
+
+
+@cuda
+def test_an_engine_reading_memory_it_never_wrote_gets_nan(recompute_source, write_engine, tiny_model):
+    source = recompute_source.replace("""\
+            self.histories[rid] = torch.cat([self.histories[rid], tokens[i:i + 1]])
+        return self._logits_for(request_ids)
+""", """\
+            self.histories[rid] = torch.cat([self.histories[rid], tokens[i:i + 1]])
+        logits = self._logits_for(request_ids)
+        out = torch.empty_like(logits)
+        out[:-1] = logits[:-1]
+        return out
+""")
+    assert source != recompute_source
+    with pytest.raises(WrongResult, match="non-finite values"):
+        run_public_sequence(write_engine(source), tiny_model.config, tiny_model.weight_dir, "cuda")
