@@ -2,18 +2,26 @@
 
 The evaluator (`python3 -m evaluator.evaluate`, design.md §2) owns the verdict; the judge
 only makes sure it cannot hang the agent or take it down: the child runs in a new session,
-the whole group is killed on timeout or when the agent itself is interrupted, and a
-timeout, a crash or a missing verdict become an EvalResult like any other failure.
+the whole group is killed on timeout, when it prints without end, when it outgrows the memory
+cap, or when the agent itself is interrupted, and a timeout, a crash or a missing verdict
+become an EvalResult like any other failure. Its output goes to files, of which the agent
+reads only a bounded tail and keeps a bounded tail on disk.
+
+The memory cap: on CPU an address-space limit (RLIMIT_AS) set in the child, so an oversized
+allocation fails inside the evaluator as a runtime error; on CUDA the driver reserves far more
+address space than it uses, so there the judge watches the child's resident memory instead
+and kills it past the cap.
 """
 from __future__ import annotations
 
 import ctypes
 import json
 import os
+import resource
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agent.providers.base import EvalResult
@@ -23,6 +31,10 @@ REPO = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1            # prctl option (linux/prctl.h)
 TERM_GRACE_SECONDS = 3.0        # between SIGTERM and SIGKILL of the evaluator's group
 ERROR_TAIL_CHARS = 2000         # how much of stderr goes into a crash's error text
+POLL_SECONDS = 0.2              # how often the judge looks at the running evaluator
+MEMORY_FRACTION = 0.8           # of physical memory: the evaluator's cap (the agent needs the rest)
+OUTPUT_CAP_BYTES = 256 * 2**20  # stdout + stderr of one evaluation; past this it is killed
+KEPT_OUTPUT_BYTES = 2**20       # the tail of each output file kept on disk afterwards
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
 VERIFY, FULL = "verify", "full"   # phases: see agent/loop.py
 VERIFY_CASES = "prefill"        # the cheapest benchmark case (the evaluator always runs one)
@@ -41,6 +53,8 @@ class JudgeSettings:
     cases: str | None = None     # None: the evaluator's default cases
     warmup: int = 1
     repeat: int = 3
+    protect: tuple[Path, ...] = ()   # more paths the candidate may not write (the workspace)
+    memory_bytes: int = field(default_factory=lambda: default_memory_cap())
 
     def for_phase(self, phase: str) -> "JudgeSettings":
         """FULL: these settings. VERIFY: the public sequence and one short timing, the quickest
@@ -56,7 +70,23 @@ class JudgeSettings:
                "--warmup", str(self.warmup), "--repeat", str(self.repeat), "--out", str(out)]
         if self.cases:
             cmd += ["--cases", self.cases]
+        for path in self.protect:
+            cmd += ["--protect", str(path)]
         return cmd
+
+
+def default_memory_cap() -> int:
+    """MEMORY_FRACTION of this machine's physical memory, in bytes."""
+    return int(MEMORY_FRACTION * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _child_setup(settings: JudgeSettings):
+    """What the evaluator runs before exec: die with the agent; on CPU, the address-space cap."""
+    def setup() -> None:
+        _die_with_parent()
+        if settings.device == "cpu":
+            resource.setrlimit(resource.RLIMIT_AS, (settings.memory_bytes, settings.memory_bytes))
+    return setup
 
 
 def _die_with_parent() -> None:
@@ -66,6 +96,15 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the group kill on timeout/interrupt still applies
         pass
+
+
+def _resident_bytes(pid: int) -> int:
+    """The resident memory of a process (Linux /proc), 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -82,12 +121,46 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _tail(path: Path) -> str:
+def _tail(path: Path, limit: int = ERROR_TAIL_CHARS) -> str:
+    """The last `limit` bytes of a file, read from the end (the file may be huge)."""
     try:
-        text = path.read_text(errors="replace").strip()
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - limit, 0))
+            return f.read().decode(errors="replace").strip()
     except OSError:
         return ""
-    return text[-ERROR_TAIL_CHARS:]
+
+
+def _keep_tail(path: Path) -> None:
+    """Cut an output file down to its last KEPT_OUTPUT_BYTES, saying so on its first line."""
+    try:
+        size = path.stat().st_size
+        if size <= KEPT_OUTPUT_BYTES:
+            return
+        with open(path, "rb") as f:
+            f.seek(size - KEPT_OUTPUT_BYTES)
+            tail = f.read()
+        atomic_write(path, f"[judge: the first {size - KEPT_OUTPUT_BYTES} of {size} bytes were cut]\n"
+                     + tail.decode(errors="replace"))
+    except OSError:
+        pass
+
+
+def _watch(proc: subprocess.Popen, deadline: float, settings: JudgeSettings, outputs: list[Path]) -> str | None:
+    """Wait for the evaluator; None once it exited, else why it must be killed."""
+    while True:
+        try:
+            proc.wait(timeout=max(min(POLL_SECONDS, deadline - time.monotonic()), 0.01))
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() >= deadline:
+            return "timeout"
+        written = sum(p.stat().st_size for p in outputs if p.exists())
+        if written > OUTPUT_CAP_BYTES:
+            return f"it printed more than {OUTPUT_CAP_BYTES // 2**20} MiB"
+        if settings.device != "cpu" and _resident_bytes(proc.pid) > settings.memory_bytes:
+            return f"it used more than {settings.memory_bytes / 2**30:.1f} GiB of memory (the cap)"
 
 
 def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) -> EvalResult:
@@ -96,22 +169,27 @@ def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) 
     out = out_dir / RESULT
     out.unlink(missing_ok=True)
     start = time.monotonic()
-    with open(out_dir / STDOUT, "wb") as so, open(out_dir / STDERR, "wb") as se:
+    outputs = [out_dir / STDOUT, out_dir / STDERR]
+    with open(outputs[0], "wb") as so, open(outputs[1], "wb") as se:
         proc = subprocess.Popen(settings.command(engine, out), cwd=REPO, stdin=subprocess.DEVNULL,
-                                stdout=so, stderr=se, start_new_session=True, preexec_fn=_die_with_parent)
+                                stdout=so, stderr=se, start_new_session=True, preexec_fn=_child_setup(settings))
         try:
-            rc = proc.wait(timeout=max(timeout, 1.0))
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            seconds = time.monotonic() - start
-            partial = _read(out)
-            return _record(out, EvalResult.failure(
-                partial.stage if partial else "unknown", "timeout",
-                f"no verdict within {timeout:.0f}s; evaluator killed", settings.device, seconds))
+            killed_because = _watch(proc, start + max(timeout, 1.0), settings, outputs)
         except BaseException:
             _kill_group(proc)  # the agent is being interrupted: take the evaluator down with it
             raise
+        if killed_because is not None:
+            _kill_group(proc)
+    for path in outputs:
+        _keep_tail(path)
     seconds = time.monotonic() - start
+    if killed_because is not None:
+        partial = _read(out)
+        kind, why = ("timeout", f"no verdict within {timeout:.0f}s") if killed_because == "timeout" else \
+            ("crash", killed_because)
+        return _record(out, EvalResult.failure(partial.stage if partial else "unknown", kind,
+                                               f"{why}; evaluator killed", settings.device, seconds))
+    rc = proc.returncode
     result = _read(out)
     if result is None:
         return _record(out, EvalResult.failure("unknown", "crash", f"evaluator exited {rc} without a verdict: "
