@@ -111,8 +111,9 @@ def prepare(candidate: Candidate, directory: Path, device: str) -> tuple[str | N
         failure = EvalResult.failure("render", "compile_error", f"{type(e).__name__}: {e}", device)
     else:
         atomic_write(directory / "engine.py", source)
-        # Our own templates are trusted; code that came from a proposer is checked before it runs.
-        violations = policy.check_engine(source) if candidate.extra_variants else []
+        # Every engine is checked before it runs, ours too: a template edit that reaches outside
+        # the engine is refused like a proposer's code (tests hold every template to the policy).
+        violations = policy.check_engine(source)
         if not violations:
             return source, None
         failure = EvalResult.failure("policy", "policy", policy.describe(violations), device)
