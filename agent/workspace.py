@@ -68,9 +68,15 @@ class Workspace:
         for name in (ENGINE, VERDICT, RESULTS_LOG, RESULTS_JSON):
             (self.root / name).unlink(missing_ok=True)
         shutil.rmtree(self.root / CANDIDATES, ignore_errors=True)
+        self.clear_leftovers()
+
+    def clear_leftovers(self) -> None:
+        """Remove the temporary files a kill left behind (never a finished file), and make sure
+        the candidates folder exists."""
+        self.root.mkdir(parents=True, exist_ok=True)
         for leftover in self.root.glob(TMP_PREFIX + "*"):
             leftover.unlink(missing_ok=True)
-        (self.root / CANDIDATES).mkdir()
+        (self.root / CANDIDATES).mkdir(exist_ok=True)
 
     def candidate_dir(self, index: int, short: str) -> Path:
         slug = re.sub(r"[^A-Za-z0-9]+", "-", short).strip("-")[:48] or "candidate"
