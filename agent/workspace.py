@@ -24,6 +24,8 @@ RESULTS_JSON = "results.json"
 CANDIDATES = "candidates"
 TMP_PREFIX = ".tmp-"
 GIT_IGNORE = f"{CANDIDATES}/\n{TMP_PREFIX}*\n"
+# Temporary files a kill can leave: ours (atomic_write) and the evaluator's verdict in progress.
+LEFTOVERS = (f"{TMP_PREFIX}*", f"{CANDIDATES}/**/{TMP_PREFIX}*", f"{CANDIDATES}/**/*.tmp[0-9]*")
 GIT_AUTHOR = ("inference-agent", "agent@localhost")
 
 
@@ -74,8 +76,9 @@ class Workspace:
         """Remove the temporary files a kill left behind (never a finished file), and make sure
         the candidates folder exists."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for leftover in self.root.glob(TMP_PREFIX + "*"):
-            leftover.unlink(missing_ok=True)
+        for pattern in LEFTOVERS:
+            for leftover in self.root.glob(pattern):
+                leftover.unlink(missing_ok=True)
         (self.root / CANDIDATES).mkdir(exist_ok=True)
 
     def candidate_dir(self, index: int, short: str) -> Path:
