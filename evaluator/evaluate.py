@@ -115,8 +115,12 @@ def write_json(result: dict, out: str | Path) -> None:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half verdict behind
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:
