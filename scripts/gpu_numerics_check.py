@@ -163,20 +163,25 @@ ULP_SPECS = {
                          {"ctx": [1034, 11, 300, 700, 5], "Hq": 8, "Hkv": 2, "D": 80, "block_size": 16,
                           "max_context": "bound", "q_scale": 1.0, "scale_mult": 1.0}],
 }
+EXPF = {"exact_exp": "expf"}
 ULP_VARIANTS = {"norm": ["triton_old", "triton"], "rope_cache": ["triton_old", "triton"],
-                "silu_mul": ["triton_old", "triton"], "prefill_attention": ["triton", "sdpa", "triton_exact"],
-                "decode_attention": ["triton_split", "triton_exact"]}
+                "silu_mul": ["triton_old", "triton"],
+                "prefill_attention": ["triton", "sdpa", "triton_exact", ("triton_exact", EXPF)],
+                "decode_attention": ["triton_split", "triton_exact", ("triton_exact", EXPF)]}
 
 
-def run_ulp(extra: dict) -> list[dict]:
+def run_ulp(extra: dict, select: str = "") -> list[dict]:
     rows = []
     for slot, variants in ULP_VARIANTS.items():
+        if select and not re.search(select, slot):
+            continue
         ref_fns = {fn: slot_fn(slot, "torch", fn, extra) for fn in slot_check.SLOT_FUNCTIONS[slot]}
-        for variant in variants:
+        for entry in variants:
+            variant, params = entry if isinstance(entry, tuple) else (entry, None)
             if variant.endswith("_old") and (slot, variant) not in extra:
                 continue
             try:
-                fns = {fn: slot_fn(slot, variant, fn, extra) for fn in slot_check.SLOT_FUNCTIONS[slot]}
+                fns = {fn: slot_fn(slot, variant, fn, extra, params) for fn in slot_check.SLOT_FUNCTIONS[slot]}
             except Exception as e:  # noqa: BLE001
                 log(f"ulp {slot}/{variant}: load failed {type(e).__name__}: {e}")
                 continue
@@ -203,12 +208,12 @@ def run_ulp(extra: dict) -> list[dict]:
                     log(f"ulp {slot}/{variant}: {type(e).__name__}: {str(e)[:300]}")
                     continue
                 for name, a in agg.items():
-                    row = {"slot": slot, "variant": variant, "dtype": str(dtype).split(".")[-1], "output": name,
+                    row = {"slot": slot, "variant": variant + ("+expf" if params else ""), "dtype": str(dtype).split(".")[-1], "output": name,
                            "exact": a["exact"] / a["n"], "le1": a["le1"] / a["n"], "max_ulp": a["max_ulp"],
                            "le1_scaled": a["le1_scaled"] / a["n"], "max_scaled": a["max_scaled"],
                            "max_abs": a["max_abs"]}
                     rows.append(row)
-                    log(f"ulp {slot:18s} {variant:13s} {row['dtype']:9s} {name:14s} exact {100 * row['exact']:7.3f}%  "
+                    log(f"ulp {slot:18s} {row['variant']:13s} {row['dtype']:9s} {name:14s} exact {100 * row['exact']:7.3f}%  "
                         f"<=1ulp {100 * row['le1']:7.3f}%  max {row['max_ulp']:5d} ulp  scaled: <=1 "
                         f"{100 * row['le1_scaled']:7.3f}% max {row['max_scaled']:.2f}  max abs {row['max_abs']:.3g}")
     return rows
@@ -222,13 +227,15 @@ UNIT = [("norm", "triton", None), ("rope_cache", "triton", None), ("silu_mul", "
         ("decode_attention", "triton_exact", {"decode_splits": 7, "decode_block_n": 16}),
         ("decode_attention", "triton_exact", {"decode_splits": 32, "decode_block_n": 64, "decode_warps": 8}),
         ("prefill_attention", "triton_exact", {"prefill_block_m": 128, "prefill_block_n": 32, "prefill_warps": 8}),
-        ("prefill_attention", "triton_exact", {"prefill_block_m": 16, "prefill_block_n": 16, "prefill_stages": 1})]
+        ("prefill_attention", "triton_exact", {"prefill_block_m": 16, "prefill_block_n": 16, "prefill_stages": 1}),
+        ("prefill_attention", "triton_exact", {"exact_exp": "expf"}),
+        ("decode_attention", "triton_exact", {"exact_exp": "expf"})]
 
 
 def run_unit(select: str = "") -> list[dict]:
     rows = []
     for slot, variant, params in UNIT:
-        if select and not re.search(select, f"{slot}/{variant}"):
+        if select and not re.search(select, f"{slot}/{variant} {json.dumps(params) if params else ''}"):
             continue
         t = time.time()
         r = slot_check.check_variant(slot, variant=variant, device="cuda", seed=20261122, params=params,
@@ -272,12 +279,12 @@ def run_bench(extra: dict, select: str = "") -> list[dict]:
                 "q_scale": 1.0, "scale_mult": 1.0}
         inp = slot_check.make_inputs("decode_attention", spec, dt, "cuda", seed=1)
         for variant, params in (("triton_split", None), ("triton_exact", None), ("triton_split", {"decode_splits": 1}),
-                                ("triton_exact", {"decode_splits": 1})):
+                                ("triton_exact", {"decode_splits": 1}), ("triton_exact", EXPF)):
             problems.append((f"decode B=8 ctx={ctx}", "decode_attention", variant, params, "decode_attention", inp))
     spec = {"seq_lens": [128] * 4, "Hq": 4, "Hkv": 4, "D": 192, "fused_qkv": True, "q_scale": 1.0, "scale_mult": 1.0}
     inp = slot_check.make_inputs("prefill_attention", spec, dt, "cuda", seed=1)
-    for variant in ("triton", "triton_exact"):
-        problems.append(("prefill 4x128", "prefill_attention", variant, None, "prefill_attention", inp))
+    for variant, params in (("triton", None), ("triton_exact", None), ("triton_exact", EXPF)):
+        problems.append(("prefill 4x128", "prefill_attention", variant, params, "prefill_attention", inp))
     for n in (8, 512):
         norm = slot_check.make_inputs("norm", {"N": n, "H": 768, "eps": 1e-5, "x_scale": 1.0, "row_strided": False},
                                       dt, "cuda", seed=1)
@@ -314,7 +321,8 @@ def plans() -> dict[str, Plan]:
                 "prefill_attention": "triton_exact", "decode_attention": "triton_exact"}
     elem = {**faithful, "prefill_attention": "triton", "decode_attention": "triton_split"}
     return {"torch": Plan("paged", torch_slots), "online": Plan("paged", online),
-            "faithful": Plan("paged", faithful), "faithful-elem": Plan("paged", elem)}
+            "faithful": Plan("paged", faithful), "faithful-elem": Plan("paged", elem),
+            "faithful-expf": Plan("paged", faithful, dict(EXPF))}
 
 
 def render_to_file(plan: Plan, name: str, extra: dict) -> Path:
@@ -385,7 +393,7 @@ def run_engine(setups: dict, paths: dict) -> dict:
     for pname, path in paths.items():
         res[pname] = r = {}
         for sname, (cfg, weights, wdir) in setups.items():
-            if pname == "faithful-elem" and sname != "gqa-bf16":
+            if pname in ("faithful-elem", "faithful-expf") and sname != "gqa-bf16":
                 continue
             t = time.time()
             try:
@@ -447,8 +455,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plans", default="torch,online,faithful,faithful-elem", help="engine section's plans")
     ap.add_argument("--stress", default="torch:1,online:1,faithful:1,faithful:2",
                     help="plan:seed runs of the stress section, in order")
-    ap.add_argument("--unit", default="", help="regex on slot/variant: the unit checks to run")
+    ap.add_argument("--unit", default="", help="regex on 'slot/variant params-json': the unit checks to run")
     ap.add_argument("--bench", default="", help="regex on the problem label: the timings to run")
+    ap.add_argument("--ulp", default="", help="regex on the slot: the ulp comparisons to run")
     ap.add_argument("--pytest-k", default="exact or faithful")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds; stress and pytest stop when it is spent")
     ap.add_argument("--baseline", default=".numerics_old")
@@ -470,7 +479,7 @@ def main(argv=None) -> int:
     for section in ("unit", "ulp", "bench"):
         if section in sections:
             try:
-                results[section] = {"unit": lambda: run_unit(a.unit), "ulp": lambda: run_ulp(extra),
+                results[section] = {"unit": lambda: run_unit(a.unit), "ulp": lambda: run_ulp(extra, a.ulp),
                                     "bench": lambda: run_bench(extra, a.bench)}[section]()
             except Exception as e:  # noqa: BLE001
                 results[section] = {"error": f"{type(e).__name__}: {e}"}

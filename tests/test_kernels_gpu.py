@@ -57,6 +57,9 @@ TUNINGS = [
     ("decode_attention", "triton_exact", {"decode_splits": 32, "decode_block_n": 64, "decode_warps": 8}),
     ("prefill_attention", "triton_exact", {"prefill_block_m": 128, "prefill_block_n": 32, "prefill_warps": 8}),
     ("prefill_attention", "triton_exact", {"prefill_block_m": 16, "prefill_block_n": 16, "prefill_stages": 1}),
+    ("decode_attention", "triton_exact", {"exact_exp": "expf"}),
+    ("decode_attention", "triton_exact", {"exact_exp": "expf", "decode_splits": 1}),
+    ("prefill_attention", "triton_exact", {"exact_exp": "expf"}),
 ]
 
 
@@ -181,38 +184,41 @@ def _slot_outputs(slot, fns, inp):
     return {"o": fns[slot](**c)}
 
 
-# (slot, variant, spec, max ulps, min fraction of bit-equal elements). Elementwise slots: the bit
-# distance. Attention: ulps at max(|x|, rms/8) (an output is a sum with cancellation; near zero its
-# last bits are summation-order noise), and a probability whose fp32 value sits at a rounding
-# boundary (exp2.approx vs torch's expf) can round the other way and move a large output by a few
-# ulps. The online variants (`triton`, `triton_split`) have only ~55-65% of elements bit-equal.
+# (slot, variant, spec, max ulps, min fraction bit-equal, min fraction within 1 ulp). Elementwise
+# slots: the bit distance. Attention: ulps at max(|x|, rms/8) (an output is a sum with cancellation;
+# near zero its last bits are summation-order noise); a probability whose fp32 value sits at a
+# rounding boundary (exp2.approx and the MMA's summation order vs torch's) can round the other way
+# and move an output by a few ulps (H100: prefill up to 9, 99.0-99.96% bit-equal; decode up to 1,
+# 99.7-100%). The online variants (`triton`, `triton_split`) measured 55-65% bit-equal, 90-95%
+# within 1 ulp, up to 35 ulps.
 FAITHFUL = [
     ("rope_cache", "triton", {"N": 300, "Hq": 8, "Hkv": 2, "D": 80, "fused_qkv": True, "P": 4096,
-                              "theta": 10000.0}, 0, 1.0),
+                              "theta": 10000.0}, 0, 1.0, 1.0),
     ("rope_cache", "triton", {"N": 64, "Hq": 4, "Hkv": 4, "D": 192, "fused_qkv": False, "P": 4096,
-                              "theta": 500000.0}, 0, 1.0),
-    ("norm", "triton", {"N": 300, "H": 768, "eps": 1e-5, "x_scale": 3.0, "row_strided": True}, 2, 0.999),
-    ("norm", "triton", {"N": 33, "H": 2000, "eps": 1e-6, "x_scale": 0.5, "row_strided": False}, 2, 0.999),
-    ("silu_mul", "triton", {"N": 300, "I": 3072}, 0, 1.0),
+                              "theta": 500000.0}, 0, 1.0, 1.0),
+    ("norm", "triton", {"N": 300, "H": 768, "eps": 1e-5, "x_scale": 3.0, "row_strided": True}, 2, 0.999, 0.9999),
+    ("norm", "triton", {"N": 33, "H": 2000, "eps": 1e-6, "x_scale": 0.5, "row_strided": False}, 2, 0.999, 0.9999),
+    ("silu_mul", "triton", {"N": 300, "I": 3072}, 0, 1.0, 1.0),
     ("prefill_attention", "triton_exact", {"seq_lens": [128, 128, 37, 300], "Hq": 4, "Hkv": 4, "D": 192,
-                                           "fused_qkv": True, "q_scale": 3.0, "scale_mult": 1.0}, 4, 0.98),
+                                           "fused_qkv": True, "q_scale": 3.0, "scale_mult": 1.0}, 16, 0.98, 0.995),
     ("prefill_attention", "triton_exact", {"seq_lens": [1034, 11], "Hq": 8, "Hkv": 2, "D": 80,
-                                           "fused_qkv": False, "q_scale": 1.0, "scale_mult": 1.0}, 4, 0.98),
+                                           "fused_qkv": False, "q_scale": 1.0, "scale_mult": 1.0}, 16, 0.98, 0.995),
     ("decode_attention", "triton_exact", {"ctx": [48, 144, 1, 17, 700, 1034], "Hq": 8, "Hkv": 2, "D": 80,
                                           "block_size": 16, "max_context": "bound", "q_scale": 3.0,
-                                          "scale_mult": 1.0}, 4, 0.98),
+                                          "scale_mult": 1.0}, 4, 0.98, 0.995),
     ("decode_attention", "triton_exact", {"ctx": [48] * 4 + [144] * 4, "Hq": 4, "Hkv": 4, "D": 192,
                                           "block_size": 16, "max_context": "exact", "q_scale": 1.0,
-                                          "scale_mult": 1.0}, 4, 0.98),
+                                          "scale_mult": 1.0}, 4, 0.98, 0.995),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("slot,variant,spec,max_ulp,min_exact", FAITHFUL,
+@pytest.mark.parametrize("slot,variant,spec,max_ulp,min_exact,min_le1", FAITHFUL,
                          ids=[f"{f[0]}-{f[1]}-{i}" for i, f in enumerate(FAITHFUL)])
-def test_faithful_variant_rounds_like_the_torch_variant(slot, variant, spec, max_ulp, min_exact, dtype):
+def test_faithful_variant_rounds_like_the_torch_variant(slot, variant, spec, max_ulp, min_exact, min_le1, dtype):
     """Same inputs through the torch variant (the reference's op order) and the faithful one: every
-    output element within `max_ulp` units in the last place of dt, and most of them bit-equal."""
+    output element within `max_ulp` units in the last place of dt, most of them bit-equal and
+    nearly all within one ulp."""
     fns = {fn: _fn(slot, variant, fn) for fn in slot_check.SLOT_FUNCTIONS[slot]}
     ref = {fn: _fn(slot, "torch", fn) for fn in slot_check.SLOT_FUNCTIONS[slot]}
     for seed in (1, 2):
@@ -222,9 +228,11 @@ def test_faithful_variant_rounds_like_the_torch_variant(slot, variant, spec, max
             exact = (_ulp_key(got[name]) == _ulp_key(want[name])).float().mean().item()
             if slot.endswith("attention"):
                 floor = want[name].float().pow(2).mean().sqrt().item() / 8
-                worst = _ulp_error(got[name], want[name], floor).max().item()
+                err = _ulp_error(got[name], want[name], floor)
             else:
-                worst = (_ulp_key(got[name]) - _ulp_key(want[name])).abs().max().item()
-            assert worst <= max_ulp and exact >= min_exact, (
+                err = (_ulp_key(got[name]) - _ulp_key(want[name])).abs().float()
+            worst, le1 = err.max().item(), (err <= 1).float().mean().item()
+            assert worst <= max_ulp and exact >= min_exact and le1 >= min_le1, (
                 f"{name} (seed {seed}): max {worst:.3g} ulp (allowed {max_ulp}), "
-                f"{100 * exact:.3f}% bit-equal (want >= {100 * min_exact:.1f}%)")
+                f"{100 * exact:.3f}% bit-equal (want >= {100 * min_exact:.1f}%), "
+                f"{100 * le1:.3f}% within 1 ulp (want >= {100 * min_le1:.2f}%)")
