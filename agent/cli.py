@@ -1,8 +1,9 @@
 """Flags and environment → RunConfig; inputs checked; the loop run; an exit code.
 
 Exit codes: 0 workspace/engine.py holds an engine the evaluator passed in this run;
-1 no candidate passed; 2 bad inputs or flags (one line on stderr, workspace untouched);
-130 interrupted (whatever engine.py holds passed).
+1 no candidate passed; 2 bad inputs or flags, or a workspace --resume cannot take over (one
+line on stderr, workspace untouched); 3 the workspace cannot be written (read-only, disk full:
+one line on stderr; whatever engine.py holds passed); 130 interrupted (likewise).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent.judge import REPO, JudgeSettings, judge
@@ -23,11 +24,12 @@ from agent.plan import Plan
 from agent.providers.base import EvalResult, SearchState
 from agent.providers.builtin import BuiltinProposer
 from agent.report import Entry, Reporter, describe
+from agent.resume import Previous, ResumeError
 from agent.spec import WEIGHTS_FILE, ModelSpec, SpecError, load_spec
 from agent.workspace import Workspace
-from agent import loop
+from agent import loop, resume
 
-EXIT_OK, EXIT_NO_ENGINE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_NO_ENGINE, EXIT_BAD_INPUT, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # Where the judged environment mounts its inputs; the repository's own target otherwise.
 MOUNTED_CONFIG, MOUNTED_WEIGHTS = Path("/target/model_config.json"), Path("/target/weights")
 REPO_CONFIG, REPO_WEIGHTS = REPO / "target" / "model_config.json", REPO / "target" / "weights"
@@ -81,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "drawn fresh and logged, so inputs differ between runs]")
     p.add_argument("--workspace", default=env("workspace", str(REPO / "workspace")),
                    help=f"output folder [{ENV['workspace']}; default workspace/]")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in the workspace (same config, weights and device): "
+                        "candidates already judged are not judged again, the best so far is kept")
     args = p.parse_args(argv)
     args.device = "cuda" if str(args.device).startswith("cuda:") else args.device   # DEVICE=cuda:0
     for name, choices in (("device", DEVICES), ("provider", NAMES)):
@@ -164,14 +169,63 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: kill the evaluator
     ws = Workspace(cfg.workspace)
-    ws.reset()
-    report = Reporter(cfg.workspace)
+    try:
+        previous = open_workspace(ws, cfg, args.resume)
+        report = Reporter(cfg.workspace)
+    except ResumeError as e:
+        print(f"error: cannot resume: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        print(f"error: cannot write the workspace {cfg.workspace}: {e}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
+    if previous is not None and args.seed is None and previous.seed is not None:
+        cfg = replace(cfg, seed=previous.seed)  # the interrupted run's stress draw, so verdicts compare
     bench = BENCH[cfg.device]
     settings = JudgeSettings(sys.executable, cfg.config, cfg.weights, cfg.device, cfg.seed, stress="quick",
-                             cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"])
+                             cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"],
+                             protect=(cfg.workspace,))
     state = SearchState(spec=spec, device=cfg.device, hardware=hardware(cfg.device), seconds_left=cfg.budget)
-    report.start({"run": {k: str(v) for k, v in cfg.__dict__.items()}, "spec": spec.to_dict(),
+    try:
+        return run_search(cfg, spec, state, settings, ws, report, previous, started)
+    except OSError as e:  # a full disk, a workspace made read-only: the run cannot record anything more
+        print(f"error: writing the workspace failed: {e}; {ws.engine} holds the best engine that passed, if any",
+              file=sys.stderr)
+        return EXIT_WRITE_FAILED
+
+
+def open_workspace(ws: Workspace, cfg: RunConfig, resuming: bool) -> Previous | None:
+    """A fresh workspace, or (--resume) the interrupted run's, made consistent (agent/resume.py)."""
+    if not resuming:
+        ws.reset()
+        return None
+    ws.clear_leftovers()
+    previous = resume.load(ws, run_record(cfg))
+    if previous is None:
+        ws.reset()  # nothing recorded yet: a fresh start is the same thing
+    return previous
+
+
+def run_record(cfg: RunConfig) -> dict[str, str]:
+    """The run's settings as results.json records them."""
+    return {k: str(v) for k, v in cfg.__dict__.items()}
+
+
+def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: JudgeSettings, ws: Workspace,
+               report: Reporter, previous: Previous | None, started: float) -> int:
+    """Report, proposer, loop; the exit code."""
+    if previous is not None:
+        report.entries = list(previous.entries)
+        state.history = [(e.candidate, e.result) for e in previous.entries]
+        if previous.best is not None:
+            state.best, state.best_result = previous.best.candidate, previous.best.result
+    report.start({"run": run_record(cfg), "spec": spec.to_dict(),
                   "hardware": state.hardware}, header_lines(cfg, spec, state.hardware, settings))
+    if previous is not None:
+        best = previous.best
+        if best is not None:
+            report.best_line = f"#{best.index:03d} {describe(best.candidate.plan)} (score {best.result.rank():.4g})"
+        report.line(f"resumed: {len(previous.entries)} candidates judged before (not judged again), best "
+                    + (f"#{best.index:03d} {describe(best.candidate.plan)}" if best else "none"))
     ws.open_history(warn=report.warn)
     options = ProviderOptions(cfg.device, cfg.seed, cfg.workspace, BuiltinProposer(cfg.device),
                               log=report.line, model=cfg.model)

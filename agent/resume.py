@@ -1,0 +1,112 @@
+"""`--resume`: take over an interrupted run's workspace instead of starting over.
+
+The record is the loop's own: `results.json` (every finished candidate, its verdict, whether it
+was accepted) and `engine.json` (the verdict of the engine on disk, with its sha256). A resumed
+run re-reads them, keeps every judged candidate in the history (the proposer skips their plans,
+so none is judged twice), keeps the best, and numbers new candidates after the old ones.
+
+A kill can land anywhere, so the record is made consistent first:
+- a candidate installed whose results.json entry was not written yet (the kill came between
+  the two) is taken from engine.json, which holds its plan and verdict;
+- folders of candidates that never finished are removed (they are judged again, renumbered);
+- if engine.py is not the engine the record says is best (the kill came between writing
+  engine.py and engine.json), the best recorded candidate's engine is installed again from its
+  folder; with no passing candidate recorded, engine.py and engine.json are removed.
+So the workspace holds a passing engine or none, and the history says which.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.plan import Plan
+from agent.providers.base import Candidate, EvalResult
+from agent.report import Entry
+from agent.workspace import CANDIDATES, ENGINE, RESULTS_JSON, VERDICT, Workspace
+
+# Run settings that must match for old verdicts to mean the same thing in the new run.
+SAME_INPUTS = ("config", "weights", "device")
+
+
+class ResumeError(Exception):
+    """The workspace cannot be resumed (another model's run, an unreadable record)."""
+
+
+@dataclass
+class Previous:
+    """What a resumed run takes over."""
+
+    entries: list[Entry] = field(default_factory=list)   # judged candidates, indices 1..n
+    seed: int | None = None                               # the interrupted run's stress seed
+
+    @property
+    def best(self) -> Entry | None:
+        """The loop's best: the last candidate it accepted."""
+        return next((e for e in reversed(self.entries) if e.accepted), None)
+
+
+def _entry(ws: Workspace, d: dict) -> Entry:
+    candidate = Candidate(Plan.from_dict(d["plan"]), d.get("origin", "?"), d.get("note", ""))
+    directory = ws.root / d["dir"] if "dir" in d else _find_dir(ws, int(d["index"]))
+    return Entry(int(d["index"]), candidate, directory, EvalResult.from_dict(d["result"]), bool(d.get("accepted")))
+
+
+def _find_dir(ws: Workspace, index: int) -> Path:
+    found = sorted((ws.root / CANDIDATES).glob(f"{index:03d}-*"))
+    if not found:
+        raise ResumeError(f"candidate #{index:03d} is recorded as installed but its folder is gone")
+    return found[0]
+
+
+def load(ws: Workspace, run: dict[str, str]) -> Previous | None:
+    """The interrupted run in `ws`, made consistent; None when there is nothing to resume.
+    `run` is the new run's settings (RunConfig as strings): the inputs must be the same."""
+    try:
+        record = json.loads((ws.root / RESULTS_JSON).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"{RESULTS_JSON} cannot be read ({e}); run without --resume to start over") from e
+    old = record.get("run", {})
+    for key in SAME_INPUTS:
+        if key in old and old[key] != run[key]:
+            raise ResumeError(f"the run in {ws.root} used {key} {old[key]}, not {run[key]}; "
+                              "run without --resume to start over")
+    try:
+        entries = [_entry(ws, d) for d in record.get("candidates", []) if d.get("result")]
+        installed = ws.installed_verdict()
+        if installed is not None and installed.get("index") == len(entries) + 1:
+            entries.append(_entry(ws, {**installed, "accepted": True}))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ResumeError(f"{RESULTS_JSON} is not a record this agent wrote ({e})") from e
+    if [e.index for e in entries] != list(range(1, len(entries) + 1)):
+        raise ResumeError(f"{RESULTS_JSON} has gaps in its candidate numbers; run without --resume")
+    previous = Previous(entries, int(old["seed"]) if str(old.get("seed", "")).isdigit() else None)
+    _drop_unfinished(ws, len(entries))
+    _reinstall_best(ws, previous)
+    return previous
+
+
+def _drop_unfinished(ws: Workspace, judged: int) -> None:
+    for folder in (ws.root / CANDIDATES).glob("*-*"):
+        number = folder.name.split("-", 1)[0]
+        if number.isdigit() and int(number) > judged:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _reinstall_best(ws: Workspace, previous: Previous) -> None:
+    """engine.py must be the best recorded candidate's engine, or absent."""
+    best, installed = previous.best, ws.installed_verdict()
+    if best is None:
+        for name in (ENGINE, VERDICT):
+            (ws.root / name).unlink(missing_ok=True)
+        return
+    if installed is not None and installed.get("index") == best.index:
+        return
+    try:
+        source = (best.directory / ENGINE).read_text()
+    except OSError as e:
+        raise ResumeError(f"the best recorded engine, #{best.index:03d}, is gone from its folder ({e})") from e
+    ws.install_engine(source, {"index": best.index, **best.candidate.to_dict(), "result": best.result.to_dict()})
