@@ -163,11 +163,10 @@ ULP_SPECS = {
                          {"ctx": [1034, 11, 300, 700, 5], "Hq": 8, "Hkv": 2, "D": 80, "block_size": 16,
                           "max_context": "bound", "q_scale": 1.0, "scale_mult": 1.0}],
 }
-EXPF = {"exact_exp": "expf"}
 ULP_VARIANTS = {"norm": ["triton_old", "triton"], "rope_cache": ["triton_old", "triton"],
                 "silu_mul": ["triton_old", "triton"],
-                "prefill_attention": ["triton", "sdpa", "triton_exact", ("triton_exact", EXPF)],
-                "decode_attention": ["triton_split", "triton_exact", ("triton_exact", EXPF)]}
+                "prefill_attention": ["triton", "sdpa", "triton_exact"],
+                "decode_attention": ["triton_split", "triton_exact"]}
 
 
 def run_ulp(extra: dict, select: str = "") -> list[dict]:
@@ -208,7 +207,7 @@ def run_ulp(extra: dict, select: str = "") -> list[dict]:
                     log(f"ulp {slot}/{variant}: {type(e).__name__}: {str(e)[:300]}")
                     continue
                 for name, a in agg.items():
-                    row = {"slot": slot, "variant": variant + ("+expf" if params else ""), "dtype": str(dtype).split(".")[-1], "output": name,
+                    row = {"slot": slot, "variant": variant + (f" {json.dumps(params)}" if params else ""), "dtype": str(dtype).split(".")[-1], "output": name,
                            "exact": a["exact"] / a["n"], "le1": a["le1"] / a["n"], "max_ulp": a["max_ulp"],
                            "le1_scaled": a["le1_scaled"] / a["n"], "max_scaled": a["max_scaled"],
                            "max_abs": a["max_abs"]}
@@ -227,9 +226,7 @@ UNIT = [("norm", "triton", None), ("rope_cache", "triton", None), ("silu_mul", "
         ("decode_attention", "triton_exact", {"decode_splits": 7, "decode_block_n": 16}),
         ("decode_attention", "triton_exact", {"decode_splits": 32, "decode_block_n": 64, "decode_warps": 8}),
         ("prefill_attention", "triton_exact", {"prefill_block_m": 128, "prefill_block_n": 32, "prefill_warps": 8}),
-        ("prefill_attention", "triton_exact", {"prefill_block_m": 16, "prefill_block_n": 16, "prefill_stages": 1}),
-        ("prefill_attention", "triton_exact", {"exact_exp": "expf"}),
-        ("decode_attention", "triton_exact", {"exact_exp": "expf"})]
+        ("prefill_attention", "triton_exact", {"prefill_block_m": 16, "prefill_block_n": 16, "prefill_stages": 1})]
 
 
 def run_unit(select: str = "") -> list[dict]:
@@ -279,11 +276,11 @@ def run_bench(extra: dict, select: str = "") -> list[dict]:
                 "q_scale": 1.0, "scale_mult": 1.0}
         inp = slot_check.make_inputs("decode_attention", spec, dt, "cuda", seed=1)
         for variant, params in (("triton_split", None), ("triton_exact", None), ("triton_split", {"decode_splits": 1}),
-                                ("triton_exact", {"decode_splits": 1}), ("triton_exact", EXPF)):
+                                ("triton_exact", {"decode_splits": 1})):
             problems.append((f"decode B=8 ctx={ctx}", "decode_attention", variant, params, "decode_attention", inp))
     spec = {"seq_lens": [128] * 4, "Hq": 4, "Hkv": 4, "D": 192, "fused_qkv": True, "q_scale": 1.0, "scale_mult": 1.0}
     inp = slot_check.make_inputs("prefill_attention", spec, dt, "cuda", seed=1)
-    for variant, params in (("triton", None), ("triton_exact", None), ("triton_exact", EXPF)):
+    for variant, params in (("triton", None), ("triton_exact", None)):
         problems.append(("prefill 4x128", "prefill_attention", variant, params, "prefill_attention", inp))
     for n in (8, 512):
         norm = slot_check.make_inputs("norm", {"N": n, "H": 768, "eps": 1e-5, "x_scale": 1.0, "row_strided": False},
@@ -321,8 +318,7 @@ def plans() -> dict[str, Plan]:
                 "prefill_attention": "triton_exact", "decode_attention": "triton_exact"}
     elem = {**faithful, "prefill_attention": "triton", "decode_attention": "triton_split"}
     return {"torch": Plan("paged", torch_slots), "online": Plan("paged", online),
-            "faithful": Plan("paged", faithful), "faithful-elem": Plan("paged", elem),
-            "faithful-expf": Plan("paged", faithful, dict(EXPF))}
+            "faithful": Plan("paged", faithful), "faithful-elem": Plan("paged", elem)}
 
 
 def render_to_file(plan: Plan, name: str, extra: dict) -> Path:
@@ -393,7 +389,7 @@ def run_engine(setups: dict, paths: dict) -> dict:
     for pname, path in paths.items():
         res[pname] = r = {}
         for sname, (cfg, weights, wdir) in setups.items():
-            if pname in ("faithful-elem", "faithful-expf") and sname != "gqa-bf16":
+            if pname == "faithful-elem" and sname != "gqa-bf16":
                 continue
             t = time.time()
             try:

@@ -57,9 +57,6 @@ TUNINGS = [
     ("decode_attention", "triton_exact", {"decode_splits": 32, "decode_block_n": 64, "decode_warps": 8}),
     ("prefill_attention", "triton_exact", {"prefill_block_m": 128, "prefill_block_n": 32, "prefill_warps": 8}),
     ("prefill_attention", "triton_exact", {"prefill_block_m": 16, "prefill_block_n": 16, "prefill_stages": 1}),
-    ("decode_attention", "triton_exact", {"exact_exp": "expf"}),
-    ("decode_attention", "triton_exact", {"exact_exp": "expf", "decode_splits": 1}),
-    ("prefill_attention", "triton_exact", {"exact_exp": "expf"}),
 ]
 
 
