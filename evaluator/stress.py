@@ -55,7 +55,8 @@ SCALE_RANGES = {  # dtype: ((f_lo, f_hi), (k_lo, k_hi))
     torch.float16: ((1.0, 1.5), (0.15, 0.3)),
     torch.bfloat16: ((1.0, 1.2), (0.04, 0.1)),
 }
-NORM_SPREAD = 0.5  # norm weights uniform in [0.5, 1.5]
+NORM_SPREAD = 0.5
+TARGET = "target"   # the name of the real model's cases (run_stress's `target`)  # norm weights uniform in [0.5, 1.5]
 LARGE_VOCAB = 32000
 
 
@@ -110,10 +111,12 @@ class StressReport:
     def to_dict(self) -> dict:
         """The `stress` object of docs/design.md §2 (plus the seed that reproduces it)."""
         checked = [c for c in self.cases if c.calls]
+        on_target = [c for c in checked if c.name.startswith(f"{TARGET}/")]
         return {
             "passed": self.passed, "failed": self.failed,
             "max_abs_err": max((c.max_abs_err for c in checked), default=0.0),
             "worst_margin": min((c.worst_margin for c in checked), default=None),
+            "target_margin": min((c.worst_margin for c in on_target), default=None),
             "seed": self.seed,
         }
 
@@ -254,7 +257,7 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
     if target is not None:
         weight_dir = str(target[1])
         scenarios = ["churn"] if quick else list(STRESS_SCENARIOS)
-        go_on = run.model("target", load_config(target[0]), weight_dir, load_weights(weight_dir), scenarios,
+        go_on = run.model(TARGET, load_config(target[0]), weight_dir, load_weights(weight_dir), scenarios,
                           target_trace_seed)
     for model in models if go_on else []:
         weights = random_weights(model.config, model.weight_seed, model.scale, NORM_SPREAD)

@@ -90,7 +90,7 @@ def test_improves_rule():
 
 def with_margin(result: EvalResult, public: float, stress: float) -> EvalResult:
     result.public = {"status": "passed", "worst_margin": public}
-    result.stress = {"passed": 4, "failed": 0, "worst_margin": stress}
+    result.stress = {"passed": 4, "failed": 0, "worst_margin": min(stress, 0.1), "target_margin": stress}
     return result
 
 
