@@ -37,8 +37,9 @@ tail -n 30 workspace/results.log
 ARGS=(--model-config target/model_config.json --weight-dir target/weights --device cuda)
 echo "== public tests + full stress on workspace/engine.py"
 python3 evaluator/test_correctness.py --engine workspace/engine.py "${ARGS[@]}" 2>&1 | tail -n 3
-python3 evaluator/stress.py --engine workspace/engine.py --device cuda --full \
-  --model-config target/model_config.json --weight-dir target/weights 2>&1 | tail -n 4
+timeout "${STRESS_SECONDS:-150}" python3 evaluator/stress.py --engine workspace/engine.py --device cuda --full \
+  --model-config target/model_config.json --weight-dir target/weights > "$OUT/stress_full.txt" 2>&1
+echo "stress exit code $? (124: cut at ${STRESS_SECONDS:-150}s)"; tail -n 3 "$OUT/stress_full.txt"
 
 echo "== benchmarks"
 python3 evaluator/benchmark_throughput.py --engine workspace/engine.py "${ARGS[@]}" --cases "$CASES" \
