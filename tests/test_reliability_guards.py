@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 
 import pytest
 import torch
@@ -42,6 +43,15 @@ def test_skipped_benchmark_calls_are_caught_by_the_checked_pass(recompute_source
     (result,) = benchmark_throughput.run_benchmark(engine, tiny_model.config, tiny_model.weight_dir, "cpu",
                                                    ["decode"], warmup=0, repeat=1, hardware=HW)
     assert result["decode_tokens"] == 128
+
+
+def test_fresh_tokens_every_run_defeat_a_cache_keyed_by_shape(recompute_source, write_engine, tiny_model):
+    """The checked pass fills the cheat's cache; the timed run (a new engine, new tokens, the same
+    shapes) gets the cached logits back, and its last output is checked after timing."""
+    engine = write_engine(broken_source("replays_by_shape", recompute_source))
+    with pytest.raises(WrongResult, match="benchmark case prefill, last output"):
+        benchmark_throughput.run_benchmark(engine, tiny_model.config, tiny_model.weight_dir, "cpu", ["prefill"],
+                                           warmup=0, repeat=1, hardware=HW)
 
 
 @pytest.mark.parametrize("name", ["replays_by_shape", "skips_benchmark_calls"])
@@ -123,3 +133,32 @@ def test_an_engine_reading_memory_it_never_wrote_gets_nan(recompute_source, writ
     assert source != recompute_source
     with pytest.raises(WrongResult, match="non-finite values"):
         run_public_sequence(write_engine(source), tiny_model.config, tiny_model.weight_dir, "cuda")
+
+
+SIDE_STREAM_SLEEP = """\
+            self.histories[rid] = torch.cat([self.histories[rid], tokens[i:i + 1]])
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        return self._logits_for(request_ids)
+"""
+SLEEP_CYCLES = 200_000_000   # about 0.1 s at GPU clocks
+
+
+@cuda
+def test_work_left_on_a_side_stream_is_timed(recompute_source, write_engine, tiny_model):
+    """The clock stops after a device-wide synchronize, so a decode that leaves work running on
+    a side stream pays for it."""
+    source = recompute_source.replace("""\
+            self.histories[rid] = torch.cat([self.histories[rid], tokens[i:i + 1]])
+        return self._logits_for(request_ids)
+""", SIDE_STREAM_SLEEP).replace("import torch\n", f"import torch\n\nSLEEP_CYCLES = {SLEEP_CYCLES}\n", 1)
+    assert "_sleep" in source
+    (result,) = benchmark_throughput.run_benchmark(write_engine(source), tiny_model.config, tiny_model.weight_dir,
+                                                   "cuda", ["decode"], warmup=0, repeat=1, hardware=HW)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    torch.cuda.synchronize()
+    one_sleep_ms = (time.perf_counter() - start) * 1e3
+    assert result["elapsed_ms"] >= 0.9 * one_sleep_ms  # at least the last decode's sleep was waited for
