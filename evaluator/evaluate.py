@@ -147,7 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     verdict = f"score {score_text}" if result["status"] == "passed" else \
         f"{result['error_kind']} at {result['stage']}: {(result['error'] or '').splitlines()[0]}"
     print(f"{result['status']}: {verdict} ({result['seconds']:.1f} s)")
-    sys.exit(0 if result["status"] == "passed" else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without the interpreter's teardown: the sandbox is off now, and a candidate's atexit
+    # handler, finalizer or leftover thread must not get to run and rewrite the verdict.
+    os._exit(0 if result["status"] == "passed" else 1)
 
 
 if __name__ == "__main__":

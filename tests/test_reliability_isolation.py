@@ -64,6 +64,16 @@ def test_a_forged_verdict_is_not_believed(recompute_source, tmp_path, tiny_model
     assert "without a verdict" in result.error  # the forgery was refused, then the candidate left
 
 
+def test_no_candidate_code_runs_after_the_verdict(recompute_source, tmp_path, tiny_model):
+    """An atexit handler would run after the sandbox is off; the evaluator leaves without them."""
+    wrong = recompute_source.replace("for rid in request_ids])", "for rid in request_ids]) * 2")
+    engine = tmp_path / "engine.py"
+    engine.write_text(broken_source("forges_verdict_at_exit", wrong))
+    result = judge(engine, tmp_path / "out", 60.0, settings(tiny_model))
+    assert (result.status, result.error_kind) == ("failed", "wrong_result")
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["status"] == "failed"
+
+
 def test_fifty_megabytes_of_output_cost_nothing(recompute_source, tmp_path, tiny_model):
     result = judge_fault("prints_50mb", recompute_source, tmp_path, tiny_model)
     assert result.passed, result.error

@@ -23,6 +23,7 @@ REFUSED_FOR = {
     "patches_evaluator": "import of 'sys'",
     "reads_frames": "attribute 'f_back'",
     "forges_verdict": "'os._exit' is not allowed",
+    "forges_verdict_at_exit": "import of 'atexit'",
     "edits_evaluator": "'open' is not allowed",
     "opens_socket": "import of 'socket'",
     "runs_subprocess": "import of 'subprocess'",
