@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ class _Fence:
     active: bool = False
     allow_processes: bool = False
     protected: tuple[Path, ...] = ()
+    temp: Path | None = None          # the temporary folder, where the evaluator writes its own files
     refused: list[str] = field(default_factory=list)
 
 
@@ -69,11 +71,22 @@ def _as_path(value: object, dir_fd: object = None) -> Path | None:
         return None
 
 
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
 def _protected(value: object, dir_fd: object = None) -> Path | None:
+    """The path, if it lies in a protected folder. The temporary folder (where the stress suite
+    writes its models' weights) stays writable when it lies inside a protected folder, say a
+    TMPDIR in the repository, unless a protected folder lies inside it (a workspace in /tmp)."""
     path = _as_path(value, dir_fd)
     if path is None:
         return None
-    return path if any(path == p or p in path.parents for p in _fence.protected) else None
+    roots = [p for p in _fence.protected if _within(path, p)]
+    temp = _fence.temp
+    if not roots or (temp is not None and _within(path, temp) and all(_within(temp, r) for r in roots)):
+        return None
+    return path
 
 
 def _is_write_open(args: tuple) -> bool:
@@ -130,6 +143,7 @@ class Sandbox:
         # Imports during the evaluation must not try to write .pyc files next to protected sources.
         sys.dont_write_bytecode = True
         _fence.protected, _fence.allow_processes, _fence.refused = self.protected, self.allow_processes, []
+        _fence.temp = Path(tempfile.gettempdir()).resolve()
         _fence.active = True
         return self
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import tempfile
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from evaluator.evaluate import evaluate
 from evaluator.floor import Hardware
 from evaluator.guards import poison_free_device_memory
 from evaluator.reference_model import ReferenceModel
+from evaluator.sandbox import Sandbox
 from evaluator.session import CheckedSession
 from evaluator.test_correctness import run_public_sequence
 from evaluator.traces import QUICK, rerun_scenario
@@ -98,6 +100,21 @@ def test_sandbox_refuses_escapes_at_run_time(name, message, recompute_source, wr
 def test_sandbox_lets_a_correct_engine_through_and_switches_off_after(recompute_engine_path, tiny_model, tmp_path):
     assert quick_evaluate(recompute_engine_path, tiny_model)["status"] == "passed"
     (tmp_path / "after.txt").write_text("the evaluator's caller may write again")
+
+
+def test_sandbox_keeps_the_temporary_folder_writable_unless_it_holds_a_protected_one(tmp_path, monkeypatch):
+    repo, temp = tmp_path / "repo", tmp_path / "repo" / "tmp"
+    workspace = temp / "workspace"
+    workspace.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    with Sandbox([repo, workspace], "cpu") as sandbox:
+        (temp / "weights.pt").write_text("the stress suite's own file")
+        with pytest.raises(PermissionError):
+            (workspace / "result.json").write_text("forged")
+        with pytest.raises(PermissionError):
+            (repo / "evaluator.py").write_text("edited")
+        with pytest.raises(WrongResult, match="tried writing"):
+            sandbox.check("in the test")
 
 
 def test_leaving_the_interpreter_is_a_crash_verdict(recompute_source, write_engine, tiny_model):
