@@ -11,7 +11,8 @@ audit hook (PEP 578) that, while a candidate is being evaluated,
   `subprocess` at the first launch of a kernel;
 - refuses writing, creating, deleting or renaming anything under the protected paths (the
   repository with the evaluator and the agent, the folder the verdict goes to, the weights and
-  the config), so a candidate cannot forge its verdict or edit its judge.
+  the config), so a candidate cannot forge its verdict or edit its judge. The temporary folder
+  and the compiler caches stay writable.
 
 A refused operation raises PermissionError inside the candidate and is recorded; `check()`
 turns a record into a WrongResult, so swallowing the exception does not help. Native code
@@ -49,7 +50,7 @@ class _Fence:
     active: bool = False
     allow_processes: bool = False
     protected: tuple[Path, ...] = ()
-    temp: Path | None = None          # the temporary folder, where the evaluator writes its own files
+    writable: tuple[Path, ...] = ()   # caches and the temporary folder (see _protected)
     refused: list[str] = field(default_factory=list)
 
 
@@ -77,16 +78,28 @@ def _within(path: Path, root: Path) -> bool:
 
 def _protected(value: object, dir_fd: object = None) -> Path | None:
     """The path, if it lies in a protected folder. The temporary folder (where the stress suite
-    writes its models' weights) stays writable when it lies inside a protected folder, say a
-    TMPDIR in the repository, unless a protected folder lies inside it (a workspace in /tmp)."""
+    writes its models' weights) and the compiler caches stay writable when they lie inside a
+    protected folder (a TMPDIR or a HOME in the repository), unless a protected folder lies
+    inside them (a workspace in /tmp)."""
     path = _as_path(value, dir_fd)
     if path is None:
         return None
     roots = [p for p in _fence.protected if _within(path, p)]
-    temp = _fence.temp
-    if not roots or (temp is not None and _within(path, temp) and all(_within(temp, r) for r in roots)):
+    if not roots or any(_within(path, w) and all(_within(w, r) for r in roots) for w in _fence.writable):
         return None
     return path
+
+
+def _own_folders() -> tuple[Path, ...]:
+    """Where the evaluator, torch and Triton write their own files: the temporary folder and the
+    compiler caches (Triton's: TRITON_CACHE_DIR, else TRITON_HOME or HOME, then .triton)."""
+    folders = [Path(tempfile.gettempdir())]
+    home = os.path.expanduser("~")
+    if home != "~":  # no home directory known: no caches there
+        folders += [Path(os.environ.get("TRITON_HOME") or home) / ".triton", Path(home) / ".cache"]
+    if os.environ.get("TRITON_CACHE_DIR"):
+        folders.append(Path(os.environ["TRITON_CACHE_DIR"]))
+    return tuple(f.resolve() for f in folders)
 
 
 def _is_write_open(args: tuple) -> bool:
@@ -143,7 +156,7 @@ class Sandbox:
         # Imports during the evaluation must not try to write .pyc files next to protected sources.
         sys.dont_write_bytecode = True
         _fence.protected, _fence.allow_processes, _fence.refused = self.protected, self.allow_processes, []
-        _fence.temp = Path(tempfile.gettempdir()).resolve()
+        _fence.writable = _own_folders()
         _fence.active = True
         return self
 
