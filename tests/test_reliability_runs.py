@@ -76,7 +76,6 @@ def recorded_run(root: Path, plans, monkeypatch, state: SearchState | None = Non
     report = Reporter(ws.root, live=False)
     fake = FakeJudge()
     state = state or SearchState(spec=None, device="cpu", hardware={})
-    report.entries = [] if not state.history else report.entries
     report.start({"run": RUN}, [])
     loop.run(state, ListProposer(plans), fake, ws, report, 600.0)
     report.finish([])
