@@ -198,10 +198,11 @@ def open_workspace(ws: Workspace, cfg: RunConfig, resuming: bool) -> Previous | 
     if not resuming:
         ws.reset()
         return None
-    ws.clear_leftovers()
     previous = resume.load(ws, run_record(cfg))
     if previous is None:
         ws.reset()  # nothing recorded yet: a fresh start is the same thing
+    else:
+        ws.clear_leftovers()
     return previous
 
 
