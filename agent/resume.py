@@ -84,9 +84,20 @@ def load(ws: Workspace, run: dict[str, str]) -> Previous | None:
     if [e.index for e in entries] != list(range(1, len(entries) + 1)):
         raise ResumeError(f"{RESULTS_JSON} has gaps in its candidate numbers; run without --resume")
     previous = Previous(entries, int(old["seed"]) if str(old.get("seed", "")).isdigit() else None)
+    best_source = _best_source(previous)  # may refuse: nothing is changed before this
     _drop_unfinished(ws, len(entries))
-    _reinstall_best(ws, previous)
+    _reinstall_best(ws, previous, best_source)
     return previous
+
+
+def _best_source(previous: Previous) -> str | None:
+    best = previous.best
+    if best is None:
+        return None
+    try:
+        return (best.directory / ENGINE).read_text()
+    except OSError as e:
+        raise ResumeError(f"the best recorded engine, #{best.index:03d}, is gone from its folder ({e})") from e
 
 
 def _drop_unfinished(ws: Workspace, judged: int) -> None:
@@ -96,17 +107,13 @@ def _drop_unfinished(ws: Workspace, judged: int) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _reinstall_best(ws: Workspace, previous: Previous) -> None:
-    """engine.py must be the best recorded candidate's engine, or absent."""
+def _reinstall_best(ws: Workspace, previous: Previous, source: str | None) -> None:
+    """engine.py must be the best recorded candidate's engine (`source`), or absent."""
     best, installed = previous.best, ws.installed_verdict()
-    if best is None:
+    if best is None or source is None:
         for name in (ENGINE, VERDICT):
             (ws.root / name).unlink(missing_ok=True)
         return
     if installed is not None and installed.get("index") == best.index:
         return
-    try:
-        source = (best.directory / ENGINE).read_text()
-    except OSError as e:
-        raise ResumeError(f"the best recorded engine, #{best.index:03d}, is gone from its folder ({e})") from e
     ws.install_engine(source, {"index": best.index, **best.candidate.to_dict(), "result": best.result.to_dict()})
