@@ -2,7 +2,8 @@
 
 A greedy walk over the menu that the templates declare (agent/plan.py):
   1. the KV-cache engine with every slot on its torch variant (the loop has already
-     judged the conservative recompute engine before any proposer is asked);
+     judged the conservative recompute engine before any proposer is asked), then the same
+     engine with the library's preferred variants (PREFERRED) where they run;
   2. each slot in turn (WALK_ORDER), each of its variants that runs on this device, applied to the
      best KV-cache plan so far (a variant stays only if it made that plan faster);
   3. each engine parameter in turn, each other value, on the best plan so far.
@@ -22,6 +23,13 @@ FAST_ENGINE = "paged"
 # attention variant is what lets the engine capture CUDA graphs (the largest single gain);
 # the elementwise slots then trim what is left of each step.
 WALK_ORDER = ("decode_attention", "prefill_attention", "norm", "rope_cache", "silu_mul")
+# The library's best guess, tried right after the all-torch engine where its variants run: one
+# evaluation that lands near the end of the walk (a GPU evaluation takes about a minute, and a
+# slot-by-slot walk from all-torch needs half a dozen before the engine can use CUDA graphs).
+# These variants round like the reference (docs/benchmarks-kernel-notes.md), so their margin
+# holds in bf16 too; the walk then tries the faster, looser ones slot by slot.
+PREFERRED = {"decode_attention": "triton_exact", "prefill_attention": "triton_exact", "norm": "triton",
+             "rope_cache": "triton", "silu_mul": "triton"}
 
 
 def conservative_plan() -> Plan:
@@ -47,6 +55,11 @@ def walk(base: Callable[[], Plan], device: str, menu: dict[str, list[Variant]],
     """Yield (plan, why) in search order; `base()` is re-read at every step so the walk
     builds on whatever has been kept so far."""
     yield start, "KV cache, batched prefill/decode, all-torch slots"
+    runnable = {slot: {v.name for v in variants if device in v.devices} for slot, variants in menu.items()}
+    preferred = {slot: name for slot, name in PREFERRED.items() if name in runnable.get(slot, ())}
+    if preferred:
+        yield (Plan(start.engine, {**start.slots, **preferred}, start.params),
+               "the kernel library's preferred variant in every slot that has one here")
     for slot in WALK_ORDER:
         for variant in menu.get(slot, []):
             if variant.name == REFERENCE_VARIANT or device not in variant.devices:

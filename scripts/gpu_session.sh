@@ -44,11 +44,15 @@ echo "stress exit code $? (124: cut at ${STRESS_SECONDS:-150}s)"; tail -n 3 "$OU
 echo "== benchmarks"
 python3 evaluator/benchmark_throughput.py --engine workspace/engine.py "${ARGS[@]}" --cases "$CASES" \
   > "$OUT/bench_final.json" 2> "$OUT/bench_final.err"
-python3 -c "
+if [ -f "${RECOMPUTE_JSON:-}" ]; then   # an earlier run's recompute numbers (the baseline does not change)
+  cp "$RECOMPUTE_JSON" "$OUT/bench_recompute.json"
+else
+  python3 -c "
 from agent.render import render_engine; from agent.plan import Plan
 open('/tmp/recompute.py', 'w').write(render_engine(Plan('recompute')))"
-python3 evaluator/benchmark_throughput.py --engine /tmp/recompute.py "${ARGS[@]}" --cases "$CASES" --warmup 0 --repeat 1 \
-  > "$OUT/bench_recompute.json" 2> "$OUT/bench_recompute.err"
+  python3 evaluator/benchmark_throughput.py --engine /tmp/recompute.py "${ARGS[@]}" --cases "$CASES" --warmup 0 --repeat 1 \
+    > "$OUT/bench_recompute.json" 2> "$OUT/bench_recompute.err"
+fi
 python3 - "$OUT" <<'EOF'
 import json, sys
 out = sys.argv[1]

@@ -246,3 +246,24 @@ def test_builtin_proposer_on_the_real_menu_never_repeats():
         assert not state.tried(candidate)
         state.history.append((candidate, failed()))
     assert len(state.history) >= 1 and state.history[0][0].plan.engine == "paged"
+
+
+def test_builtin_walk_tries_the_library_plan_right_after_all_torch(monkeypatch):
+    """Where the preferred variants run, the second proposal jumps to all of them at once;
+    on a device where none runs, there is no jump."""
+    import agent.providers.builtin as builtin
+    from agent import search
+    preferred = next(iter(search.PREFERRED.items()))
+    slot, name = preferred
+    fake = {slot: [Variant(slot, "torch", ("cpu", "cuda"), None), Variant(slot, name, ("cuda",), None)]}
+    monkeypatch.setattr(builtin, "menu", lambda: fake)
+    monkeypatch.setattr(builtin, "engine_params", lambda engine: {})
+    monkeypatch.setattr(builtin, "engines", lambda: ["paged", "recompute"])
+    for device, expected in (("cuda", name), ("cpu", None)):
+        state = SearchState(spec=None, device=device, hardware={})
+        proposer = BuiltinProposer(device)
+        first = proposer.propose(state)
+        state.history.append((first, failed()))
+        second = proposer.propose(state)
+        assert first.plan.slots[slot] == "torch"
+        assert (second.plan.slots[slot] if second else None) == expected
