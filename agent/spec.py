@@ -57,25 +57,12 @@ class ModelSpec:
                 f"{self.dtype}, {self.parameters / 1e6:.1f}M params")
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The SPEC §1 weight layout for this config."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        shapes = {"embed_tokens.weight": (self.vocab, h)}
-        for i in range(self.layers):
-            p = f"layers.{i}."
-            shapes.update({
-                p + "input_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "mlp.gate_proj.weight": (self.intermediate, h),
-                p + "mlp.up_proj.weight": (self.intermediate, h),
-                p + "mlp.down_proj.weight": (h, self.intermediate),
-            })
-        shapes["norm.weight"] = (h,)
-        shapes["lm_head.weight"] = (self.vocab, h)
-        return shapes
+        """The SPEC §1 weight layout for this config (the evaluator's table: one layout, one place)."""
+        from evaluator.common import ModelDims
+        from evaluator.weights import weight_shapes
+
+        return weight_shapes(ModelDims(self.hidden, self.intermediate, self.layers, self.heads, self.kv_heads,
+                                       self.head_dim, self.vocab, self.eps, self.theta, self.dtype))
 
     def to_dict(self) -> dict:
         keys = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab",
