@@ -21,7 +21,7 @@ from agent.judge import FULL, VERIFY
 from agent.providers.base import MIN_SAFETY_MARGIN, Candidate, EvalResult, Proposer, SearchState, improves
 from agent.render import render_engine
 from agent.report import Entry, Reporter, describe
-from agent.workspace import Workspace, atomic_write
+from agent.workspace import VARIANTS, Workspace, atomic_write
 
 Judge = Callable[[Path, Path, float, str], EvalResult]   # (engine.py, out dir, timeout s, phase) → verdict
 
@@ -108,6 +108,8 @@ def judge_conservative(entry: Entry, source: str, judge: Judge, ws: Workspace, r
 def prepare(candidate: Candidate, directory: Path, device: str) -> tuple[str | None, EvalResult | None]:
     """Render the candidate into its folder; a failure to render or a policy breach is its verdict."""
     atomic_write(directory / "plan.json", json.dumps(candidate.to_dict(), indent=2) + "\n")
+    for (slot, name), text in candidate.extra_variants.items():  # kept so that --resume can restore them
+        atomic_write(directory / VARIANTS / f"{slot}.{name}.py.j2", text)
     try:
         source = render_engine(candidate.plan, candidate.extra_variants)
     except Exception as e:  # noqa: BLE001 - a template that does not render is a failed candidate

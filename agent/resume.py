@@ -24,7 +24,7 @@ from pathlib import Path
 from agent.plan import Plan
 from agent.providers.base import Candidate, EvalResult
 from agent.report import Entry
-from agent.workspace import CANDIDATES, ENGINE, RESULTS_JSON, VERDICT, Workspace
+from agent.workspace import CANDIDATES, ENGINE, RESULTS_JSON, VARIANTS, VERDICT, Workspace
 
 # Run settings that must match for old verdicts to mean the same thing in the new run.
 SAME_INPUTS = ("config", "weights", "device")
@@ -48,9 +48,24 @@ class Previous:
 
 
 def _entry(ws: Workspace, d: dict) -> Entry:
-    candidate = Candidate(Plan.from_dict(d["plan"]), d.get("origin", "?"), d.get("note", ""))
     directory = ws.root / d["dir"] if "dir" in d else _find_dir(ws, int(d["index"]))
+    candidate = Candidate(Plan.from_dict(d["plan"]), d.get("origin", "?"), d.get("note", ""),
+                          _variants(directory, d.get("extra_variants", [])))
     return Entry(int(d["index"]), candidate, directory, EvalResult.from_dict(d["result"]), bool(d.get("accepted")))
+
+
+def _variants(directory: Path, names: list[str]) -> dict[tuple[str, str], str]:
+    """The model-written variants a candidate used, from the sources the loop saved beside it,
+    so that its identity (Candidate.key) and a plan built on it survive the resume."""
+    out = {}
+    for name in names:
+        slot, variant = name.split("/", 1)
+        path = directory / VARIANTS / f"{slot}.{variant}.py.j2"
+        try:
+            out[(slot, variant)] = path.read_text()
+        except OSError as e:
+            raise ResumeError(f"{path} is gone ({e}); run without --resume to start over") from e
+    return out
 
 
 def _find_dir(ws: Workspace, index: int) -> Path:

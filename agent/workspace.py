@@ -22,6 +22,7 @@ VERDICT = "engine.json"
 RESULTS_LOG = "results.log"
 RESULTS_JSON = "results.json"
 CANDIDATES = "candidates"
+VARIANTS = "variants"   # in a candidate's folder: the sources of its model-written kernel variants
 TMP_PREFIX = ".tmp-"
 GIT_IGNORE = f"{CANDIDATES}/\n{TMP_PREFIX}*\n"
 # Temporary files a kill can leave: ours (atomic_write) and the evaluator's verdict in progress.

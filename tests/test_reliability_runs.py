@@ -277,3 +277,27 @@ def test_kill_9_at_random_moments_then_resume(tiny_model, tmp_path, test_seed):
     assert [c["index"] for c in record["candidates"]] == list(range(1, len(keys) + 1))
     for path, mtime in judged_before.items():  # judged before a kill: never judged again
         assert Path(path).stat().st_mtime_ns == mtime, path
+
+
+def test_resume_restores_model_written_variants(tmp_path, monkeypatch):
+    """A candidate carrying an LLM-written variant keeps its code across a resume: the same
+    candidate is recognised as judged, and the best plan can still be rendered."""
+    text = "# slot: silu_mul    variant: llm_1    devices: cpu\ndef silu_mul__llm_1(x):\n    return x\n"
+    plan = Plan("paged", slots={"silu_mul": "llm_1"})
+    llm = Candidate(plan, "test", "model-written", {("silu_mul", "llm_1"): text})
+
+    class OneCandidate(ListProposer):
+        def propose(self, state):
+            return None if state.tried(llm) else llm
+
+    monkeypatch.setattr(loop, "render_engine", fake_render)
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    report.start({"run": RUN}, [])
+    loop.run(SearchState(spec=None, device="cpu", hardware={}), OneCandidate([]), FakeJudge(), ws, report, 600.0)
+    report.finish([])
+    state, previous = resumed_state(ws)
+    restored = previous.entries[-1].candidate
+    assert restored.extra_variants == {("silu_mul", "llm_1"): text}
+    assert restored.key() == llm.key() and state.tried(llm)
