@@ -59,7 +59,7 @@ from evaluator import slot_check  # noqa: E402
 from evaluator.common import Tolerance, WrongResult, load_config, make_generator  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
 from evaluator.session import CheckedSession  # noqa: E402
-from evaluator.traces import QUICK, STRESS_SCENARIOS, public_sequence  # noqa: E402
+from evaluator.traces import QUICK, STRESS_SCENARIOS  # noqa: E402
 from evaluator.weights import random_weights  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/gpu_numerics_check"))
