@@ -580,6 +580,54 @@ def render_source(slot: str, source=None, variant: str | None = None, params: di
     return text, m.group(2), devices
 
 
+def variant_function(slot: str, variant: str, fn: str, params: dict | None = None,
+                     extra_variants: dict | None = None):
+    """One function (`<fn>__<variant>`) of a slot's variant, rendered and imported."""
+    from agent.render import render_slot_module
+
+    module = import_module_text(render_slot_module(slot, variant, params, extra_variants=extra_variants),
+                                f"{slot}_{variant}")
+    return getattr(module, f"{fn}__{variant}")
+
+
+def slot_outputs(slot: str, fns: dict, inp: dict) -> dict[str, torch.Tensor]:
+    """Every output of one call of the slot's functions `fns` (by name) on a copy of `inp`
+    (make_inputs), so that two variants can be compared output by output."""
+    c = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    if slot == "norm":
+        y = fns["rmsnorm"](c["x"], c["w"], c["eps"])
+        y2, r = fns["add_rmsnorm"](c["x"].clone(), c["residual"].clone(), c["w"], c["eps"])
+        return {"rmsnorm": y, "add_rmsnorm.y": y2, "add_rmsnorm.r": r}
+    if slot == "rope_cache":
+        fns["rope_cache"](**c)
+        sm = c["slot_mapping"]
+        return {"q": c["q"], "k": c["k"], "k_cache": c["k_cache"][sm], "v_cache": c["v_cache"][sm]}
+    if slot == "silu_mul":
+        return {"out": fns["silu_mul"](**c)}
+    return {"o": fns[slot](**c)}
+
+
+# --------------------------------------------------------------------------- rounding, in ulps
+
+def ulp_key(t: torch.Tensor) -> torch.Tensor:
+    """A 16-bit float's bits as an integer that is monotone in its value (+0 and -0 both 0):
+    the difference of two keys is the number of representable values between them."""
+    i = t.detach().contiguous().view(torch.int16).to(torch.int32)
+    return torch.where(i < 0, -(i & 0x7FFF), i)
+
+
+def ulp_error(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
+    """|got - want| in units in the last place of the 16-bit dtype at max(|got|, |want|, floor).
+    With floor > 0, elements smaller than the floor are judged at the floor's ulp: an attention
+    output is a sum with cancellation, and near zero its last bits are summation-order noise."""
+    g, w = got.float(), want.float()
+    mag = torch.clamp(torch.maximum(g.abs(), w.abs()), min=floor)
+    _, exp = torch.frexp(mag)                      # mag = m * 2**exp, m in [0.5, 1)
+    mant_bits = 7 if got.dtype == torch.bfloat16 else 10
+    ulp = torch.ldexp(torch.ones_like(mag), exp - 1 - mant_bits)
+    return (g - w).abs() / ulp
+
+
 # --------------------------------------------------------------------------- the check
 
 

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from agent.plan import SLOTS, Plan  # noqa: E402
-from agent.render import render_engine, render_slot_module  # noqa: E402
+from agent.render import render_engine  # noqa: E402
 from evaluator import slot_check  # noqa: E402
 from evaluator.common import Tolerance, WrongResult, load_config, make_generator  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
@@ -94,58 +94,22 @@ def old_variants(baseline: str, rev: str) -> dict[tuple[str, str], str]:
 
 
 def slot_fn(slot: str, variant: str, fn: str, extra: dict, params: dict | None = None):
-    text = render_slot_module(slot, variant, params, extra_variants=extra)
-    module = slot_check.import_module_text(text, f"numerics_{slot}_{variant}")
-    return getattr(module, f"{fn}__{variant}")
+    return slot_check.variant_function(slot, variant, fn, params, extra_variants=extra)
 
 
 # --------------------------------------------------------------------------- ulps
-
-def ulp_key(t: torch.Tensor) -> torch.Tensor:
-    """A 16-bit float's bits as an integer that is monotone in its value (+0 and -0 both 0)."""
-    i = t.detach().contiguous().view(torch.int16).to(torch.int32)
-    return torch.where(i < 0, -(i & 0x7FFF), i)
-
-
-def ulp_error(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
-    """|got - want| in units in the last place of the 16-bit dtype at max(|got|, |want|, floor).
-    With floor > 0, elements smaller than the floor are judged at the floor's ulp: an attention
-    output is a sum with cancellation, and near zero its last bits are summation-order noise."""
-    g, w = got.float(), want.float()
-    mag = torch.clamp(torch.maximum(g.abs(), w.abs()), min=floor)
-    _, exp = torch.frexp(mag)                      # mag = m * 2**exp, m in [0.5, 1)
-    mant_bits = 7 if got.dtype == torch.bfloat16 else 10
-    ulp = torch.ldexp(torch.ones_like(mag), exp - 1 - mant_bits)
-    return (g - w).abs() / ulp
-
 
 ATTENTION_FLOOR = 1 / 8     # of the reference output's rms
 
 
 def ulp_stats(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> dict:
     """exact/le1/max_ulp: bit distance (integers, monotone order); scaled: ulp_error at `floor`."""
-    d = (ulp_key(got) - ulp_key(want)).abs()
-    e = ulp_error(got, want, floor)
+    d = (slot_check.ulp_key(got) - slot_check.ulp_key(want)).abs()
+    e = slot_check.ulp_error(got, want, floor)
     n = d.numel()
     return {"exact": (d == 0).sum().item() / n, "le1": (d <= 1).sum().item() / n, "max_ulp": int(d.max().item()),
             "le1_scaled": (e <= 1).sum().item() / n, "max_scaled": e.max().item(),
             "max_abs": (got.float() - want.float()).abs().max().item(), "n": n}
-
-
-def slot_outputs(slot: str, fns: dict, inp: dict) -> dict[str, torch.Tensor]:
-    """Every output of one call of the slot on (a copy of) inp."""
-    c = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
-    if slot == "norm":
-        y = fns["rmsnorm"](c["x"], c["w"], c["eps"])
-        y2, r = fns["add_rmsnorm"](c["x"].clone(), c["residual"].clone(), c["w"], c["eps"])
-        return {"rmsnorm": y, "add_rmsnorm.y": y2, "add_rmsnorm.r": r}
-    if slot == "rope_cache":
-        fns["rope_cache"](**c)
-        sm = c["slot_mapping"]
-        return {"q": c["q"], "k": c["k"], "k_cache": c["k_cache"][sm], "v_cache": c["v_cache"][sm]}
-    if slot == "silu_mul":
-        return {"out": fns["silu_mul"](**c)}
-    return {"o": fns[slot](**c)}
 
 
 ULP_SPECS = {
@@ -190,8 +154,8 @@ def run_ulp(extra: dict, select: str = "") -> list[dict]:
                     for i, spec in enumerate(ULP_SPECS[slot]):
                         for seed in (11, 12):
                             inp = slot_check.make_inputs(slot, spec, dtype, "cuda", seed=seed * 100 + i)
-                            want = slot_outputs(slot, ref_fns, inp)
-                            got = slot_outputs(slot, fns, inp)
+                            want = slot_check.slot_outputs(slot, ref_fns, inp)
+                            got = slot_check.slot_outputs(slot, fns, inp)
                             for name in want:
                                 floor = (ATTENTION_FLOOR * want[name].float().pow(2).mean().sqrt().item()
                                          if slot.endswith("attention") else 0.0)

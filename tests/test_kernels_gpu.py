@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from agent.plan import menu
-from agent.render import render_slot_module
 from evaluator import slot_check
-from evaluator.slot_check import check_variant, import_module_text
+from evaluator.slot_check import check_variant
 from tests.slot_variants import CORRECT, WRONG
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -66,11 +65,6 @@ def test_tuning_params_stay_correct(slot, variant, params):
     assert result.passed, f"{params}: {result.summary()}"
 
 
-def _fn(slot, variant, fn, params=None):
-    module = import_module_text(render_slot_module(slot, variant, params), f"gpu_{slot}_{variant}")
-    return getattr(module, f"{fn}__{variant}")
-
-
 SPLIT_DECODES = [("triton_split", None), ("triton_exact", None), ("triton_exact", {"decode_splits": 1})]
 
 
@@ -78,7 +72,7 @@ SPLIT_DECODES = [("triton_split", None), ("triton_exact", None), ("triton_exact"
 def test_split_decode_replays_in_a_cuda_graph_with_new_contexts(variant, params):
     """Capture once at short contexts, then grow every context inside the same buffers and
     replay: the kernel must read its bounds from context_lens, not from capture-time values."""
-    decode = _fn("decode_attention", variant, "decode_attention", params)
+    decode = slot_check.variant_function("decode_attention", variant, "decode_attention", params)
     spec = {"ctx": [5, 17, 33, 2], "Hq": 8, "Hkv": 2, "D": 80, "block_size": 16, "max_context": "bound",
             "q_scale": 2.0, "scale_mult": 1.0}
     inp = slot_check.make_inputs("decode_attention", spec, torch.float16, "cuda", seed=1)
@@ -118,7 +112,7 @@ def test_split_decode_replays_in_a_cuda_graph_with_new_contexts(variant, params)
 
 @pytest.mark.parametrize("variant,params", SPLIT_DECODES)
 def test_split_decode_zero_context_rows_give_zeros_not_nan(variant, params):
-    decode = _fn("decode_attention", variant, "decode_attention", params)
+    decode = slot_check.variant_function("decode_attention", variant, "decode_attention", params)
     spec = {"ctx": [9, 30], "Hq": 4, "Hkv": 4, "D": 64, "block_size": 16, "max_context": "exact",
             "q_scale": 1.0, "scale_mult": 1.0}
     inp = slot_check.make_inputs("decode_attention", spec, torch.bfloat16, "cuda", seed=0)
@@ -128,7 +122,7 @@ def test_split_decode_zero_context_rows_give_zeros_not_nan(variant, params):
 
 
 def test_add_rmsnorm_in_place_matches():
-    add_rmsnorm = _fn("norm", "triton", "add_rmsnorm")
+    add_rmsnorm = slot_check.variant_function("norm", "triton", "add_rmsnorm")
     x = torch.randn(37, 1000, device="cuda", dtype=torch.float16)
     r = torch.randn_like(x)
     w = torch.rand(1000, device="cuda", dtype=torch.float16) + 0.5
@@ -140,7 +134,7 @@ def test_add_rmsnorm_in_place_matches():
 
 
 def test_rope_cache_negative_slot_skips_the_cache_write():
-    rope = _fn("rope_cache", "triton", "rope_cache")
+    rope = slot_check.variant_function("rope_cache", "triton", "rope_cache")
     spec = {"N": 4, "Hq": 4, "Hkv": 2, "D": 64, "fused_qkv": True, "P": 128, "theta": 10000.0}
     inp = slot_check.make_inputs("rope_cache", spec, torch.float16, "cuda", seed=0)
     inp["slot_mapping"][2] = -1
@@ -149,36 +143,6 @@ def test_rope_cache_negative_slot_skips_the_cache_write():
 
 
 # ---- faithful rounding: the Triton variants against the torch variants, in ulps of dt ----
-
-
-def _ulp_key(t):
-    """A 16-bit float's bits as an integer monotone in its value (+0 and -0 both 0)."""
-    i = t.detach().contiguous().view(torch.int16).to(torch.int32)
-    return torch.where(i < 0, -(i & 0x7FFF), i)
-
-
-def _ulp_error(got, want, floor):
-    """|got - want| in ulps of the 16-bit dtype at max(|got|, |want|, floor)."""
-    g, w = got.float(), want.float()
-    mag = torch.clamp(torch.maximum(g.abs(), w.abs()), min=floor)
-    _, exp = torch.frexp(mag)
-    ulp = torch.ldexp(torch.ones_like(mag), exp - 1 - (7 if got.dtype == torch.bfloat16 else 10))
-    return (g - w).abs() / ulp
-
-
-def _slot_outputs(slot, fns, inp):
-    c = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
-    if slot == "norm":
-        y = fns["rmsnorm"](c["x"], c["w"], c["eps"])
-        y2, r = fns["add_rmsnorm"](c["x"].clone(), c["residual"].clone(), c["w"], c["eps"])
-        return {"rmsnorm": y, "add_rmsnorm.y": y2, "add_rmsnorm.r": r}
-    if slot == "rope_cache":
-        fns["rope_cache"](**c)
-        sm = c["slot_mapping"]
-        return {"q": c["q"], "k": c["k"], "k_cache": c["k_cache"][sm], "v_cache": c["v_cache"][sm]}
-    if slot == "silu_mul":
-        return {"out": fns["silu_mul"](**c)}
-    return {"o": fns[slot](**c)}
 
 
 # (slot, variant, spec, max ulps, min fraction bit-equal, min fraction within 1 ulp). Elementwise
@@ -216,18 +180,18 @@ def test_faithful_variant_rounds_like_the_torch_variant(slot, variant, spec, max
     """Same inputs through the torch variant (the reference's op order) and the faithful one: every
     output element within `max_ulp` units in the last place of dt, most of them bit-equal and
     nearly all within one ulp."""
-    fns = {fn: _fn(slot, variant, fn) for fn in slot_check.SLOT_FUNCTIONS[slot]}
-    ref = {fn: _fn(slot, "torch", fn) for fn in slot_check.SLOT_FUNCTIONS[slot]}
+    fns = {fn: slot_check.variant_function(slot, variant, fn) for fn in slot_check.SLOT_FUNCTIONS[slot]}
+    ref = {fn: slot_check.variant_function(slot, "torch", fn) for fn in slot_check.SLOT_FUNCTIONS[slot]}
     for seed in (1, 2):
         inp = slot_check.make_inputs(slot, spec, dtype, "cuda", seed=seed)
-        got, want = _slot_outputs(slot, fns, inp), _slot_outputs(slot, ref, inp)
+        got, want = slot_check.slot_outputs(slot, fns, inp), slot_check.slot_outputs(slot, ref, inp)
         for name in want:
-            exact = (_ulp_key(got[name]) == _ulp_key(want[name])).float().mean().item()
+            exact = (slot_check.ulp_key(got[name]) == slot_check.ulp_key(want[name])).float().mean().item()
             if slot.endswith("attention"):
                 floor = want[name].float().pow(2).mean().sqrt().item() / 8
-                err = _ulp_error(got[name], want[name], floor)
+                err = slot_check.ulp_error(got[name], want[name], floor)
             else:
-                err = (_ulp_key(got[name]) - _ulp_key(want[name])).abs().float()
+                err = (slot_check.ulp_key(got[name]) - slot_check.ulp_key(want[name])).abs().float()
             worst, le1 = err.max().item(), (err <= 1).float().mean().item()
             assert worst <= max_ulp and exact >= min_exact and le1 >= min_le1, (
                 f"{name} (seed {seed}): max {worst:.3g} ulp (allowed {max_ulp}), "
