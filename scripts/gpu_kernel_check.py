@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from agent.plan import menu  # noqa: E402
-from agent.render import render_slot_module  # noqa: E402
 from evaluator import slot_check  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/gpu_kernel_check"))
@@ -65,11 +64,6 @@ def run_tests(timeout: int, select: str = "") -> str:
             or " failed" in ln or "TIMEOUT" in ln or "no module named" in ln.lower()]
     return f"pytest ({time.time() - t0:.0f}s):\n" + "\n".join(keep[-40:])
 
-
-def load(slot: str, variant: str, fn: str, params: dict | None = None):
-    text = render_slot_module(slot, variant, params)
-    module = slot_check.import_module_text(text, f"bench_{slot}_{variant}")
-    return getattr(module, f"{fn}__{variant}")
 
 
 def bench(call) -> tuple[float, float]:
@@ -124,7 +118,7 @@ def run_bench(dtype) -> list[dict]:
     for cfg_name, cfg in CONFIGS.items():
         for cfg_name_, label, slot, fn, kwargs in problems(cfg_name, cfg, dtype):
             for variant in variants[slot]:
-                f = load(slot, variant, fn)
+                f = slot_check.variant_function(slot, variant, fn)
                 g, e = bench(lambda: f(**kwargs))
                 rows.append({"config": cfg_name_, "problem": label, "slot": slot, "variant": variant,
                              "graph_us": g, "eager_us": e})
@@ -152,7 +146,7 @@ def run_sweep(dtype) -> list[dict]:
             want = getattr(slot_check, f"ref_{slot}")(**kwargs)
             for params in grid:
                 try:
-                    f = load(slot, variant, fn, params)
+                    f = slot_check.variant_function(slot, variant, fn, params)
                     err = (f(**kwargs).float() - want.float()).abs().max().item()
                     g, _ = bench(lambda: f(**kwargs))
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is data

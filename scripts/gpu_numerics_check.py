@@ -61,6 +61,7 @@ from evaluator.reference_model import ReferenceModel  # noqa: E402
 from evaluator.session import CheckedSession  # noqa: E402
 from evaluator.traces import QUICK, STRESS_SCENARIOS  # noqa: E402
 from evaluator.weights import random_weights  # noqa: E402
+from gpu_kernel_check import bench  # noqa: E402  (this script's folder is on sys.path)
 
 OUT = Path(os.environ.get("OUT", "/tmp/gpu_numerics_check"))
 ELEMENTWISE = ("norm", "rope_cache", "silu_mul")
@@ -214,23 +215,6 @@ def run_unit(select: str = "") -> list[dict]:
 
 # --------------------------------------------------------------------------- timings
 
-def bench(call) -> tuple[float, float]:
-    """(eager median µs via do_bench, graph-replay median µs via do_bench_cudagraph)."""
-    import triton.testing as tt
-    eager = graph = math.nan
-    try:
-        call()
-        torch.cuda.synchronize()
-        eager = 1e3 * tt.do_bench(call, warmup=25, rep=100, return_mode="median")
-    except Exception as e:  # noqa: BLE001
-        log(f"    eager failed: {type(e).__name__}: {str(e)[:200]}")
-    try:
-        graph = 1e3 * tt.do_bench_cudagraph(call, rep=50, return_mode="median")
-    except Exception as e:  # noqa: BLE001
-        log(f"    graph failed: {type(e).__name__}: {str(e)[:200]}")
-    return eager, graph
-
-
 def run_bench(extra: dict, select: str = "") -> list[dict]:
     rows = []
     dt = torch.float16
@@ -265,7 +249,7 @@ def run_bench(extra: dict, select: str = "") -> list[dict]:
         except Exception as e:  # noqa: BLE001
             log(f"bench {label} {variant}: load failed: {type(e).__name__}: {str(e)[:200]}")
             continue
-        e_us, g_us = bench(lambda: f(**kwargs))
+        g_us, e_us = bench(lambda: f(**kwargs))
         name = variant + (f" {json.dumps(params)}" if params else "")
         rows.append({"problem": label, "variant": name, "eager_us": e_us, "graph_us": g_us})
         log(f"bench {label:20s} {name:40s} eager {e_us:7.1f} us  graph {g_us:7.1f} us")
