@@ -96,14 +96,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def resolve_device(requested: str) -> str:
-    import torch
-    return "cuda" if requested in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
-
-
 def resolve(args: argparse.Namespace) -> RunConfig:
     config = Path(args.config) if args.config else (MOUNTED_CONFIG if MOUNTED_CONFIG.is_file() else REPO_CONFIG)
     weights = Path(args.weights) if args.weights else (MOUNTED_WEIGHTS if MOUNTED_WEIGHTS.is_dir() else REPO_WEIGHTS)
+    from evaluator.common import resolve_device  # the harness's rule; imports torch
+
     device = resolve_device(args.device)
     budget = float(args.budget) if args.budget is not None else DEFAULT_BUDGET[device]
     seed = int(args.seed) if args.seed is not None else random.randrange(SEED_RANGE)
