@@ -16,7 +16,7 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 KERNELS = TEMPLATES / "kernels"
 ENGINES = TEMPLATES / "engine"
 
-SLOTS = ("norm", "rope_cache", "prefill_attention", "decode_attention", "silu_mul")
+SLOTS = ("norm", "rope_cache", "prefill_attention", "decode_attention", "silu_mul", "linear")
 REFERENCE_VARIANT = "torch"
 _HEADER = re.compile(r"#\s*slot:\s*(\w+)\s+variant:\s*(\w+)\s+devices:\s*([\w, ]+)")
 _PARAM = re.compile(r"#\s*param:\s*(\w+)\s*=\s*(\S+)\s+choices:\s*(.+?)(?:\s+devices:\s*([\w, ]+?))?\s*$")

@@ -22,14 +22,14 @@ FAST_ENGINE = "paged"
 # Slots in the order the walk tries them: the attention slots first, because a graph-safe
 # attention variant is what lets the engine capture CUDA graphs (the largest single gain);
 # the elementwise slots then trim what is left of each step.
-WALK_ORDER = ("decode_attention", "prefill_attention", "norm", "rope_cache", "silu_mul")
+WALK_ORDER = ("decode_attention", "prefill_attention", "linear", "norm", "rope_cache", "silu_mul")
 # The library's best guess, tried right after the all-torch engine where its variants run: one
 # evaluation that lands near the end of the walk (a GPU evaluation takes about a minute, and a
 # slot-by-slot walk from all-torch needs half a dozen before the engine can use CUDA graphs).
 # These variants round like the reference (docs/benchmarks-kernel-notes.md), so their margin
 # holds in bf16 too; the walk then tries the faster, looser ones slot by slot.
 PREFERRED = {"decode_attention": "triton_exact", "prefill_attention": "triton_exact", "norm": "triton",
-             "rope_cache": "triton", "silu_mul": "triton"}
+             "rope_cache": "triton", "silu_mul": "triton", "linear": "triton"}
 
 
 def conservative_plan() -> Plan:

@@ -4,7 +4,7 @@ For each slot this module holds
 
 * a reference op written from SPEC §3 numerics, independently of any template
   (``ref_rmsnorm``, ``ref_add_rmsnorm``, ``ref_rope_cache``, ``ref_prefill_attention``,
-  ``ref_decode_attention``, ``ref_silu_mul``);
+  ``ref_decode_attention``, ``ref_silu_mul``, ``ref_norm_linear``, ``ref_silu_linear``);
 * a list of cases (sizes) covering the edges: N=1, odd N, head_dim 64/80/128/192,
   MHA/GQA/MQA, contexts that cross block boundaries, block sizes 16/32/64, long
   contexts and prompts (CUDA), ragged batches;
@@ -51,6 +51,7 @@ SLOT_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "prefill_attention": ("prefill_attention",),
     "decode_attention": ("decode_attention",),
     "silu_mul": ("silu_mul",),
+    "linear": ("linear", "norm_linear", "silu_linear"),
 }
 
 # (atol, rtol) per compute dtype: about two units in the last place of the dtype, so a
@@ -175,6 +176,16 @@ def ref_decode_attention(q, k_cache, v_cache, block_table, context_lens, max_con
 def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = gate_up.shape[-1] // 2
     return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+def ref_norm_linear(x, residual, norm_w, eps, weight):
+    """The projection after a (residual add +) RMSNorm: (y, new_residual)."""
+    r = x if residual is None else x + residual
+    return F.linear(ref_rmsnorm(r, norm_w, eps), weight), r
+
+
+def ref_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(ref_silu_mul(gate_up), weight)
 
 
 # --------------------------------------------------------------------------- comparison
@@ -497,8 +508,52 @@ class _SiluMul(_Slot):
         return res
 
 
+class _Linear(_Slot):
+    """The projections with their prologues; weights scaled by 1/sqrt(K) so outputs are O(1)
+    and a dropped rounding or a swapped operand shows at the dtype's last bits."""
+
+    name = "linear"
+
+    def specs(self, rng, full):
+        sizes = [(1, 768, 2304), (7, 80, 48), (33, 1000, 300)]
+        if full:
+            sizes += [(8, 3072, 768), (64, 2048, 3072), (200, 768, 1000), (16, 4096, 4096)]
+        return [{"N": n, "K": k, "O": o, "residual": i % 2 == 0, "row_strided": i % 3 == 1,
+                 "eps": rng.choice([1e-5, 1e-6]), "x_scale": rng.choice([0.5, 3.0])}
+                for i, (n, k, o) in enumerate(sizes)]
+
+    def build(self, spec, dtype, device, gen, cpu_gen):
+        n, k, o = spec["N"], spec["K"], spec["O"]
+        wide = _randn((n, k + (13 if spec["row_strided"] else 0)), dtype, device, gen, spec["x_scale"])
+        return {"x": wide[:, :k], "residual": _randn((n, k), dtype, device, gen) if spec["residual"] else None,
+                "norm_w": (1.0 + 0.3 * torch.randn(k, generator=gen, device=device)).to(dtype), "eps": spec["eps"],
+                "weight": _randn((o, k), dtype, device, gen, k ** -0.5),
+                "gate_up": _randn((n, 2 * k), dtype, device, gen, 3.0)}
+
+    def run(self, fns, spec, inp, dtype):
+        twice = inp["x"].device.type == "cuda"
+        x, residual, weight, gate_up = inp["x"], inp["residual"], inp["weight"], inp["gate_up"]
+        before = {name: t.clone() for name, t in inp.items() if isinstance(t, torch.Tensor)}
+        res = []
+        want = F.linear(x, weight)
+        y, err = _pure_call(fns["linear"], {"x": x, "weight": weight}, [want], x.device, twice)
+        res += [_compare("linear y", y, want, dtype)] + ([(0, 0, err)] if err else [])
+        want_y, want_r = ref_norm_linear(x, residual, inp["norm_w"], inp["eps"], weight)
+        args = {k: inp[k] for k in ("x", "residual", "norm_w", "eps", "weight")}
+        out, err = _pure_call(fns["norm_linear"], args, [want_y, want_r], x.device, twice)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            return res + [(math.inf, math.inf, f"norm_linear: returned {type(out).__name__}, want (y, new_residual)")]
+        res += [_compare("norm_linear y", out[0], want_y, dtype), _compare("norm_linear new_residual", out[1], want_r, dtype)]
+        res += [(0, 0, err)] if err else []
+        want = ref_silu_linear(gate_up, weight)
+        y, err = _pure_call(fns["silu_linear"], {"gate_up": gate_up, "weight": weight}, [want], x.device, twice)
+        res += [_compare("silu_linear y", y, want, dtype)] + ([(0, 0, err)] if err else [])
+        res += [(0, 0, e) for e in (_unchanged(name, t, inp[name]) for name, t in before.items()) if e]
+        return res
+
+
 SLOTS: dict[str, _Slot] = {s.name: s for s in (_Norm(), _RopeCache(), _PrefillAttention(), _DecodeAttention(),
-                                                _SiluMul())}
+                                                _SiluMul(), _Linear())}
 
 
 def case_specs(slot: str, seed: int, full: bool) -> list[dict]:
@@ -604,6 +659,10 @@ def slot_outputs(slot: str, fns: dict, inp: dict) -> dict[str, torch.Tensor]:
         return {"q": c["q"], "k": c["k"], "k_cache": c["k_cache"][sm], "v_cache": c["v_cache"][sm]}
     if slot == "silu_mul":
         return {"out": fns["silu_mul"](**c)}
+    if slot == "linear":
+        y, r = fns["norm_linear"](c["x"], c["residual"], c["norm_w"], c["eps"], c["weight"])
+        return {"linear": fns["linear"](c["x"], c["weight"]), "norm_linear.y": y, "norm_linear.r": r,
+                "silu_linear": fns["silu_linear"](c["gate_up"], c["weight"])}
     return {"o": fns[slot](**c)}
 
 

@@ -99,6 +99,15 @@ def problems(cfg_name: str, cfg: dict, dtype):
                     slot_check.make_inputs("rope_cache", spec, dtype, "cuda")))
         out.append((f"silu_mul N={n}", "silu_mul", "silu_mul",
                     slot_check.make_inputs("silu_mul", {"N": n, "I": cfg["I"]}, dtype, "cuda")))
+        qkv = (cfg["Hq"] + 2 * cfg["Hkv"]) * cfg["D"]
+        for label, fn, k, o in (("norm+qkv", "norm_linear", cfg["H"], qkv), ("o_proj", "linear", cfg["Hq"] * cfg["D"], cfg["H"]),
+                                ("norm+gate_up", "norm_linear", cfg["H"], 2 * cfg["I"]),
+                                ("silu+down", "silu_linear", cfg["I"], cfg["H"])):
+            spec = {"N": n, "K": k, "O": o, "residual": True, "row_strided": False, "eps": 1e-5, "x_scale": 1.0}
+            inp = slot_check.make_inputs("linear", spec, dtype, "cuda")
+            args = {"norm_linear": ("x", "residual", "norm_w", "eps", "weight"), "linear": ("x", "weight"),
+                    "silu_linear": ("gate_up", "weight")}[fn]
+            out.append((f"{label} N={n}", "linear", fn, {a: inp[a] for a in args}))
     for b, ctx in cfg["decode"]:
         spec = {"ctx": [ctx] * b, "Hq": cfg["Hq"], "Hkv": cfg["Hkv"], "D": cfg["D"], "block_size": BLOCK_SIZE,
                 "max_context": "exact", "q_scale": 1.0, "scale_mult": 1.0}
@@ -112,14 +121,20 @@ def problems(cfg_name: str, cfg: dict, dtype):
     return [(cfg_name, *p) for p in out]
 
 
-def run_bench(dtype) -> list[dict]:
+def run_bench(dtype, slots: set[str]) -> list[dict]:
     rows = []
     variants = {s: [v.name for v in vs if "cuda" in v.devices] for s, vs in menu().items()}
     for cfg_name, cfg in CONFIGS.items():
         for cfg_name_, label, slot, fn, kwargs in problems(cfg_name, cfg, dtype):
-            for variant in variants[slot]:
-                f = slot_check.variant_function(slot, variant, fn)
-                g, e = bench(lambda: f(**kwargs))
+            if slots and slot not in slots:
+                continue
+            calls = [(v, lambda f=slot_check.variant_function(slot, v, fn): f(**kwargs)) for v in variants[slot]]
+            if slot == "linear":   # the GEMM alone, no prologue: what the unfused engine pays cuBLAS
+                w = kwargs["weight"]
+                a = kwargs.get("x", kwargs.get("gate_up"))[:, :w.shape[1]].contiguous()
+                calls.append(("cublas_only", lambda: torch.nn.functional.linear(a, w)))
+            for variant, call in calls:
+                g, e = bench(call)
                 rows.append({"config": cfg_name_, "problem": label, "slot": slot, "variant": variant,
                              "graph_us": g, "eager_us": e})
                 print(f"  {cfg_name_:6s} {label:24s} {variant:12s} graph {g:9.1f} us  eager {e:9.1f} us", flush=True)
@@ -133,7 +148,12 @@ PREFILL_SWEEP = [{}] + [{"prefill_block_m": m, "prefill_block_n": n, "prefill_wa
                                      (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))]
 
 
-def run_sweep(dtype) -> list[dict]:
+LINEAR_SWEEP = [{}] + [{"linear_block_n": n, "linear_block_k": k, "linear_warps": w, "linear_stages": st}
+                      for n, k, w, st in ((16, 256, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 128, 4, 4),
+                                          (16, 512, 4, 2), (32, 512, 8, 2), (64, 256, 8, 3), (128, 64, 4, 4))]
+
+
+def run_sweep(dtype, slots: set[str]) -> list[dict]:
     rows = []
     for cfg_name, cfg in CONFIGS.items():
         for _, label, slot, fn, kwargs in problems(cfg_name, cfg, dtype):
@@ -141,13 +161,20 @@ def run_sweep(dtype) -> list[dict]:
                 variant, grid = "triton_split", DECODE_SWEEP
             elif slot == "prefill_attention":
                 variant, grid = "triton", PREFILL_SWEEP
+            elif slot == "linear" and kwargs[next(iter(kwargs))].shape[0] <= 64:
+                variant, grid = "triton", LINEAR_SWEEP
             else:
                 continue
-            want = getattr(slot_check, f"ref_{slot}")(**kwargs)
+            if slots and slot not in slots:
+                continue
+            want = getattr(slot_check, f"ref_{fn}" if slot == "linear" else f"ref_{slot}", None)
+            want = (want or torch.nn.functional.linear)(**kwargs)
+            want = want[0] if isinstance(want, tuple) else want
             for params in grid:
                 try:
                     f = slot_check.variant_function(slot, variant, fn, params)
-                    err = (f(**kwargs).float() - want.float()).abs().max().item()
+                    got = f(**kwargs)
+                    err = ((got[0] if isinstance(got, tuple) else got).float() - want.float()).abs().max().item()
                     g, _ = bench(lambda: f(**kwargs))
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is data
                     print(f"    {params}: {type(e).__name__}: {str(e)[:160]}")
@@ -195,6 +222,7 @@ def main() -> int:
     ap.add_argument("--test-timeout", type=int, default=360)
     ap.add_argument("-k", dest="select", default="", help="pytest -k expression for the tests")
     ap.add_argument("--dtype", default="fp16")
+    ap.add_argument("--slots", default="", help="comma list: bench and sweep only these slots (default: all)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
@@ -204,12 +232,13 @@ def main() -> int:
         summary.append(run_tests(args.test_timeout, args.select))
         print(summary[-1], flush=True)
     dtype = slot_check.DTYPE_NAMES[args.dtype]
+    slots = {s for s in args.slots.split(",") if s}
     if not args.no_bench:
-        rows = run_bench(dtype)
+        rows = run_bench(dtype, slots)
         (OUT / "timings.json").write_text(json.dumps(rows, indent=1))
         summary.append(table(rows))
     if not args.no_sweep:
-        rows = run_sweep(dtype)
+        rows = run_sweep(dtype, slots)
         (OUT / "sweep.json").write_text(json.dumps(rows, indent=1))
         summary.append(sweep_table(rows))
     text = "\n\n".join(summary)

@@ -393,7 +393,7 @@ def test_prompt_carries_contract_hardware_model_profile_and_code():
     assert "add_rmsnorm(x[N,H], residual[N,H]" in info.contract
     assert info.signatures == ("rmsnorm__VARIANT(x, w, eps)", "add_rmsnorm__VARIANT(x, residual, w, eps)")
     profile = prompts.profile(state.best_result)
-    assert "estimated" in profile.source and profile.shares[0][0] == "matmuls (not a slot)"
+    assert "estimated" in profile.source and profile.shares[0][0] == "linear"
     assert profile.share("prefill_attention") > 0 and profile.share("decode_attention") == 0
     text = prompts.render("kernel", slot=info, variant="llm_1", dtype="float32", best_plan="paged",
                           current_variant="torch", current_code="", hardware={"gpu": "H100", "SMs": 132},

@@ -18,8 +18,8 @@ from agent.providers.base import Candidate, EvalResult, SearchState
 
 PROMPTS = TEMPLATES / "prompts"
 # Launch-bound regime (SPEC §6): a layer's time follows its kernel count. Per layer: two
-# norms, one RoPE+cache write, one attention, one SiLU·mul, four GEMMs (not a slot).
-LAUNCHES_PER_LAYER = {"norm": 2, "rope_cache": 1, "attention": 1, "silu_mul": 1, "matmuls (not a slot)": 4}
+# norms, one RoPE+cache write, one attention, one SiLU·mul, four GEMMs (the linear slot).
+LAUNCHES_PER_LAYER = {"norm": 2, "rope_cache": 1, "attention": 1, "silu_mul": 1, "linear": 4}
 ATTENTION = ("prefill_attention", "decode_attention")
 ESTIMATED = ("estimated from kernel counts per layer (at these sizes a step is launch-bound), "
              "attention split by prefill/decode tokens; not measured")
