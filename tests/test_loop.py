@@ -211,7 +211,7 @@ def _fake_menu(monkeypatch):
 def test_builtin_walk_is_greedy_and_never_repeats(tmp_path, monkeypatch):
     _fake_menu(monkeypatch)
     slots = {"norm": "torch", "rope_cache": "torch", "prefill_attention": "torch",
-             "decode_attention": "torch", "silu_mul": "torch"}
+             "decode_attention": "torch", "silu_mul": "torch", "linear": "torch"}
     base = {"block_size": 16, "graphs": True}
     key = lambda p=None, s=None: Plan("paged", {**slots, **(s or {})}, {**base, **(p or {})}).key()  # noqa: E731
     verdicts = {CONSERVATIVE: passed(1.0), key(): passed(10.0),
