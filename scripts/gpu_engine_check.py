@@ -77,6 +77,16 @@ def auto_plans() -> dict[str, Plan]:
     return plans
 
 
+def library_plans() -> dict[str, Plan]:
+    """The plan the builtin search jumps to (agent.search.PREFERRED), its split-decode form, and
+    that form without the linear slot (the engine the agent wrote before the slot existed)."""
+    from agent.search import PREFERRED
+    lib = {**{s: "torch" for s in SLOTS}, **PREFERRED}
+    split = {**lib, "decode_attention": "triton_split"}
+    return {"lib": Plan("paged", lib), "lib split": Plan("paged", split),
+            "lib split nolinear": Plan("paged", {**split, "linear": "torch"})}
+
+
 def render_to_file(plan: Plan, tag: str) -> Path:
     """Triton compiles only functions defined in a file."""
     path = Path(tempfile.mkdtemp()) / f"engine_{abs(hash(tag))}.py"
@@ -182,7 +192,7 @@ def bf16_noise(module, cfg: dict, weights: dict, weight_dir: str, device: str = 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--plans", default="auto", help="'auto' or JSON {name: plan dict}")
+    ap.add_argument("--plans", default="auto", help="'auto', 'library' or JSON {name: plan dict}")
     ap.add_argument("--only", default="", help="comma-separated plan names to keep (auto plans)")
     ap.add_argument("--cases", default=PUBLIC_CASES)
     ap.add_argument("--warmup", type=int, default=1)
@@ -195,7 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the checks (no timing)")
     a = ap.parse_args(argv)
 
-    plans = auto_plans() if a.plans == "auto" else {k: Plan.from_dict(v) for k, v in json.loads(a.plans).items()}
+    named = {"auto": auto_plans, "library": library_plans}
+    plans = named[a.plans]() if a.plans in named else {k: Plan.from_dict(v) for k, v in json.loads(a.plans).items()}
     if a.only:
         plans = {k: v for k, v in plans.items() if k in a.only.split(",")}
     public = load_config(ROOT / "target/model_config.json")

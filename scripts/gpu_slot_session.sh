@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call for a kernel slot under development: its GPU unit tests, its kernels timed
+# against the other variants (and cuBLAS alone for the linear slot) with a tiling sweep, then
+# whole engines with and without it (public sequence, quick stress, the five benchmark cases,
+# a step profile). Outputs under $OUT; tables last.
+#
+#   run tool: command "bash scripts/gpu_slot_session.sh", carry [".whl"]
+#   env: SLOT (default linear), PLANS (gpu_engine_check --plans: default library),
+#        BENCH (plans to time, default "lib split,lib split nolinear"), TEST_TIMEOUT (200)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/gpu_slot_session}"
+SLOT="${SLOT:-linear}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import pytest" 2>/dev/null && ls .whl/pytest-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+echo "== kernel tests, bench and sweep of slot $SLOT"
+OUT="$OUT/kernels" python3 scripts/gpu_kernel_check.py --slots "$SLOT" -k "$SLOT" \
+  --test-timeout "${TEST_TIMEOUT:-200}" > "$OUT/kernels.txt" 2>&1
+sed -n '/=========== SUMMARY/,$p' "$OUT/kernels.txt"
+
+echo "== engines"
+python3 scripts/gpu_engine_check.py --plans "${PLANS:-library}" --bench "${BENCH:-lib split,lib split nolinear}" \
+  --noise "" --out "$OUT/engines" > "$OUT/engines.txt" 2>&1
+tail -n 12 "$OUT/engines.txt"
