@@ -29,7 +29,7 @@ LEVELS = (KERNEL, ENGINE)
 # Top-level modules a kernel may import. Everything else is refused.
 KERNEL_IMPORTS = frozenset({
     "torch", "triton", "math", "__future__", "functools", "itertools", "typing",
-    "dataclasses", "collections", "operator", "enum", "numbers", "abc",
+    "dataclasses", "collections", "array", "operator", "enum", "numbers", "abc",
 })
 # An engine also needs to find its weight file.
 ENGINE_IMPORTS = KERNEL_IMPORTS | {"os", "pathlib"}

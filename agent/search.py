@@ -29,7 +29,7 @@ WALK_ORDER = ("decode_attention", "prefill_attention", "linear", "norm", "rope_c
 # These variants round like the reference (docs/benchmarks-kernel-notes.md), so their margin
 # holds in bf16 too; the walk then tries the faster, looser ones slot by slot.
 PREFERRED = {"decode_attention": "triton_exact", "prefill_attention": "triton_exact", "norm": "triton",
-             "rope_cache": "triton", "silu_mul": "triton", "linear": "triton"}
+             "rope_cache": "triton", "silu_mul": "triton"}
 
 
 def conservative_plan() -> Plan:

@@ -38,6 +38,7 @@ import re
 import secrets
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -690,6 +691,20 @@ def ulp_error(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> torc
 # --------------------------------------------------------------------------- the check
 
 
+@contextmanager
+def full_precision_gemms():
+    """cuBLAS may reduce fp16/bf16 GEMMs in half precision (split-K partials rounded to 16 bits:
+    tens of ulps in bf16) unless told not to. Engines tell it not to in create_engine, and the
+    reference then runs in the same process; the slot checks compare against GEMMs made the same way."""
+    m = torch.backends.cuda.matmul
+    saved = (m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
+    m.allow_fp16_reduced_precision_reduction = m.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = saved
+
+
 def check_variant(slot: str, source=None, device: str = "cpu", seed: int | None = None, *,
                   variant: str | None = None, params: dict | None = None, dtypes=None,
                   full: bool | None = None, interpret: bool = False) -> SlotCheckResult:
@@ -740,7 +755,8 @@ def check_variant(slot: str, source=None, device: str = "cpu", seed: int | None 
             case = f"{slot} case {i} [{impl.case_name(spec)} dtype={_NAME_OF_DTYPE[dtype]}]"
             try:
                 inp = make_inputs(slot, spec, dtype, device, seed * 1000 + i)
-                checks = impl.run(fns, spec, inp, dtype)
+                with full_precision_gemms():
+                    checks = impl.run(fns, spec, inp, dtype)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
             except Exception as e:  # noqa: BLE001

@@ -78,13 +78,14 @@ def auto_plans() -> dict[str, Plan]:
 
 
 def library_plans() -> dict[str, Plan]:
-    """The plan the builtin search jumps to (agent.search.PREFERRED), its split-decode form, and
-    that form without the linear slot (the engine the agent wrote before the slot existed)."""
+    """The plan the builtin search jumps to (agent.search.PREFERRED), its split-decode form (the
+    engine the agent wrote on the public config), and that form with the linear slot's Triton
+    variant."""
     from agent.search import PREFERRED
     lib = {**{s: "torch" for s in SLOTS}, **PREFERRED}
     split = {**lib, "decode_attention": "triton_split"}
     return {"lib": Plan("paged", lib), "lib split": Plan("paged", split),
-            "lib split nolinear": Plan("paged", {**split, "linear": "torch"})}
+            "lib split linear": Plan("paged", {**split, "linear": "triton"})}
 
 
 def render_to_file(plan: Plan, tag: str) -> Path:

@@ -150,7 +150,8 @@ PREFILL_SWEEP = [{}] + [{"prefill_block_m": m, "prefill_block_n": n, "prefill_wa
 
 LINEAR_SWEEP = [{}] + [{"linear_block_n": n, "linear_block_k": k, "linear_warps": w, "linear_stages": st}
                       for n, k, w, st in ((16, 256, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 128, 4, 4),
-                                          (16, 512, 4, 2), (32, 512, 8, 2), (64, 256, 8, 3), (128, 64, 4, 4))]
+                                          (16, 512, 4, 2), (32, 512, 8, 2), (64, 256, 8, 3), (128, 64, 4, 4),
+                                          (16, 1024, 4, 1), (16, 1024, 8, 2))]
 
 
 def run_sweep(dtype, slots: set[str]) -> list[dict]:

@@ -6,7 +6,7 @@
 #
 #   run tool: command "bash scripts/gpu_slot_session.sh", carry [".whl"]
 #   env: SLOT (default linear), PLANS (gpu_engine_check --plans: default library),
-#        BENCH (plans to time, default "lib split,lib split nolinear"), TEST_TIMEOUT (200)
+#        BENCH (plans to time, default "lib split,lib split linear"), TEST_TIMEOUT (200)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/gpu_slot_session}"
@@ -24,6 +24,6 @@ OUT="$OUT/kernels" python3 scripts/gpu_kernel_check.py --slots "$SLOT" -k "$SLOT
 sed -n '/=========== SUMMARY/,$p' "$OUT/kernels.txt"
 
 echo "== engines"
-python3 scripts/gpu_engine_check.py --plans "${PLANS:-library}" --bench "${BENCH:-lib split,lib split nolinear}" \
+python3 scripts/gpu_engine_check.py --plans "${PLANS:-library}" --bench "${BENCH:-lib split,lib split linear}" \
   --noise "" --out "$OUT/engines" > "$OUT/engines.txt" 2>&1
 tail -n 12 "$OUT/engines.txt"

@@ -282,6 +282,7 @@ def test_prefill_metadata_padding():
                     + [1, 2, 0, 0] + [0, 2, 3, 5, 5])
     assert module.padded_seq_lens([2, 1], 5, 4) == [2, 1, 2, 0]
     assert module.prefill_metadata([0], [16], [3], [1], 1, 1) == [0, 16, 3, 0, 0, 1]
+    assert len(meta) == module.prefill_metadata_size(5, 4)
 
 
 # ---- CUDA: fp16 and bf16, graphs on and off, torch and CUDA variants ----
