@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One device call for the scale family of issue #4: the engine the builtin search writes on the
-# public config (the library plan with split decode, or ENGINE=path), timed on a ~1B-parameter GQA
-# config (scripts/configs/scale_1b_gqa.json) in the two scale cases: prefill-long (8 x 2048) and
-# decode-wide (64 requests, 512-token prompts, 32 steps), against the floor the benchmark reports.
-# Before that, the CUDA engine tests (tests/test_engine_paged.py -k cuda), cut at TEST_TIMEOUT.
+# One device call for the scale family of issue #4 on a ~1B-parameter GQA config
+# (scripts/configs/scale_1b_gqa.json): first, for each plan in CHECK_PLANS, the checked pass of
+# decode-wide (64 requests, 512-token prompts, 32 steps) against the reference, which says whose
+# numerics hold at this size; then each plan in TIME_PLANS timed (--no-verify) in prefill-long
+# (8 x 2048) and decode-wide against the floor the benchmark reports. Before that, the CUDA engine
+# tests (tests/test_engine_paged.py -k cuda), cut at TEST_TIMEOUT (0: skip them).
 #
 #   run tool: command "bash scripts/gpu_scale_check.sh", carry [".whl"]
 set -uo pipefail
@@ -24,25 +25,38 @@ if [ "${TEST_TIMEOUT:-240}" != 0 ]; then
   echo "pytest exit code $? (124: cut at ${TEST_TIMEOUT:-240}s)"; tail -n 5 "$OUT/tests.txt"
 fi
 
-ENGINE="${ENGINE:-}"
-if [ -z "$ENGINE" ]; then
-  ENGINE=/tmp/scale_engine.py
-  python3 -c "
+# Plans by name: torch (every slot on its torch variant), lib (agent.search.PREFERRED), lib-split
+# (lib with triton_split decode: what the search kept on the public config).
+render() {
+  python3 - "$1" "$2" <<'PY'
+import sys
 from agent.plan import Plan, reference_slots
 from agent.render import render_engine
 from agent.search import PREFERRED
-plan = Plan('paged', {**reference_slots(), **PREFERRED, 'decode_attention': 'triton_split'})
-print('engine:', plan.describe())
-open('$ENGINE', 'w').write(render_engine(plan))"
-fi
+slots = {"torch": {}, "lib": PREFERRED, "lib-split": {**PREFERRED, "decode_attention": "triton_split"}}[sys.argv[1]]
+plan = Plan("paged", {**reference_slots(), **slots})
+print(f"{sys.argv[1]}: {plan.describe()}")
+open(sys.argv[2], "w").write(render_engine(plan))
+PY
+}
+ARGS=(--model-config "$CONFIG" --weight-dir "$WEIGHTS" --device cuda)
 echo "== scale family on $CONFIG"
 [ -f "$WEIGHTS/model.pt" ] || python3 scripts/generate_toy_weights.py --config "$CONFIG" --output "$WEIGHTS/model.pt"
-python3 evaluator/benchmark_throughput.py --engine "$ENGINE" --model-config "$CONFIG" --weight-dir "$WEIGHTS" \
-  --device cuda --cases "${CASES:-prefill-long,decode-wide}" > "$OUT/bench_scale.json" 2> "$OUT/bench_scale.err"
-echo "benchmark exit code $?"; tail -n 3 "$OUT/bench_scale.err"
-python3 - "$OUT/bench_scale.json" <<'PY'
+for name in ${CHECK_PLANS:-torch lib lib-split}; do   # correctness: decode-wide's checked pass, one call at a time
+  render "$name" "/tmp/scale_$name.py"
+  python3 evaluator/benchmark_throughput.py --engine "/tmp/scale_$name.py" "${ARGS[@]}" --cases decode-wide \
+    --warmup 0 --repeat 1 > "$OUT/check_$name.json" 2> "$OUT/check_$name.err"
+  echo "$name: decode-wide checked pass exit code $?"; grep -h "Error\|differ" "$OUT/check_$name.err" | tail -n 1
+done
+for name in ${TIME_PLANS:-lib lib-split}; do         # timing (unverified: the checks above say which pass)
+  [ -f "/tmp/scale_$name.py" ] || render "$name" "/tmp/scale_$name.py"
+  python3 evaluator/benchmark_throughput.py --engine "/tmp/scale_$name.py" "${ARGS[@]}" \
+    --cases "${CASES:-prefill-long,decode-wide}" --no-verify > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.err"
+  echo "$name: benchmark exit code $?"
+  python3 - "$OUT/bench_$name.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1])):
-    print(f"{r['case_name']:13} {r['elapsed_ms']:9.2f} ms  {r['tokens_per_second']:11.0f} tok/s  "
+    print(f"  {r['case_name']:13} {r['elapsed_ms']:9.2f} ms  {r['tokens_per_second']:11.0f} tok/s  "
           f"floor {r['floor_ms']:8.3f} ms  {100 * r['floor_fraction']:5.1f}% of floor  peak {r['peak_memory_mb']:.0f} MiB")
 PY
+done
