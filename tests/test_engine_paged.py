@@ -199,6 +199,21 @@ def test_long_prompt_and_positions_beyond_config_cpu(tmp_path):
     assert c.engine.max_positions >= 1103
 
 
+def test_long_prefill_runs_its_mlp_in_chunks_cpu(tmp_path, monkeypatch):
+    """A pass longer than MLP_CHUNK_TOKENS runs gate/up, SiLU and down a chunk of tokens at a time
+    (bounded activation memory); the outputs still match the reference."""
+    c = Checked(torch_plan(), config(), tmp_path)
+    module = sys.modules[type(c.engine).__module__]
+    monkeypatch.setattr(module, "MLP_CHUNK_TOKENS", 50)
+    calls = []
+    kernels = c.engine.kernels
+    counted = dataclasses.replace(kernels, silu_mul=lambda gu: calls.append(gu.shape[0]) or kernels.silu_mul(gu))
+    c.engine.kernels = c.engine.model.kernels = counted
+    c.prefill([0, 1], [130, 7])                      # 137 tokens: chunks of 50, 50, 37 in every layer
+    c.decode([1, 0])
+    assert calls[:3] == [50, 50, 37]
+
+
 def test_many_requests_grow_the_row_table_cpu(tmp_path):
     c = Checked(torch_plan(**SMALL_CACHE), config(), tmp_path)
     ids = list(range(100, 100 + 70))              # more than the 64 rows the table starts with
