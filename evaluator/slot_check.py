@@ -4,7 +4,7 @@ For each slot this module holds
 
 * a reference op written from SPEC §3 numerics, independently of any template
   (``ref_rmsnorm``, ``ref_add_rmsnorm``, ``ref_rope_cache``, ``ref_prefill_attention``,
-  ``ref_decode_attention``, ``ref_silu_mul``, ``ref_norm_linear``, ``ref_silu_linear``);
+  ``ref_decode_attention``, ``ref_silu_mul``, ``ref_linear``, ``ref_norm_linear``, ``ref_silu_linear``);
 * a list of cases (sizes) covering the edges: N=1, odd N, head_dim 64/80/128/192,
   MHA/GQA/MQA, contexts that cross block boundaries, block sizes 16/32/64, long
   contexts and prompts (CUDA), ragged batches;
@@ -177,6 +177,10 @@ def ref_decode_attention(q, k_cache, v_cache, block_table, context_lens, max_con
 def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = gate_up.shape[-1] // 2
     return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+def ref_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
 
 
 def ref_norm_linear(x, residual, norm_w, eps, weight):
@@ -536,7 +540,7 @@ class _Linear(_Slot):
         x, residual, weight, gate_up = inp["x"], inp["residual"], inp["weight"], inp["gate_up"]
         before = {name: t.clone() for name, t in inp.items() if isinstance(t, torch.Tensor)}
         res = []
-        want = F.linear(x, weight)
+        want = ref_linear(x, weight)
         y, err = _pure_call(fns["linear"], {"x": x, "weight": weight}, [want], x.device, twice)
         res += [_compare("linear y", y, want, dtype)] + ([(0, 0, err)] if err else [])
         want_y, want_r = ref_norm_linear(x, residual, inp["norm_w"], inp["eps"], weight)

@@ -168,8 +168,7 @@ def run_sweep(dtype, slots: set[str]) -> list[dict]:
                 continue
             if slots and slot not in slots:
                 continue
-            want = getattr(slot_check, f"ref_{fn}" if slot == "linear" else f"ref_{slot}", None)
-            want = (want or torch.nn.functional.linear)(**kwargs)
+            want = getattr(slot_check, f"ref_{fn}")(**kwargs)
             want = want[0] if isinstance(want, tuple) else want
             for params in grid:
                 try:
