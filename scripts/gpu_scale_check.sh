@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the scale family of issue #4 on a ~1B-parameter GQA config
-# (scripts/configs/scale_1b_gqa.json): first, for each plan in CHECK_PLANS, the checked pass of
+# (scripts/configs/scale_1b_gqa.json): first, for each plan in CHECK_PLANS (comma-separated), the checked pass of
 # decode-wide (64 requests, 512-token prompts, 32 steps) against the reference, which says whose
 # numerics hold at this size; then each plan in TIME_PLANS timed (--no-verify) in prefill-long
 # (8 x 2048) and decode-wide against the floor the benchmark reports. Before that, the CUDA engine
@@ -12,12 +12,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/gpu_scale_check}"
 CONFIG="${CONFIG:-scripts/configs/scale_1b_gqa.json}"
 WEIGHTS="${WEIGHTS:-/tmp/scale_weights}"
-mkdir -p "$OUT" "$WEIGHTS"
-export PYTHONUNBUFFERED=1
-if ! python3 -c "import pytest" 2>/dev/null && ls .whl/pytest-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+mkdir -p "$WEIGHTS"
+source scripts/gpu_prelude.sh
 
 if [ "${TEST_TIMEOUT:-240}" != 0 ]; then
   echo "== CUDA engine tests"
@@ -25,16 +21,16 @@ if [ "${TEST_TIMEOUT:-240}" != 0 ]; then
   echo "pytest exit code $? (124: cut at ${TEST_TIMEOUT:-240}s)"; tail -n 5 "$OUT/tests.txt"
 fi
 
-# Plans by name: torch (every slot on its torch variant), lib (agent.search.PREFERRED), lib-split
-# (lib with triton_split decode: what the search kept on the public config).
+# Plans by name: torch (every slot on its torch variant) and gpu_engine_check.library_plans (lib:
+# agent.search.PREFERRED; lib split: with triton_split decode, what the search kept on the public config).
 render() {
   python3 - "$1" "$2" <<'PY'
 import sys
-from agent.plan import Plan, reference_slots
+sys.path.insert(0, "scripts")
+from agent.plan import Plan
 from agent.render import render_engine
-from agent.search import PREFERRED
-slots = {"torch": {}, "lib": PREFERRED, "lib-split": {**PREFERRED, "decode_attention": "triton_split"}}[sys.argv[1]]
-plan = Plan("paged", {**reference_slots(), **slots})
+from gpu_engine_check import library_plans
+plan = {"torch": Plan("paged"), **library_plans()}[sys.argv[1]]
 print(f"{sys.argv[1]}: {plan.describe()}")
 open(sys.argv[2], "w").write(render_engine(plan))
 PY
@@ -42,18 +38,22 @@ PY
 ARGS=(--model-config "$CONFIG" --weight-dir "$WEIGHTS" --device cuda)
 echo "== scale family on $CONFIG"
 [ -f "$WEIGHTS/model.pt" ] || python3 scripts/generate_toy_weights.py --config "$CONFIG" --output "$WEIGHTS/model.pt"
-for name in ${CHECK_PLANS:-torch lib lib-split}; do   # correctness: decode-wide's checked pass, one call at a time
-  render "$name" "/tmp/scale_$name.py"
-  python3 evaluator/benchmark_throughput.py --engine "/tmp/scale_$name.py" "${ARGS[@]}" --cases decode-wide \
-    --warmup 0 --repeat 1 > "$OUT/check_$name.json" 2> "$OUT/check_$name.err"
-  echo "$name: decode-wide checked pass exit code $?"; grep -h "Error\|differ" "$OUT/check_$name.err" | tail -n 1
+IFS=, read -ra CHECK <<< "${CHECK_PLANS:-torch,lib,lib split}"
+IFS=, read -ra TIME <<< "${TIME_PLANS:-lib,lib split}"
+for name in "${CHECK[@]}"; do   # correctness: decode-wide's checked pass, one call at a time
+  tag="${name// /-}"
+  render "$name" "/tmp/scale_$tag.py"
+  python3 evaluator/benchmark_throughput.py --engine "/tmp/scale_$tag.py" "${ARGS[@]}" --cases decode-wide \
+    --warmup 0 --repeat 1 > "$OUT/check_$tag.json" 2> "$OUT/check_$tag.err"
+  echo "$name: decode-wide checked pass exit code $?"; grep -h "Error\|differ" "$OUT/check_$tag.err" | tail -n 1
 done
-for name in ${TIME_PLANS:-lib lib-split}; do         # timing (unverified: the checks above say which pass)
-  [ -f "/tmp/scale_$name.py" ] || render "$name" "/tmp/scale_$name.py"
-  python3 evaluator/benchmark_throughput.py --engine "/tmp/scale_$name.py" "${ARGS[@]}" \
-    --cases "${CASES:-prefill-long,decode-wide}" --no-verify > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.err"
+for name in "${TIME[@]}"; do    # timing (unverified: the checks above say which pass)
+  tag="${name// /-}"
+  [ -f "/tmp/scale_$tag.py" ] || render "$name" "/tmp/scale_$tag.py"
+  python3 evaluator/benchmark_throughput.py --engine "/tmp/scale_$tag.py" "${ARGS[@]}" \
+    --cases "${CASES:-prefill-long,decode-wide}" --no-verify > "$OUT/bench_$tag.json" 2> "$OUT/bench_$tag.err"
   echo "$name: benchmark exit code $?"
-  python3 - "$OUT/bench_$name.json" <<'PY'
+  python3 - "$OUT/bench_$tag.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1])):
     print(f"  {r['case_name']:13} {r['elapsed_ms']:9.2f} ms  {r['tokens_per_second']:11.0f} tok/s  "

@@ -14,13 +14,7 @@ OUT="${OUT:-/tmp/gpu_session}"
 BUDGET="${BUDGET:-420}"
 SKIP_TESTS="${SKIP_TESTS:-0}"
 CASES=prefill,decode,mixed,decode128,mixed128
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ! python3 -c "import pytest" 2>/dev/null && ls .whl/pytest-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+source scripts/gpu_prelude.sh
 
 if [ "$SKIP_TESTS" != 1 ]; then
   echo "== GPU tests"

@@ -11,12 +11,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/gpu_slot_session}"
 SLOT="${SLOT:-linear}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ! python3 -c "import pytest" 2>/dev/null && ls .whl/pytest-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu_prelude.sh
 
 echo "== kernel tests, bench and sweep of slot $SLOT"
 OUT="$OUT/kernels" python3 scripts/gpu_kernel_check.py --slots "$SLOT" -k "$SLOT" \

@@ -11,8 +11,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/gpu_targets}"
 CONFIGS="${CONFIGS:-scripts/configs/gqa_bf16.json scripts/configs/mqa_fp16.json}"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT.gpu.txt"
+source scripts/gpu_prelude.sh
 summary=()
 for cfg in $CONFIGS; do
   name=$(basename "$cfg" .json)
