@@ -4,7 +4,7 @@ For each slot this module holds
 
 * a reference op written from SPEC §3 numerics, independently of any template
   (``ref_rmsnorm``, ``ref_add_rmsnorm``, ``ref_rope_cache``, ``ref_prefill_attention``,
-  ``ref_decode_attention``, ``ref_silu_mul``, ``ref_linear``, ``ref_norm_linear``, ``ref_silu_linear``);
+  ``ref_decode_attention``, ``ref_silu_mul``, ``ref_linear_add_norm``, ``ref_silu_linear_add_norm``);
 * a list of cases (sizes) covering the edges: N=1, odd N, head_dim 64/80/128/192,
   MHA/GQA/MQA, contexts that cross block boundaries, block sizes 16/32/64, long
   contexts and prompts (CUDA), ragged batches;
@@ -52,7 +52,7 @@ SLOT_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "prefill_attention": ("prefill_attention",),
     "decode_attention": ("decode_attention",),
     "silu_mul": ("silu_mul",),
-    "linear": ("linear", "norm_linear", "silu_linear"),
+    "linear": ("linear_add_norm", "silu_linear_add_norm"),
 }
 
 # (atol, rtol) per compute dtype: about two units in the last place of the dtype, so a
@@ -179,18 +179,14 @@ def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
 
-def ref_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+def ref_linear_add_norm(x, weight, residual, norm_w, eps):
+    """A sublayer's output projection, its residual add and the norm after it: (y, new_residual)."""
+    r = residual + F.linear(x, weight)
+    return ref_rmsnorm(r, norm_w, eps), r
 
 
-def ref_norm_linear(x, residual, norm_w, eps, weight):
-    """The projection after a (residual add +) RMSNorm: (y, new_residual)."""
-    r = x if residual is None else x + residual
-    return F.linear(ref_rmsnorm(r, norm_w, eps), weight), r
-
-
-def ref_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(ref_silu_mul(gate_up), weight)
+def ref_silu_linear_add_norm(gate_up, weight, residual, norm_w, eps):
+    return ref_linear_add_norm(ref_silu_mul(gate_up), weight, residual, norm_w, eps)
 
 
 # --------------------------------------------------------------------------- comparison
@@ -514,45 +510,42 @@ class _SiluMul(_Slot):
 
 
 class _Linear(_Slot):
-    """The projections with their prologues; weights scaled by 1/sqrt(K) so outputs are O(1)
-    and a dropped rounding or a swapped operand shows at the dtype's last bits."""
+    """The output projections with the sublayer's tail; weights scaled by 1/sqrt(K) so outputs are
+    O(1) and a dropped rounding or a swapped operand shows at the dtype's last bits."""
 
     name = "linear"
+    FUNCTIONS = {"linear_add_norm": (ref_linear_add_norm, ("x", "weight", "residual", "norm_w", "eps")),
+                 "silu_linear_add_norm": (ref_silu_linear_add_norm, ("gate_up", "weight", "residual", "norm_w", "eps"))}
 
     def specs(self, rng, full):
-        sizes = [(1, 768, 2304), (7, 80, 48), (33, 1000, 300)]
+        sizes = [(1, 768, 768), (7, 80, 48), (33, 1000, 300)]
         if full:
             sizes += [(8, 3072, 768), (64, 2048, 3072), (200, 768, 1000), (16, 4096, 4096)]
-        return [{"N": n, "K": k, "O": o, "residual": i % 2 == 0, "row_strided": i % 3 == 1,
+        return [{"N": n, "K": k, "O": o, "row_strided": i % 3 == 1,
                  "eps": rng.choice([1e-5, 1e-6]), "x_scale": rng.choice([0.5, 3.0])}
                 for i, (n, k, o) in enumerate(sizes)]
 
     def build(self, spec, dtype, device, gen, cpu_gen):
         n, k, o = spec["N"], spec["K"], spec["O"]
-        wide = _randn((n, k + (13 if spec["row_strided"] else 0)), dtype, device, gen, spec["x_scale"])
-        return {"x": wide[:, :k], "residual": _randn((n, k), dtype, device, gen) if spec["residual"] else None,
-                "norm_w": (1.0 + 0.3 * torch.randn(k, generator=gen, device=device)).to(dtype), "eps": spec["eps"],
+        pad = 13 if spec["row_strided"] else 0
+        return {"x": _randn((n, k + pad), dtype, device, gen, spec["x_scale"])[:, :k],
+                "residual": _randn((n, o + pad), dtype, device, gen)[:, :o],
+                "norm_w": (1.0 + 0.3 * torch.randn(o, generator=gen, device=device)).to(dtype), "eps": spec["eps"],
                 "weight": _randn((o, k), dtype, device, gen, k ** -0.5),
-                "gate_up": _randn((n, 2 * k), dtype, device, gen, 3.0)}
+                "gate_up": _randn((n, 2 * k + pad), dtype, device, gen, 3.0)[:, :2 * k]}
 
     def run(self, fns, spec, inp, dtype):
-        twice = inp["x"].device.type == "cuda"
-        x, residual, weight, gate_up = inp["x"], inp["residual"], inp["weight"], inp["gate_up"]
+        device = inp["x"].device
         before = {name: t.clone() for name, t in inp.items() if isinstance(t, torch.Tensor)}
         res = []
-        want = ref_linear(x, weight)
-        y, err = _pure_call(fns["linear"], {"x": x, "weight": weight}, [want], x.device, twice)
-        res += [_compare("linear y", y, want, dtype)] + ([(0, 0, err)] if err else [])
-        want_y, want_r = ref_norm_linear(x, residual, inp["norm_w"], inp["eps"], weight)
-        args = {k: inp[k] for k in ("x", "residual", "norm_w", "eps", "weight")}
-        out, err = _pure_call(fns["norm_linear"], args, [want_y, want_r], x.device, twice)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            return res + [(math.inf, math.inf, f"norm_linear: returned {type(out).__name__}, want (y, new_residual)")]
-        res += [_compare("norm_linear y", out[0], want_y, dtype), _compare("norm_linear new_residual", out[1], want_r, dtype)]
-        res += [(0, 0, err)] if err else []
-        want = ref_silu_linear(gate_up, weight)
-        y, err = _pure_call(fns["silu_linear"], {"gate_up": gate_up, "weight": weight}, [want], x.device, twice)
-        res += [_compare("silu_linear y", y, want, dtype)] + ([(0, 0, err)] if err else [])
+        for fn, (ref, arg_names) in self.FUNCTIONS.items():
+            args = {a: inp[a] for a in arg_names}
+            want_y, want_r = ref(**args)
+            out, err = _pure_call(fns[fn], args, [want_y, want_r], device, device.type == "cuda")
+            if not (isinstance(out, tuple) and len(out) == 2):
+                return res + [(math.inf, math.inf, f"{fn}: returned {type(out).__name__}, want (y, new_residual)")]
+            res += [_compare(f"{fn} y", out[0], want_y, dtype), _compare(f"{fn} new_residual", out[1], want_r, dtype)]
+            res += [(0, 0, err)] if err else []
         res += [(0, 0, e) for e in (_unchanged(name, t, inp[name]) for name, t in before.items()) if e]
         return res
 
@@ -665,9 +658,10 @@ def slot_outputs(slot: str, fns: dict, inp: dict) -> dict[str, torch.Tensor]:
     if slot == "silu_mul":
         return {"out": fns["silu_mul"](**c)}
     if slot == "linear":
-        y, r = fns["norm_linear"](c["x"], c["residual"], c["norm_w"], c["eps"], c["weight"])
-        return {"linear": fns["linear"](c["x"], c["weight"]), "norm_linear.y": y, "norm_linear.r": r,
-                "silu_linear": fns["silu_linear"](c["gate_up"], c["weight"])}
+        out = {}
+        for fn, (_, arg_names) in _Linear.FUNCTIONS.items():
+            out[f"{fn}.y"], out[f"{fn}.r"] = fns[fn](*(c[a] for a in arg_names))
+        return out
     return {"o": fns[slot](**c)}
 
 

@@ -99,14 +99,11 @@ def problems(cfg_name: str, cfg: dict, dtype):
                     slot_check.make_inputs("rope_cache", spec, dtype, "cuda")))
         out.append((f"silu_mul N={n}", "silu_mul", "silu_mul",
                     slot_check.make_inputs("silu_mul", {"N": n, "I": cfg["I"]}, dtype, "cuda")))
-        qkv = (cfg["Hq"] + 2 * cfg["Hkv"]) * cfg["D"]
-        for label, fn, k, o in (("norm+qkv", "norm_linear", cfg["H"], qkv), ("o_proj", "linear", cfg["Hq"] * cfg["D"], cfg["H"]),
-                                ("norm+gate_up", "norm_linear", cfg["H"], 2 * cfg["I"]),
-                                ("silu+down", "silu_linear", cfg["I"], cfg["H"])):
-            spec = {"N": n, "K": k, "O": o, "residual": True, "row_strided": False, "eps": 1e-5, "x_scale": 1.0}
+        for label, fn, k in (("o_proj+add+norm", "linear_add_norm", cfg["Hq"] * cfg["D"]),
+                             ("silu+down+add+norm", "silu_linear_add_norm", cfg["I"])):
+            spec = {"N": n, "K": k, "O": cfg["H"], "row_strided": False, "eps": 1e-5, "x_scale": 1.0}
             inp = slot_check.make_inputs("linear", spec, dtype, "cuda")
-            args = {"norm_linear": ("x", "residual", "norm_w", "eps", "weight"), "linear": ("x", "weight"),
-                    "silu_linear": ("gate_up", "weight")}[fn]
+            _, args = slot_check.SLOTS["linear"].FUNCTIONS[fn]
             out.append((f"{label} N={n}", "linear", fn, {a: inp[a] for a in args}))
     for b, ctx in cfg["decode"]:
         spec = {"ctx": [ctx] * b, "Hq": cfg["Hq"], "Hkv": cfg["Hkv"], "D": cfg["D"], "block_size": BLOCK_SIZE,
@@ -121,6 +118,16 @@ def problems(cfg_name: str, cfg: dict, dtype):
     return [(cfg_name, *p) for p in out]
 
 
+def unfused_linear(fn: str, kwargs: dict):
+    """The linear slot's function as cuBLAS + the norm slot's (and silu_mul slot's) triton kernels."""
+    add_rmsnorm = slot_check.variant_function("norm", "triton", "add_rmsnorm")
+    silu_mul = slot_check.variant_function("silu_mul", "triton", "silu_mul")
+    w, residual, norm_w, eps = kwargs["weight"], kwargs["residual"], kwargs["norm_w"], kwargs["eps"]
+    if fn == "silu_linear_add_norm":
+        return lambda: add_rmsnorm(torch.nn.functional.linear(silu_mul(kwargs["gate_up"]), w), residual, norm_w, eps)
+    return lambda: add_rmsnorm(torch.nn.functional.linear(kwargs["x"], w), residual, norm_w, eps)
+
+
 def run_bench(dtype, slots: set[str]) -> list[dict]:
     rows = []
     variants = {s: [v.name for v in vs if "cuda" in v.devices] for s, vs in menu().items()}
@@ -129,10 +136,8 @@ def run_bench(dtype, slots: set[str]) -> list[dict]:
             if slots and slot not in slots:
                 continue
             calls = [(v, lambda f=slot_check.variant_function(slot, v, fn): f(**kwargs)) for v in variants[slot]]
-            if slot == "linear":   # the GEMM alone, no prologue: what the unfused engine pays cuBLAS
-                w = kwargs["weight"]
-                a = kwargs.get("x", kwargs.get("gate_up"))[:, :w.shape[1]].contiguous()
-                calls.append(("cublas_only", lambda: torch.nn.functional.linear(a, w)))
+            if slot == "linear":   # what the engine runs without the slot: cuBLAS, then the triton norm (and SwiGLU)
+                calls.append(("unfused", unfused_linear(fn, kwargs)))
             for variant, call in calls:
                 g, e = bench(call)
                 rows.append({"config": cfg_name_, "problem": label, "slot": slot, "variant": variant,
@@ -148,10 +153,12 @@ PREFILL_SWEEP = [{}] + [{"prefill_block_m": m, "prefill_block_n": n, "prefill_wa
                                      (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))]
 
 
-LINEAR_SWEEP = [{}] + [{"linear_block_n": n, "linear_block_k": k, "linear_warps": w, "linear_stages": st}
-                      for n, k, w, st in ((16, 256, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 128, 4, 4),
-                                          (16, 512, 4, 2), (32, 512, 8, 2), (64, 256, 8, 3), (128, 64, 4, 4),
-                                          (16, 1024, 4, 1), (16, 1024, 8, 2))]
+LINEAR_SWEEP = [{}] + [{"linear_block_n": n, "linear_block_k": k, "linear_splits": sp, "linear_warps": w,
+                        "linear_stages": st}
+                       for n, k, sp, w, st in ((16, 128, 0, 4, 3), (64, 128, 0, 4, 3), (32, 64, 0, 4, 3),
+                                               (32, 256, 0, 4, 2), (32, 128, 1, 4, 3), (32, 128, 4, 4, 3),
+                                               (32, 128, 16, 4, 3), (64, 64, 0, 4, 2), (32, 128, 0, 8, 3),
+                                               (16, 64, 0, 2, 2))]
 
 
 def run_sweep(dtype, slots: set[str]) -> list[dict]:

@@ -74,22 +74,17 @@ def silu_mul__test_ok(gate_up):
     return F.silu(g) * u
 ''',
     "linear": '''# slot: linear    variant: test_ok    devices: cpu, cuda
-def linear__test_ok(x, weight):
-    return (x.float() @ weight.float().t()).to(x.dtype)
-
-
-def norm_linear__test_ok(x, residual, norm_w, eps, weight):
-    r = x if residual is None else x + residual
+def linear_add_norm__test_ok(x, weight, residual, norm_w, eps):
+    r = residual + (x.float() @ weight.float().t()).to(x.dtype)
     rf = r.float()
-    normed = (rf / torch.sqrt((rf * rf).sum(-1, keepdim=True) / r.shape[-1] + eps)).to(r.dtype) * norm_w
-    return linear__test_ok(normed, weight), r
+    return (rf / torch.sqrt((rf * rf).sum(-1, keepdim=True) / r.shape[-1] + eps)).to(r.dtype) * norm_w, r
 
 
-def silu_linear__test_ok(gate_up, weight):
+def silu_linear_add_norm__test_ok(gate_up, weight, residual, norm_w, eps):
     k = weight.shape[1]
     g = gate_up[:, :k].float()
     act = (g * torch.sigmoid(g)).to(gate_up.dtype) * gate_up[:, k:]
-    return linear__test_ok(act, weight)
+    return linear_add_norm__test_ok(act, weight, residual, norm_w, eps)
 ''',
 }
 
@@ -204,49 +199,37 @@ def silu_mul__wrong_swapped(gate_up):
     return F.silu(gate_up[:, i:]) * gate_up[:, :i]
 ''',
     ("linear", "wrong_norm_unweighted"): '''# slot: linear    variant: wrong_norm_unweighted    devices: cpu, cuda
-def linear__wrong_norm_unweighted(x, weight):
-    return F.linear(x, weight)
-
-
-def norm_linear__wrong_norm_unweighted(x, residual, norm_w, eps, weight):
-    r = x if residual is None else x + residual
+def linear_add_norm__wrong_norm_unweighted(x, weight, residual, norm_w, eps):
+    r = residual + F.linear(x, weight)
     rf = r.float()
-    return F.linear((rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype), weight), r
+    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype), r
 
 
-def silu_linear__wrong_norm_unweighted(gate_up, weight):
+def silu_linear_add_norm__wrong_norm_unweighted(gate_up, weight, residual, norm_w, eps):
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, weight)
+    return linear_add_norm__wrong_norm_unweighted(F.silu(gate) * up, weight, residual, norm_w, eps)
 ''',
     ("linear", "wrong_silu_on_up"): '''# slot: linear    variant: wrong_silu_on_up    devices: cpu, cuda
-def linear__wrong_silu_on_up(x, weight):
-    return F.linear(x, weight)
-
-
-def norm_linear__wrong_silu_on_up(x, residual, norm_w, eps, weight):
-    r = x if residual is None else x + residual
+def linear_add_norm__wrong_silu_on_up(x, weight, residual, norm_w, eps):
+    r = residual + F.linear(x, weight)
     rf = r.float()
-    return F.linear((rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w, weight), r
+    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w, r
 
 
-def silu_linear__wrong_silu_on_up(gate_up, weight):
+def silu_linear_add_norm__wrong_silu_on_up(gate_up, weight, residual, norm_w, eps):
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(gate * F.silu(up), weight)
+    return linear_add_norm__wrong_silu_on_up(gate * F.silu(up), weight, residual, norm_w, eps)
 ''',
     ("linear", "wrong_stale_residual"): '''# slot: linear    variant: wrong_stale_residual    devices: cpu, cuda
-def linear__wrong_stale_residual(x, weight):
-    return F.linear(x, weight)
-
-
-def norm_linear__wrong_stale_residual(x, residual, norm_w, eps, weight):
-    r = x if residual is None else x + residual
+def linear_add_norm__wrong_stale_residual(x, weight, residual, norm_w, eps):
+    r = residual + F.linear(x, weight)
     rf = r.float()
     normed = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w
-    return F.linear(normed, weight), x           # wrong: the new residual is the sum r
+    return normed, residual           # wrong: the new residual is the sum r
 
 
-def silu_linear__wrong_stale_residual(gate_up, weight):
+def silu_linear_add_norm__wrong_stale_residual(gate_up, weight, residual, norm_w, eps):
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, weight)
+    return linear_add_norm__wrong_stale_residual(F.silu(gate) * up, weight, residual, norm_w, eps)
 ''',
 }

@@ -56,6 +56,9 @@ TUNINGS = [
     ("decode_attention", "triton_exact", {"decode_splits": 32, "decode_block_n": 64, "decode_warps": 8}),
     ("prefill_attention", "triton_exact", {"prefill_block_m": 128, "prefill_block_n": 32, "prefill_warps": 8}),
     ("prefill_attention", "triton_exact", {"prefill_block_m": 16, "prefill_block_n": 16, "prefill_stages": 1}),
+    ("linear", "triton", {"linear_splits": 1}),
+    ("linear", "triton", {"linear_splits": 7, "linear_block_n": 16, "linear_block_k": 64}),
+    ("linear", "triton", {"linear_splits": 64, "linear_block_n": 64, "linear_warps": 8, "linear_stages": 2}),
 ]
 
 
