@@ -291,13 +291,30 @@ def test_graph_code_path_on_cpu(tmp_path):
 
 def test_prefill_metadata_padding():
     module = load_engine(torch_plan())
-    meta = module.prefill_metadata([0, 1, 0], [33, 34, 48], [1, 1, 2], [2, 1], 5, 4)
-    slot = module.SCRATCH_SLOT
-    assert meta == ([0, 1, 0, 0, 0] + [33, 34, 48, slot, slot] + [1, 1, 2, 0, 0]
-                    + [1, 2, 0, 0] + [0, 2, 3, 5, 5])
+    row, block = module.SCRATCH_ROW, module.SCRATCH_BLOCK
+    meta = module.prefill_metadata([2, 1], [1, 2], ([1, 2], [0, 0], [7, 9]), 5, 4, 4)
+    assert meta == ([0, 2, 3, 5, 5] + [1, 2, row, row]
+                    + [1, 2, row, row] + [0, 0, 0, 0] + [7, 9, block, block])
     assert module.padded_seq_lens([2, 1], 5, 4) == [2, 1, 2, 0]
-    assert module.prefill_metadata([0], [16], [3], [1], 1, 1) == [0, 16, 3, 0, 0, 1]
-    assert len(meta) == module.prefill_metadata_size(5, 4)
+    assert module.prefill_metadata([1], [3], ([3], [0], [4]), 1, 1, 1) == [0, 1, 3, 3, 0, 4]
+    assert len(meta) == module.prefill_metadata_size(4, 4)
+
+
+def test_prefill_layout_is_derived_on_the_device(tmp_path):
+    """Positions and slots of a padded packed prefill, from the per-sequence metadata: two prompts
+    (the second crossing a block boundary), then graph padding in the scratch row."""
+    c = Checked(torch_plan(**SMALL_CACHE), config(), tmp_path)
+    module = sys.modules[type(c.engine).__module__]
+    bs = module.BLOCK_SIZE
+    seq_lens = [2, bs + 1]
+    writes = ([1, 2, 2], [0, 0, 1], [7, 9, 4])
+    meta = torch.tensor(module.prefill_metadata(seq_lens, [1, 2], writes, bs + 5, 4, 6))
+    cu, positions, slots = c.engine._prefill_layout(meta, bs + 5, 4)
+    assert cu.tolist() == [0, 2, bs + 3, bs + 5, bs + 5]
+    assert positions.tolist() == [0, 1] + list(range(bs + 1)) + [0, 0]
+    assert slots.tolist() == ([7 * bs, 7 * bs + 1] + [9 * bs + j for j in range(bs)] + [4 * bs]
+                              + [module.SCRATCH_SLOT] * 2)
+    assert c.engine.block_table[2, :2].tolist() == [9, 4]
 
 
 # ---- CUDA: fp16 and bf16, graphs on and off, torch and CUDA variants ----
