@@ -222,7 +222,7 @@ def test_builtin_walk_is_greedy_and_never_repeats(tmp_path, monkeypatch):
     ws, state, judged = run_loop(tmp_path, BuiltinProposer("cuda"), verdicts, device="cuda", monkeypatch=monkeypatch)
     keys = [k for k, _ in judged]
     assert len(keys) == len(set(keys))
-    # attention slots first (search.WALK_ORDER), then the rest, each on the best plan so far
+    # decode attention first (search.WALK_ORDER), then the rest, each on the best plan so far
     assert keys == [CONSERVATIVE, key(), key(s={"decode_attention": "triton_a"}),
                     key(s={"decode_attention": "triton_b"}), key(s={"decode_attention": "triton_a", "norm": "triton_bad"}),
                     key({"block_size": 32}, {"decode_attention": "triton_a"}),
