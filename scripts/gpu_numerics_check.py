@@ -382,13 +382,18 @@ def run_stress_section(paths: dict, runs: list[tuple[str, int]], deadline: float
                 cases = [{"name": "error", "passed": False, "max_abs_err": math.nan, "worst_margin": math.nan,
                           "error": f"{type(e).__name__}: {str(e)[:300]}"}]
             res.setdefault(pname, {})[seed] = cases
-            bf = [c for c in cases if "bf16" in c["name"] or "bfloat16" in c["name"]]
-            hf = [c for c in cases if c not in bf]
-            log(f"stress seed {seed} {pname} ({time.time() - t:.0f}s): {sum(c['passed'] for c in cases)}/{len(cases)} "
-                f"passed; bf16 worst margin {min((c['worst_margin'] for c in bf), default=math.nan):.3f} "
-                f"max err {max((c['max_abs_err'] for c in bf), default=math.nan):.3g}; fp16 worst margin "
-                f"{min((c['worst_margin'] for c in hf), default=math.nan):.3f}")
+            log(f"stress {pname} seed {seed} ({time.time() - t:.0f}s): {stress_summary(cases)}")
     return res
+
+
+def stress_summary(cases: list[dict]) -> str:
+    """Passed count, then the worst margin of the bf16 cases (with their max error) and of the rest."""
+    bf = [c for c in cases if "bf16" in c["name"] or "bfloat16" in c["name"]]
+    hf = [c for c in cases if c not in bf]
+    return (f"{sum(c['passed'] for c in cases)}/{len(cases)} passed, "
+            f"bf16 margin {min((c['worst_margin'] for c in bf), default=math.nan):.3f} "
+            f"(max err {max((c['max_abs_err'] for c in bf), default=math.nan):.3g}), "
+            f"fp16 margin {min((c['worst_margin'] for c in hf), default=math.nan):.3f}")
 
 
 # --------------------------------------------------------------------------- main
@@ -489,12 +494,7 @@ def main(argv=None) -> int:
                       f"{v.get('calls', '-')} {v.get('status', '')} {v.get('error', '')[:120]} {v.get('where', '')[:100]}")
     for pname, by_seed in results.get("stress", {}).items():
         for seed, cases in by_seed.items():
-            bf = [c for c in cases if "bf16" in c["name"] or "bfloat16" in c["name"]]
-            hf = [c for c in cases if c not in bf]
-            print(f"stress {pname:9s} seed {seed}: {sum(c['passed'] for c in cases)}/{len(cases)} passed, "
-                  f"bf16 margin {min((c['worst_margin'] for c in bf), default=math.nan):.3f} "
-                  f"(max err {max((c['max_abs_err'] for c in bf), default=math.nan):.3g}), "
-                  f"fp16 margin {min((c['worst_margin'] for c in hf), default=math.nan):.3f}")
+            print(f"stress {pname:9s} seed {seed}: {stress_summary(cases)}")
     for ln in results.get("pytest", []):
         print(f"pytest {ln}")
     log("done")
