@@ -4,7 +4,8 @@ For each slot this module holds
 
 * a reference op written from SPEC §3 numerics, independently of any template
   (``ref_rmsnorm``, ``ref_add_rmsnorm``, ``ref_rope_cache``, ``ref_prefill_attention``,
-  ``ref_decode_attention``, ``ref_silu_mul``, ``ref_linear_add_norm``, ``ref_silu_linear_add_norm``);
+  ``ref_decode_attention``, ``ref_silu_mul``, ``ref_linear``, ``ref_linear_silu``,
+  ``ref_linear_add_norm``);
 * a list of cases (sizes) covering the edges: N=1, odd N, head_dim 64/80/128/192,
   MHA/GQA/MQA, contexts that cross block boundaries, block sizes 16/32/64, long
   contexts and prompts (CUDA), ragged batches;
@@ -41,7 +42,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,7 @@ SLOT_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "prefill_attention": ("prefill_attention",),
     "decode_attention": ("decode_attention",),
     "silu_mul": ("silu_mul",),
-    "linear": ("linear_add_norm", "silu_linear_add_norm"),
+    "linear": ("linear", "linear_silu", "linear_add_norm"),
 }
 
 # (atol, rtol) per compute dtype: about two units in the last place of the dtype, so a
@@ -179,14 +180,21 @@ def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
 
+def ref_linear(x, weight):
+    """A plain projection: x[N,K] @ weight[O,K]^T, accumulated in fp32 and rounded once to dt."""
+    return F.linear(x, weight)
+
+
+def ref_linear_silu(x, weight):
+    """The MLP's gate/up projection and SwiGLU: weight[2I,K] holds gate (rows :I) over up (rows I:);
+    silu(gate) * up as the silu_mul slot rounds it, [N, I]."""
+    return ref_silu_mul(F.linear(x, weight))
+
+
 def ref_linear_add_norm(x, weight, residual, norm_w, eps):
     """A sublayer's output projection, its residual add and the norm after it: (y, new_residual)."""
     r = residual + F.linear(x, weight)
     return ref_rmsnorm(r, norm_w, eps), r
-
-
-def ref_silu_linear_add_norm(gate_up, weight, residual, norm_w, eps):
-    return ref_linear_add_norm(ref_silu_mul(gate_up), weight, residual, norm_w, eps)
 
 
 # --------------------------------------------------------------------------- comparison
@@ -510,15 +518,23 @@ class _SiluMul(_Slot):
 
 
 class _Linear(_Slot):
-    """The output projections with the sublayer's tail; weights scaled by 1/sqrt(K) so outputs are
-    O(1) and a dropped rounding or a swapped operand shows at the dtype's last bits."""
+    """The slot's projections, each with what the layer does right after it: `linear` (plain, the
+    qkv projection), `linear_silu` (gate/up with SwiGLU) and `linear_add_norm` (o_proj or down with
+    the residual add and the next norm). One `weight` [O, K] serves all three: linear_silu reads it
+    as [2I, K], gate rows over up rows (I = O // 2; every case has an even O, and some an I that is
+    not a multiple of 16). Weights are scaled by 1/sqrt(K) so outputs are O(1) and a dropped
+    rounding or a swapped operand shows at the dtype's last bits."""
 
     name = "linear"
-    FUNCTIONS = {"linear_add_norm": (ref_linear_add_norm, ("x", "weight", "residual", "norm_w", "eps")),
-                 "silu_linear_add_norm": (ref_silu_linear_add_norm, ("gate_up", "weight", "residual", "norm_w", "eps"))}
+    # function -> (reference, keyword arguments); OUTPUTS: what each returns, one tensor or a tuple
+    FUNCTIONS: ClassVar[dict] = {"linear": (ref_linear, ("x", "weight")),
+                                 "linear_silu": (ref_linear_silu, ("x", "weight")),
+                                 "linear_add_norm": (ref_linear_add_norm,
+                                                     ("x", "weight", "residual", "norm_w", "eps"))}
+    OUTPUTS: ClassVar[dict] = {"linear": ("y",), "linear_silu": ("a",), "linear_add_norm": ("y", "new_residual")}
 
     def specs(self, rng, full):
-        sizes = [(1, 768, 768), (7, 80, 48), (33, 1000, 300)]
+        sizes = [(1, 768, 768), (7, 80, 48), (33, 1000, 300)]  # O even: linear_silu's I = O // 2
         if full:
             sizes += [(8, 3072, 768), (64, 2048, 3072), (200, 768, 1000), (16, 4096, 4096)]
         return [{"N": n, "K": k, "O": o, "row_strided": i % 3 == 1,
@@ -531,8 +547,20 @@ class _Linear(_Slot):
         return {"x": _randn((n, k + pad), dtype, device, gen, spec["x_scale"])[:, :k],
                 "residual": _randn((n, o + pad), dtype, device, gen)[:, :o],
                 "norm_w": (1.0 + 0.3 * torch.randn(o, generator=gen, device=device)).to(dtype), "eps": spec["eps"],
-                "weight": _randn((o, k), dtype, device, gen, k ** -0.5),
-                "gate_up": _randn((n, 2 * k + pad), dtype, device, gen, 3.0)[:, :2 * k]}
+                "weight": _randn((o, k), dtype, device, gen, k ** -0.5)}
+
+    @classmethod
+    def outputs(cls, fn: str, out) -> tuple[list, str]:
+        """(out as a list of tensors, "") when `fn` returned what its contract says, else ([], message)."""
+        names = cls.OUTPUTS[fn]
+        if len(names) == 1:
+            if isinstance(out, torch.Tensor):
+                return [out], ""
+            return [], f"{fn}: returned {type(out).__name__}, want one tensor ({names[0]})"
+        if isinstance(out, tuple) and len(out) == len(names):
+            return list(out), ""
+        got = f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__
+        return [], f"{fn}: returned {got}, want ({', '.join(names)})"
 
     def run(self, fns, spec, inp, dtype):
         device = inp["x"].device
@@ -540,11 +568,14 @@ class _Linear(_Slot):
         res = []
         for fn, (ref, arg_names) in self.FUNCTIONS.items():
             args = {a: inp[a] for a in arg_names}
-            want_y, want_r = ref(**args)
-            out, err = _pure_call(fns[fn], args, [want_y, want_r], device, device.type == "cuda")
-            if not (isinstance(out, tuple) and len(out) == 2):
-                return res + [(math.inf, math.inf, f"{fn}: returned {type(out).__name__}, want (y, new_residual)")]
-            res += [_compare(f"{fn} y", out[0], want_y, dtype), _compare(f"{fn} new_residual", out[1], want_r, dtype)]
+            want = ref(**args)
+            want = list(want) if isinstance(want, tuple) else [want]
+            out, err = _pure_call(fns[fn], args, want, device, device.type == "cuda")
+            got, bad = self.outputs(fn, out)
+            if bad:
+                res.append((math.inf, math.inf, bad))
+                continue
+            res += [_compare(f"{fn} {name}", g, w, dtype) for name, g, w in zip(self.OUTPUTS[fn], got, want)]
             res += [(0, 0, err)] if err else []
         res += [(0, 0, e) for e in (_unchanged(name, t, inp[name]) for name, t in before.items()) if e]
         return res
@@ -657,10 +688,14 @@ def slot_outputs(slot: str, fns: dict, inp: dict) -> dict[str, torch.Tensor]:
         return {"q": c["q"], "k": c["k"], "k_cache": c["k_cache"][sm], "v_cache": c["v_cache"][sm]}
     if slot == "silu_mul":
         return {"out": fns["silu_mul"](**c)}
-    if slot == "linear":
+    if slot == "linear":  # linear, linear_silu, linear_add_norm.y, linear_add_norm.r
         out = {}
         for fn, (_, arg_names) in _Linear.FUNCTIONS.items():
-            out[f"{fn}.y"], out[f"{fn}.r"] = fns[fn](*(c[a] for a in arg_names))
+            got, bad = _Linear.outputs(fn, fns[fn](**{a: c[a] for a in arg_names}))
+            if bad:
+                raise TypeError(bad)
+            names = [fn] if len(got) == 1 else [f"{fn}.y", f"{fn}.r"]
+            out.update(zip(names, got))
         return out
     return {"o": fns[slot](**c)}
 

@@ -99,9 +99,11 @@ def problems(cfg_name: str, cfg: dict, dtype):
                     slot_check.make_inputs("rope_cache", spec, dtype, "cuda")))
         out.append((f"silu_mul N={n}", "silu_mul", "silu_mul",
                     slot_check.make_inputs("silu_mul", {"N": n, "I": cfg["I"]}, dtype, "cuda")))
-        for label, fn, k in (("o_proj+add+norm", "linear_add_norm", cfg["Hq"] * cfg["D"]),
-                             ("silu+down+add+norm", "silu_linear_add_norm", cfg["I"])):
-            spec = {"N": n, "K": k, "O": cfg["H"], "row_strided": False, "eps": 1e-5, "x_scale": 1.0}
+        for label, fn, k, o in (("qkv", "linear", cfg["H"], (cfg["Hq"] + 2 * cfg["Hkv"]) * cfg["D"]),
+                                ("gate_up+silu", "linear_silu", cfg["H"], 2 * cfg["I"]),
+                                ("o_proj+add+norm", "linear_add_norm", cfg["Hq"] * cfg["D"], cfg["H"]),
+                                ("down+add+norm", "linear_add_norm", cfg["I"], cfg["H"])):
+            spec = {"N": n, "K": k, "O": o, "row_strided": False, "eps": 1e-5, "x_scale": 1.0}
             inp = slot_check.make_inputs("linear", spec, dtype, "cuda")
             _, args = slot_check.SLOTS["linear"].FUNCTIONS[fn]
             out.append((f"{label} N={n}", "linear", fn, {a: inp[a] for a in args}))
@@ -119,13 +121,17 @@ def problems(cfg_name: str, cfg: dict, dtype):
 
 
 def unfused_linear(fn: str, kwargs: dict):
-    """The linear slot's function as cuBLAS + the norm slot's (and silu_mul slot's) triton kernels."""
+    """The linear slot's function as cuBLAS (+ the silu_mul slot's or the norm slot's triton kernel)."""
+    linear = torch.nn.functional.linear
+    x, w = kwargs["x"], kwargs["weight"]
+    if fn == "linear":
+        return lambda: linear(x, w)
+    if fn == "linear_silu":
+        silu_mul = slot_check.variant_function("silu_mul", "triton", "silu_mul")
+        return lambda: silu_mul(linear(x, w))
     add_rmsnorm = slot_check.variant_function("norm", "triton", "add_rmsnorm")
-    silu_mul = slot_check.variant_function("silu_mul", "triton", "silu_mul")
-    w, residual, norm_w, eps = kwargs["weight"], kwargs["residual"], kwargs["norm_w"], kwargs["eps"]
-    if fn == "silu_linear_add_norm":
-        return lambda: add_rmsnorm(torch.nn.functional.linear(silu_mul(kwargs["gate_up"]), w), residual, norm_w, eps)
-    return lambda: add_rmsnorm(torch.nn.functional.linear(kwargs["x"], w), residual, norm_w, eps)
+    residual, norm_w, eps = kwargs["residual"], kwargs["norm_w"], kwargs["eps"]
+    return lambda: add_rmsnorm(linear(x, w), residual, norm_w, eps)
 
 
 def run_bench(dtype, slots: set[str]) -> list[dict]:
@@ -136,7 +142,7 @@ def run_bench(dtype, slots: set[str]) -> list[dict]:
             if slots and slot not in slots:
                 continue
             calls = [(v, lambda f=slot_check.variant_function(slot, v, fn): f(**kwargs)) for v in variants[slot]]
-            if slot == "linear":   # what the engine runs without the slot: cuBLAS, then the triton norm (and SwiGLU)
+            if slot == "linear":   # what the engine runs without the slot: cuBLAS, then the triton SwiGLU or norm
                 calls.append(("unfused", unfused_linear(fn, kwargs)))
             for variant, call in calls:
                 g, e = bench(call)

@@ -74,17 +74,24 @@ def silu_mul__test_ok(gate_up):
     return F.silu(g) * u
 ''',
     "linear": '''# slot: linear    variant: test_ok    devices: cpu, cuda
+def _mm_test_ok(x, weight):
+    return (x.float() @ weight.float().t()).to(x.dtype)
+
+
+def linear__test_ok(x, weight):
+    return _mm_test_ok(x, weight)
+
+
+def linear_silu__test_ok(x, weight):
+    i = weight.shape[0] // 2
+    g = _mm_test_ok(x, weight[:i]).float()
+    return (g * torch.sigmoid(g)).to(x.dtype) * _mm_test_ok(x, weight[i:])
+
+
 def linear_add_norm__test_ok(x, weight, residual, norm_w, eps):
-    r = residual + (x.float() @ weight.float().t()).to(x.dtype)
+    r = residual + _mm_test_ok(x, weight)
     rf = r.float()
     return (rf / torch.sqrt((rf * rf).sum(-1, keepdim=True) / r.shape[-1] + eps)).to(r.dtype) * norm_w, r
-
-
-def silu_linear_add_norm__test_ok(gate_up, weight, residual, norm_w, eps):
-    k = weight.shape[1]
-    g = gate_up[:, :k].float()
-    act = (g * torch.sigmoid(g)).to(gate_up.dtype) * gate_up[:, k:]
-    return linear_add_norm__test_ok(act, weight, residual, norm_w, eps)
 ''',
 }
 
@@ -199,37 +206,66 @@ def silu_mul__wrong_swapped(gate_up):
     return F.silu(gate_up[:, i:]) * gate_up[:, :i]
 ''',
     ("linear", "wrong_norm_unweighted"): '''# slot: linear    variant: wrong_norm_unweighted    devices: cpu, cuda
+def linear__wrong_norm_unweighted(x, weight):
+    return F.linear(x, weight)
+
+
+def linear_silu__wrong_norm_unweighted(x, weight):
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def linear_add_norm__wrong_norm_unweighted(x, weight, residual, norm_w, eps):
     r = residual + F.linear(x, weight)
     rf = r.float()
-    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype), r
-
-
-def silu_linear_add_norm__wrong_norm_unweighted(gate_up, weight, residual, norm_w, eps):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return linear_add_norm__wrong_norm_unweighted(F.silu(gate) * up, weight, residual, norm_w, eps)
+    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype), r   # wrong: no * norm_w
 ''',
     ("linear", "wrong_silu_on_up"): '''# slot: linear    variant: wrong_silu_on_up    devices: cpu, cuda
+def linear__wrong_silu_on_up(x, weight):
+    return F.linear(x, weight)
+
+
+def linear_silu__wrong_silu_on_up(x, weight):
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    return gate * F.silu(up)          # wrong: silu belongs on the gate rows (the first half of weight)
+
+
 def linear_add_norm__wrong_silu_on_up(x, weight, residual, norm_w, eps):
     r = residual + F.linear(x, weight)
     rf = r.float()
     return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w, r
-
-
-def silu_linear_add_norm__wrong_silu_on_up(gate_up, weight, residual, norm_w, eps):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return linear_add_norm__wrong_silu_on_up(gate * F.silu(up), weight, residual, norm_w, eps)
 ''',
     ("linear", "wrong_stale_residual"): '''# slot: linear    variant: wrong_stale_residual    devices: cpu, cuda
+def linear__wrong_stale_residual(x, weight):
+    return F.linear(x, weight)
+
+
+def linear_silu__wrong_stale_residual(x, weight):
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def linear_add_norm__wrong_stale_residual(x, weight, residual, norm_w, eps):
     r = residual + F.linear(x, weight)
     rf = r.float()
     normed = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w
     return normed, residual           # wrong: the new residual is the sum r
+''',
+    ("linear", "wrong_weight_tail"): '''# slot: linear    variant: wrong_weight_tail    devices: cpu, cuda
+def linear__wrong_weight_tail(x, weight):
+    # wrong: a tiled kernel that drops the last partial K block (here: the K % 64 tail columns)
+    k = x.shape[1] - x.shape[1] % 64
+    return F.linear(x[:, :k], weight[:, :k])
 
 
-def silu_linear_add_norm__wrong_stale_residual(gate_up, weight, residual, norm_w, eps):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return linear_add_norm__wrong_stale_residual(F.silu(gate) * up, weight, residual, norm_w, eps)
+def linear_silu__wrong_weight_tail(x, weight):
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear_add_norm__wrong_weight_tail(x, weight, residual, norm_w, eps):
+    r = residual + F.linear(x, weight)
+    rf = r.float()
+    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w, r
 ''',
 }

@@ -169,3 +169,28 @@ def test_decode_attention_paged(kernels, heads, kv_heads, dim, block_size):
         slots = [block_table[b, j // block_size].item() * block_size + j % block_size for j in range(length)]
         expected = dense_attention(q[b:b + 1], k_cache[slots], v_cache[slots], scale, causal=False)
         assert torch.allclose(out[b:b + 1], expected, atol=ATOL), f"request {b}"
+
+
+def test_linear_slot(kernels):
+    """linear: x @ W^T; linear_silu: W is gate rows over up rows, silu(gate) * up; linear_add_norm:
+    (rmsnorm(residual + x @ W^T) * norm_w, residual + x @ W^T). Inputs are not modified."""
+    g = gen(3)
+    n, k, inter = 5, 24, 10
+    x = torch.randn(n, k + 3, generator=g)[:, :k]           # a row-strided view, as the engine passes
+    w = torch.randn(2 * inter, k, generator=g) / math.sqrt(k)
+    residual, norm_w, eps = torch.randn(n, 2 * inter, generator=g), torch.rand(2 * inter, generator=g) + 0.5, 1e-5
+    x0, w0, res0 = x.clone(), w.clone(), residual.clone()
+    dot = torch.tensor([[sum(x[i, j].item() * w[o, j].item() for j in range(k)) for o in range(2 * inter)]
+                        for i in range(n)])
+    y = kernels["linear__torch"](x=x, weight=w)
+    assert y.shape == (n, 2 * inter) and torch.allclose(y, dot, atol=ATOL)
+    a = kernels["linear_silu__torch"](x=x, weight=w)
+    gate, up = dot[:, :inter], dot[:, inter:]
+    assert a.shape == (n, inter) and torch.allclose(a, gate / (1 + torch.exp(-gate)) * up, atol=ATOL)
+    y, r = kernels["linear_add_norm__torch"](x=x, weight=w, residual=residual, norm_w=norm_w, eps=eps)
+    s = res0 + dot
+    assert torch.allclose(r, s, atol=ATOL)
+    assert torch.allclose(y, s / torch.sqrt((s * s).mean(-1, keepdim=True) + eps) * norm_w, atol=ATOL)
+    assert torch.equal(x, x0) and torch.equal(w, w0) and torch.equal(residual, res0)
+    half = kernels["linear_silu__torch"](x=x.half(), weight=w.half())
+    assert half.dtype == torch.float16 and torch.allclose(half.float(), a, atol=2e-2)

@@ -104,6 +104,29 @@ def test_wrong_dtype_and_shape_are_reported():
     assert not r.passed and "dtype torch.float64" in r.worst_case
 
 
+
+def test_linear_return_forms_are_checked():
+    """linear and linear_silu return one tensor, linear_add_norm the (y, new_residual) tuple."""
+    ok = CORRECT["linear"].replace("test_ok", "forms")
+    tupled = ok.replace("    return _mm_forms(x, weight)\n", "    return _mm_forms(x, weight), None\n")
+    assert tupled != ok
+    r = check_variant("linear", tupled, "cpu", seed=0)
+    assert not r.passed and "linear: returned tuple, want one tensor" in r.worst_case, r.summary()
+    single = ok.replace("* norm_w, r\n", "* norm_w\n")
+    assert single != ok
+    r = check_variant("linear", single, "cpu", seed=0)
+    assert not r.passed and "linear_add_norm: returned Tensor, want (y, new_residual)" in r.worst_case, r.summary()
+
+
+def test_linear_cases_split_weight_into_gate_and_up():
+    """Every case's O is even (linear_silu's weight is [2I, K]) and some I is no multiple of 16."""
+    for full in (False, True):
+        specs = slot_check.case_specs("linear", 0, full)
+        assert all(s["O"] % 2 == 0 for s in specs) and any((s["O"] // 2) % 16 for s in specs)
+    inp = slot_check.make_inputs("linear", specs[2], torch.float32, "cpu")
+    assert slot_check.ref_linear_silu(inp["x"], inp["weight"]).shape == (specs[2]["N"], specs[2]["O"] // 2)
+
+
 def test_make_inputs_poisons_unused_cache_slots():
     spec = slot_check.case_specs("decode_attention", 0, full=False)[1]
     inp = slot_check.make_inputs("decode_attention", spec, torch.float32, "cpu", seed=0)
