@@ -40,6 +40,8 @@ try:
 except ImportError:
     triton = None
     tl = None
+# Programmatic dependent launch (a kernel starts before the previous one ends) needs sm_90+.
+PDL_SUPPORTED = triton is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 '''
 
 

@@ -78,14 +78,16 @@ def auto_plans() -> dict[str, Plan]:
 
 
 def library_plans() -> dict[str, Plan]:
-    """The plan the builtin search jumps to (agent.search.PREFERRED), its split-decode form (the
-    engine the agent wrote on the public config), and that form with the linear slot's Triton
-    variant."""
+    """The plan the builtin search jumps to (agent.search.PREFERRED), its split-decode form, both
+    with the linear slot's Triton variant, and that variant with programmatic dependent launch
+    off (plan param pdl)."""
     from agent.search import PREFERRED
     lib = {**{s: "torch" for s in SLOTS}, **PREFERRED}
     split = {**lib, "decode_attention": "triton_split"}
+    linear = {**lib, "linear": "triton"}
     return {"lib": Plan("paged", lib), "lib split": Plan("paged", split),
-            "lib split linear": Plan("paged", {**split, "linear": "triton"})}
+            "lib split linear": Plan("paged", {**split, "linear": "triton"}),
+            "lib linear": Plan("paged", linear), "lib linear nopdl": Plan("paged", linear, {"pdl": False})}
 
 
 def render_to_file(plan: Plan, tag: str) -> Path:

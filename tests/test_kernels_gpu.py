@@ -59,6 +59,10 @@ TUNINGS = [
     ("linear", "triton", {"linear_splits": 1}),
     ("linear", "triton", {"linear_splits": 7, "linear_block_n": 16, "linear_block_k": 64}),
     ("linear", "triton", {"linear_splits": 64, "linear_block_n": 64, "linear_warps": 8, "linear_stages": 2}),
+    ("linear", "triton", {"pdl": False}),
+    ("linear", "triton", {"linear_prefetch": 512, "linear_gemm_block_n": 32, "linear_block_k": 32}),
+    ("linear", "triton", {"linear_gemm_block_n": 64, "linear_gemm_warps": 2, "linear_prefetch": 16384}),
+    ("decode_attention", "triton_exact", {"pdl": False}),
 ]
 
 
@@ -66,6 +70,48 @@ TUNINGS = [
 def test_tuning_params_stay_correct(slot, variant, params):
     result = check_variant(slot, variant=variant, device="cuda", seed=SEED, params=params)
     assert result.passed, f"{params}: {result.summary()}"
+
+
+def _projection_chain(fns, x, weights, residual, norm_w, steps):
+    """A decode layer's projections, `steps` times over, each reading the one before: QKV-sized
+    linear, linear_silu, then linear_add_norm twice (split-K partials + reduction)."""
+    linear, linear_silu, add_norm = fns
+    w_in, w_gu, w_o, w_down = weights
+    for _ in range(steps):
+        h = linear(x, w_in)[:, :w_o.shape[1]]
+        x, residual = add_norm(h, w_o, residual, norm_w, 1e-5)
+        x, residual = add_norm(linear_silu(x, w_gu), w_down, residual, norm_w, 1e-5)
+    return x, residual
+
+
+def test_pdl_launches_keep_stream_order_in_a_graph():
+    """With programmatic dependent launch a kernel starts before the previous one ends; it must
+    still read only finished results. A chain of dependent projections, captured and replayed,
+    gives the same bits with PDL as with plain launches (the same kernels, the same sums)."""
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).half()
+
+    hidden, inter, rows = 768, 3072, 8
+    weights = (randn(3 * hidden, hidden, scale=hidden ** -0.5), randn(2 * inter, hidden, scale=hidden ** -0.5),
+               randn(hidden, hidden, scale=hidden ** -0.5), randn(hidden, inter, scale=inter ** -0.5))
+    x, residual, norm_w = randn(rows, hidden), randn(rows, hidden), 1 + randn(hidden, scale=0.1)
+    fns = {pdl: [slot_check.variant_function("linear", "triton", fn, {"pdl": pdl})
+                 for fn in ("linear", "linear_silu", "linear_add_norm")] for pdl in (False, True)}
+    outs = {}
+    for pdl in (False, True):
+        _projection_chain(fns[pdl], x, weights, residual, norm_w, 1)     # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _projection_chain(fns[pdl], x, weights, residual, norm_w, 12)
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = [t.clone() for t in out]
+    eager = _projection_chain(fns[True], x, weights, residual, norm_w, 12)
+    for got, plain, now in zip(outs[True], outs[False], eager):
+        assert torch.isfinite(plain).all()
+        assert torch.equal(got, plain) and torch.equal(now, plain)
 
 
 SPLIT_DECODES = [("triton_split", None), ("triton_exact", None), ("triton_exact", {"decode_splits": 1})]
