@@ -8,8 +8,9 @@ kernel's programs start while the previous kernel drains; anything that does not
 
 This probe times a chain of GEMVs shaped like a decode step's (8 rows, 1024 x 1024 and 1024 -> 4096
 weights, one weight matrix per kernel so the chain streams from HBM as a real step does), captured
-in one CUDA graph, three ways: plain launches; PDL with the wait first; PDL with the program's
-weight tile loaded before the wait. It checks that all three give the same result.
+in one CUDA graph, four ways: plain launches; PDL with the wait first; PDL with the program's
+weight tile loaded into registers before the wait; PDL with the tile only prefetched into L2
+before the wait. It checks that all four give the same result.
 
     python3 scripts/gpu_pdl_probe.py [--kernels 96] [--rows 8]
 """
@@ -24,13 +25,18 @@ import triton.language as tl
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr, L2: tl.constexpr):
     """y[M, N] = x[M, K] @ w[N, K]^T (x, y rows `stride` apart), one BLOCK_N column tile per program."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, K)
     if PREFETCH:
         w = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=cols[:, None] < N, other=0.0)
+    if L2:   # one prefetch.global.L2 per 128-byte line of the tile
+        lines = tl.arange(0, K // 64) * 64
+        addr = (w_ptr + cols[:, None] * K + lines[None, :]).to(tl.int64)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [addr], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -44,13 +50,13 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride, K: tl.constexpr, BLOCK_M: tl
 
 def chain(xs, weights, mode):
     """Kernel i reads kernel i-1's output (the first reads xs[0]); returns the last output."""
-    pdl, prefetch = mode != "plain", mode == "pdl+prefetch"
+    pdl, prefetch, l2 = mode != "plain", mode == "pdl+prefetch", mode == "pdl+l2"
     x = xs[0]
     for i, w in enumerate(weights):
         y = xs[1 + i % 2]
         n, k = w.shape
         _gemv_kernel[(triton.cdiv(n, 16),)](x, w, y, x.shape[0], n, y.stride(0), k, BLOCK_M=16, BLOCK_N=16,
-                                           PDL=pdl, PREFETCH=prefetch, num_warps=4, launch_pdl=pdl)
+                                           PDL=pdl, PREFETCH=prefetch, L2=l2, num_warps=4, launch_pdl=pdl)
         x = y
     return x
 
@@ -69,7 +75,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  {args.kernels} GEMVs, {args.rows} rows, "
           f"{sum(w.numel() for w in weights) * 2 / 2**20:.0f} MiB of weights")
     results = {}
-    for mode in ("plain", "pdl", "pdl+prefetch"):
+    for mode in ("plain", "pdl", "pdl+prefetch", "pdl+l2"):
         out = chain(xs, weights, mode).clone()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -60,8 +60,8 @@ TUNINGS = [
     ("linear", "triton", {"linear_splits": 7, "linear_block_n": 16, "linear_block_k": 64}),
     ("linear", "triton", {"linear_splits": 64, "linear_block_n": 64, "linear_warps": 8, "linear_stages": 2}),
     ("linear", "triton", {"pdl": False}),
-    ("linear", "triton", {"linear_prefetch": 512, "linear_gemm_block_n": 32, "linear_block_k": 32}),
-    ("linear", "triton", {"linear_gemm_block_n": 64, "linear_gemm_warps": 2, "linear_prefetch": 16384}),
+    ("linear", "triton", {"linear_gemm_block_n": 32, "linear_block_k": 32}),
+    ("linear", "triton", {"linear_gemm_block_n": 64, "linear_gemm_warps": 2, "linear_stages": 1}),
     ("decode_attention", "triton_exact", {"pdl": False}),
 ]
 
