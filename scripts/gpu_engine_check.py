@@ -80,14 +80,14 @@ def auto_plans() -> dict[str, Plan]:
 def library_plans() -> dict[str, Plan]:
     """The plan the builtin search jumps to (agent.search.PREFERRED), its split-decode form, both
     with the linear slot's Triton variant, and that variant with programmatic dependent launch
-    off (plan param pdl)."""
+    on (plan param pdl)."""
     from agent.search import PREFERRED
     lib = {**{s: "torch" for s in SLOTS}, **PREFERRED}
     split = {**lib, "decode_attention": "triton_split"}
     linear = {**lib, "linear": "triton"}
     return {"lib": Plan("paged", lib), "lib split": Plan("paged", split),
             "lib split linear": Plan("paged", {**split, "linear": "triton"}),
-            "lib linear": Plan("paged", linear), "lib linear nopdl": Plan("paged", linear, {"pdl": False})}
+            "lib linear": Plan("paged", linear), "lib linear pdl": Plan("paged", linear, {"pdl": True})}
 
 
 def render_to_file(plan: Plan, tag: str) -> Path:

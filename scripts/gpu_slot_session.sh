@@ -6,7 +6,7 @@
 #
 #   run tool: command "bash scripts/gpu_slot_session.sh", carry [".whl"]
 #   env: SLOT (default linear), PLANS (gpu_engine_check --plans: default library),
-#        BENCH (plans to check and time, default "lib,lib linear nopdl,lib linear"; the others of PLANS
+#        BENCH (plans to check and time, default "lib,lib linear,lib linear pdl"; the others of PLANS
 #        are left out), TEST_TIMEOUT (200)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -20,7 +20,7 @@ OUT="$OUT/kernels" python3 scripts/gpu_kernel_check.py --slots "$SLOT" -k "$SLOT
 sed -n '/=========== SUMMARY/,$p' "$OUT/kernels.txt"
 
 echo "== engines"
-BENCH="${BENCH:-lib,lib linear nopdl,lib linear}"
+BENCH="${BENCH:-lib,lib linear,lib linear pdl}"
 python3 scripts/gpu_engine_check.py --plans "${PLANS:-library}" --only "$BENCH" --bench "$BENCH" \
   --noise "" --out "$OUT/engines" > "$OUT/engines.txt" 2>&1
 tail -n 12 "$OUT/engines.txt"
