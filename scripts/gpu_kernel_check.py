@@ -165,6 +165,11 @@ LINEAR_SWEEP = [{}] + [{"linear_block_n": n, "linear_block_k": k, "linear_splits
                                                (32, 256, 0, 4, 2), (32, 128, 1, 4, 3), (32, 128, 4, 4, 3),
                                                (32, 128, 16, 4, 3), (64, 64, 0, 4, 2), (32, 128, 0, 8, 3),
                                                (16, 64, 0, 2, 2))]
+# linear and linear_silu (no K split): column tile, warps, K step, stages
+GEMM_SWEEP = [{}] + [{"linear_gemm_block_n": n, "linear_gemm_warps": w, "linear_block_k": k, "linear_stages": st}
+                     for n, w, k, st in ((16, 4, 128, 3), (16, 8, 128, 3), (16, 2, 128, 3), (32, 4, 128, 3),
+                                         (32, 8, 128, 3), (64, 4, 128, 3), (16, 4, 64, 4), (16, 4, 256, 2),
+                                         (32, 4, 256, 2), (16, 4, 128, 1), (32, 4, 64, 4), (64, 8, 64, 3))]
 
 
 def run_sweep(dtype, slots: set[str]) -> list[dict]:
@@ -176,7 +181,7 @@ def run_sweep(dtype, slots: set[str]) -> list[dict]:
             elif slot == "prefill_attention":
                 variant, grid = "triton", PREFILL_SWEEP
             elif slot == "linear" and kwargs[next(iter(kwargs))].shape[0] <= 64:
-                variant, grid = "triton", LINEAR_SWEEP
+                variant, grid = "triton", (LINEAR_SWEEP if fn == "linear_add_norm" else GEMM_SWEEP)
             else:
                 continue
             if slots and slot not in slots:
