@@ -14,11 +14,11 @@ CASES=prefill,decode,mixed,decode128,mixed128
 source scripts/gpu_prelude.sh
 [ -f target/weights/model.pt ] || python3 scripts/generate_toy_weights.py --config target/model_config.json \
   --output target/weights/model.pt > /dev/null
-python3 - "$OUT/engine.py" <<PY
-import json, sys
+PLAN="$PLAN" python3 - "$OUT/engine.py" <<'PY'
+import json, os, sys
 from agent.plan import Plan
 from agent.render import render_engine
-plan = Plan.from_dict(json.loads('''${PLAN}'''))
+plan = Plan.from_dict(json.loads(os.environ["PLAN"]))
 open(sys.argv[1], "w").write(render_engine(plan))
 print("plan:", plan.describe())
 PY
