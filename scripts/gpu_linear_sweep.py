@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""The linear slot's tilings timed as the engine runs them: weights cold in L2.
+
+    OUT=... python3 scripts/gpu_linear_sweep.py [--configs public,1B] [--quick]
+
+Why: gpu_kernel_check.py replays one call on one weight matrix, which then sits in L2 (50 MiB on
+an H100) from the second replay on. In a decode step every projection reads a weight nobody read
+since the previous step, ~230 MB ago, so it comes from HBM: the engine's timeline
+(scripts/gpu_step_timeline.py) showed QKV at 4.3 us and gate/up at 6.6 us where the warm sweep
+said 3.1 and 4.3. A weight read from HBM is bound by the bytes each SM keeps in flight (stages x
+BLOCK_K x BLOCK_N), which a warm sweep does not see.
+
+Here each problem gets enough copies of its weight to overflow L2 (>= 200 MB in all), a CUDA graph
+runs the function once on every copy in turn (as the layers of a step do), and the time per call
+is a replay's time over the copies (median of REPLAYS, CUDA events). Every tiling is checked
+against the slot's reference op first. cuBLAS (plus the norm or SwiGLU kernel the engine would
+run after it) is timed the same way, as the baseline. Prints a table per problem, best first, and
+writes $OUT/linear_sweep.json.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch
+
+from evaluator import slot_check
+
+OUT = Path(os.environ.get("OUT", "/tmp/gpu_linear_sweep"))
+COLD_BYTES = 200 << 20      # weight copies per problem: at least this much, 4x an H100's L2
+REPLAYS = 20
+MAX_ERR = 0.05              # a tiling further than this from the reference op is reported, not timed
+
+# (hidden, q heads, kv heads, head dim, intermediate, decode rows)
+CONFIGS = {"public": (768, 4, 4, 192, 3072, 8), "1B": (2048, 32, 8, 64, 8192, 64)}
+
+GEMM_GRID = {"linear_gemm_block_n": (16, 32), "linear_block_k": (128, 256), "linear_stages": (3, 4, 5),
+             "linear_gemm_warps": (4, 8)}
+SPLIT_GRID = {"linear_block_n": (16, 32), "linear_splits": (2, 4, 8), "linear_block_k": (128, 256),
+              "linear_stages": (3, 4), "linear_warps": (4, 8)}
+QUICK_GEMM = {"linear_gemm_block_n": (16, 32), "linear_block_k": (128, 256), "linear_stages": (3, 5),
+              "linear_gemm_warps": (4,)}
+QUICK_SPLIT = {"linear_block_n": (16, 32), "linear_splits": (4, 8), "linear_block_k": (128,),
+               "linear_stages": (3, 4), "linear_warps": (4,)}
+
+
+def grid(axes: dict) -> list[dict]:
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+def problems(name: str):
+    """(label, fn, kwargs) of the four projections at the config's decode rows."""
+    h, hq, hkv, d, inter, rows = CONFIGS[name]
+    for label, fn, k, o in (("qkv", "linear", h, (hq + 2 * hkv) * d), ("gate_up+silu", "linear_silu", h, 2 * inter),
+                            ("o_proj+add+norm", "linear_add_norm", hq * d, h),
+                            ("down+add+norm", "linear_add_norm", inter, h)):
+        spec = {"N": rows, "K": k, "O": o, "row_strided": False, "eps": 1e-5, "x_scale": 1.0}
+        inp = slot_check.make_inputs("linear", spec, torch.float16, "cuda")
+        _, args = slot_check.SLOTS["linear"].FUNCTIONS[fn]
+        yield f"{name} {label} N={rows}", fn, {a: inp[a] for a in args}
+
+
+def cold_time_us(call, kwargs: dict) -> float:
+    """Median µs per call of call(**kwargs) with the weight swapped for one of many copies, in turn."""
+    weight = kwargs["weight"]
+    copies = max(4, math.ceil(COLD_BYTES / (weight.numel() * weight.element_size())))
+    weights = [weight.clone() for _ in range(copies)]
+    runs = [{**kwargs, "weight": w} for w in weights]
+    for kw in runs[:2]:     # compile and warm outside the capture
+        call(**kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for kw in runs:
+            call(**kw)
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / copies)
+    del graph, weights, runs
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def cublas(fn: str):
+    """What the engine runs without the linear slot: cuBLAS, then the triton SwiGLU or add+norm."""
+    linear = torch.nn.functional.linear
+    if fn == "linear":
+        return lambda x, weight: linear(x, weight)
+    if fn == "linear_silu":
+        silu_mul = slot_check.variant_function("silu_mul", "triton", "silu_mul")
+        return lambda x, weight: silu_mul(linear(x, weight))
+    add_rmsnorm = slot_check.variant_function("norm", "triton", "add_rmsnorm")
+    return lambda x, weight, residual, norm_w, eps: add_rmsnorm(linear(x, weight), residual, norm_w, eps)
+
+
+def max_err(fn: str, got, kwargs: dict) -> float:
+    want = getattr(slot_check, f"ref_{fn}")(**kwargs)
+    pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
+    return max((g.float() - w.float()).abs().max().item() for g, w in pairs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="public,1B")
+    ap.add_argument("--quick", action="store_true", help="a smaller grid")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    rows = []
+    for name in args.configs.split(","):
+        for label, fn, kwargs in problems(name):
+            split = fn == "linear_add_norm"
+            tilings = grid((QUICK_SPLIT if split else QUICK_GEMM) if args.quick else (SPLIT_GRID if split else GEMM_GRID))
+            results = [{"params": "cuBLAS", "us": cold_time_us(cublas(fn), kwargs), "err": 0.0}]
+            for params in [{}] + tilings:
+                f = slot_check.variant_function("linear", "triton", fn, params)
+                try:
+                    err = max_err(fn, f(**kwargs), kwargs)
+                    us = cold_time_us(f, kwargs) if err < MAX_ERR else math.nan
+                except Exception as e:  # noqa: BLE001 - a tiling that does not compile is data
+                    print(f"  {label} {params}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    err, us = math.nan, math.nan
+                results.append({"params": params or "default", "us": us, "err": err})
+            results.sort(key=lambda r: (math.isnan(r["us"]), r["us"]))
+            print(f"\n== {label} (cold weights, µs per call)", flush=True)
+            for r in results[:8] + [r for r in results[8:] if r["params"] in ("default", "cuBLAS")]:
+                print(f"  {r['us']:7.2f}  err {r['err']:.2g}  {json.dumps(r['params'])}", flush=True)
+            rows.append({"problem": label, "results": results})
+    (OUT / "linear_sweep.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Kernel by kernel, where one decode step and one prefill pass of a warm engine go on the GPU.
+
+    python3 scripts/gpu_step_timeline.py [--engine PATH | PLAN='{...}'] [--batch 8] [--prompt 32]
+        [--prefill 4x128] [--out DIR]
+
+Why: the benchmark says how long a step takes, not whether the time is in kernel bodies or in
+the gaps between them (launch latency inside a CUDA graph). This builds one engine, prefills
+`batch` prompts of `prompt` tokens, and profiles (torch.profiler, CUDA activity) a few decode
+steps and one more prefill call of the --prefill shape on their own warm graphs. For the middle
+decode step and for the prefill call it prints every GPU activity in order: its duration and the
+idle gap since the previous one ended; then per kernel name: count, total, mean duration, mean
+gap before. The step's span (first start to last end) = sum of durations + sum of gaps.
+
+The engine is --engine, else the plan in the PLAN environment variable (a plan dict as JSON),
+else run.sh's usual final plan (paged, library kernels, triton_split decode, linear=triton).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from agent.plan import Plan, engine_params, reference_slots
+from agent.render import render_engine
+from agent.search import PREFERRED
+from evaluator.common import load_config, load_engine_module
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+DECODE_STEPS = 5
+IDLE_S = 0.002
+
+
+def engine_path(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    if os.environ.get("PLAN"):
+        plan = Plan.from_dict(json.loads(os.environ["PLAN"]))
+    else:
+        params = {name: p.default for name, p in engine_params("paged").items()}
+        plan = Plan("paged", {**reference_slots(), **PREFERRED, "decode_attention": "triton_split",
+                              "linear": "triton"}, params)
+    print("plan:", plan.describe())
+    path = Path(tempfile.mkdtemp()) / "timeline_engine.py"   # Triton compiles only functions in a file
+    path.write_text(render_engine(plan))
+    return path
+
+
+def gpu_events(prof) -> list[dict]:
+    """GPU activities of a profile, sorted by start (us)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+
+
+def split_into_bursts(events: list[dict], gap_us: float) -> list[list[dict]]:
+    """Activities grouped into bursts separated by idle gaps over gap_us (one burst = one call)."""
+    bursts: list[list[dict]] = []
+    end = None
+    for e in events:
+        if end is None or e["ts"] - end > gap_us:
+            bursts.append([])
+        bursts[-1].append(e)
+        end = max(end or 0.0, e["ts"] + e["dur"])
+    return bursts
+
+
+def short(name: str) -> str:
+    return name if len(name) <= 70 else name[:67] + "..."
+
+
+def report(title: str, burst: list[dict]) -> dict:
+    rows, prev_end = [], burst[0]["ts"]
+    for e in burst:
+        rows.append((short(e["name"]), e["dur"], max(0.0, e["ts"] - prev_end)))
+        prev_end = max(prev_end, e["ts"] + e["dur"])
+    span = prev_end - burst[0]["ts"]
+    busy, gaps = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    print(f"\n== {title}: {len(rows)} GPU activities, span {span:.1f} us = kernels {busy:.1f} + gaps {gaps:.1f}")
+    for name, dur, gap in rows:
+        print(f"  {gap:6.2f} gap  {dur:7.2f} us  {name}")
+    by = defaultdict(list)
+    for name, dur, gap in rows:
+        by[name].append((dur, gap))
+    print(f"-- {title} by kernel (count, total us, mean us, mean gap before)")
+    for name, v in sorted(by.items(), key=lambda kv: -sum(d for d, _ in kv[1])):
+        print(f"  {len(v):4d} {sum(d for d, _ in v):8.1f} {sum(d for d, _ in v) / len(v):7.2f} "
+              f"{sum(g for _, g in v) / len(v):6.2f}  {name}")
+    return {"span_us": span, "kernels_us": busy, "gaps_us": gaps, "count": len(rows),
+            "rows": [{"name": n, "us": d, "gap_us": g} for n, d, g in rows]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine")
+    p.add_argument("--model-config", default="target/model_config.json")
+    p.add_argument("--weight-dir", default="target/weights")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--prefill", default="4x128", help="prompts x tokens of the profiled prefill call")
+    p.add_argument("--out", default="timeline-out")
+    a = p.parse_args()
+    config = load_config(a.model_config)
+    engine = load_engine_module(engine_path(a.engine)).create_engine(config, a.weight_dir, "cuda")
+    vocab = int(config["vocab_size"])
+    gen = torch.Generator().manual_seed(0)
+    ids = list(range(a.batch))
+    with torch.no_grad():
+        engine.prefill(ids, [torch.randint(vocab, (a.prompt,), generator=gen) for _ in ids])
+        tokens = torch.randint(vocab, (a.batch,), generator=gen)
+        for _ in range(3):   # warm
+            engine.decode(ids, tokens)
+        n, length = (int(x) for x in a.prefill.split("x"))
+        pre_ids = list(range(1000, 1000 + n))
+        prompts = [torch.randint(vocab, (length,), generator=gen) for _ in pre_ids]
+        engine.prefill(pre_ids, prompts)   # warm the bucket
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(DECODE_STEPS):
+                engine.decode(ids, tokens)
+                torch.cuda.synchronize()
+                time.sleep(IDLE_S)   # an idle GPU between calls separates their bursts
+            time.sleep(IDLE_S)
+            engine.prefill([2000 + i for i in range(n)], prompts)
+            torch.cuda.synchronize()
+    bursts = split_into_bursts(gpu_events(prof), gap_us=IDLE_S * 1e6 / 2)
+    if len(bursts) != DECODE_STEPS + 1:
+        print(f"warning: {len(bursts)} bursts of GPU activity, expected {DECODE_STEPS + 1} (one per call)")
+    out = {"decode": report(f"decode step, batch {a.batch}", bursts[DECODE_STEPS // 2]),
+           "prefill": report(f"prefill {a.prefill}", bursts[-1])}
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "timeline.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
