@@ -158,6 +158,11 @@ PREFILL_SWEEP = [{}] + [{"prefill_block_m": m, "prefill_block_n": n, "prefill_wa
                  for m, n, w, st in ((64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 2),
                                      (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))]
 
+# triton_exact (what the search keeps for prefill): row tile, key tile (divides the row tile), warps, stages
+EXACT_PREFILL_SWEEP = [{}] + [{"prefill_block_m": m, "prefill_block_n": n, "prefill_warps": w, "prefill_stages": st}
+                              for m, n, w, st in ((16, 16, 2, 2), (16, 16, 4, 2), (32, 16, 4, 2), (32, 32, 4, 2),
+                                                  (32, 32, 2, 2), (32, 32, 4, 3), (64, 16, 4, 2), (64, 32, 8, 2),
+                                                  (64, 64, 4, 2), (16, 16, 4, 1), (32, 32, 8, 1))]
 
 LINEAR_SWEEP = [{}] + [{"linear_block_n": n, "linear_block_k": k, "linear_splits": sp, "linear_warps": w,
                         "linear_stages": st}
@@ -177,29 +182,39 @@ def run_sweep(dtype, slots: set[str]) -> list[dict]:
     for cfg_name, cfg in CONFIGS.items():
         for _, label, slot, fn, kwargs in problems(cfg_name, cfg, dtype):
             if slot == "decode_attention":
-                variant, grid = "triton_split", DECODE_SWEEP
+                sweeps = [("triton_split", DECODE_SWEEP)]
             elif slot == "prefill_attention":
-                variant, grid = "triton", PREFILL_SWEEP
+                sweeps = [("triton", PREFILL_SWEEP), ("triton_exact", EXACT_PREFILL_SWEEP)]
             elif slot == "linear" and kwargs[next(iter(kwargs))].shape[0] <= 64:
-                variant, grid = "triton", (LINEAR_SWEEP if fn == "linear_add_norm" else GEMM_SWEEP)
+                sweeps = [("triton", LINEAR_SWEEP if fn == "linear_add_norm" else GEMM_SWEEP)]
             else:
                 continue
             if slots and slot not in slots:
                 continue
-            want = getattr(slot_check, f"ref_{fn}")(**kwargs)
-            want = want[0] if isinstance(want, tuple) else want
-            for params in grid:
-                try:
-                    f = slot_check.variant_function(slot, variant, fn, params)
-                    got = f(**kwargs)
-                    err = ((got[0] if isinstance(got, tuple) else got).float() - want.float()).abs().max().item()
-                    g, _ = bench(lambda: f(**kwargs))
-                except Exception as e:  # noqa: BLE001 - a config that does not compile is data
-                    print(f"    {params}: {type(e).__name__}: {str(e)[:160]}")
-                    g, err = math.nan, math.nan
-                rows.append({"config": cfg_name, "problem": label, "params": params, "graph_us": g, "max_err": err})
-                print(f"  {cfg_name:6s} {label:24s} {json.dumps(params):90s} graph {g:8.1f} us err {err:.2g}",
-                      flush=True)
+            for variant, grid in sweeps:
+                rows += sweep_one(cfg_name, label, slot, variant, fn, kwargs, grid)
+    return rows
+
+
+def sweep_one(cfg_name: str, label: str, slot: str, variant: str, fn: str, kwargs: dict, grid: list) -> list[dict]:
+    """Every tiling of `grid` for one variant on one problem: max error against the slot's
+    reference op, graph-replay µs."""
+    rows = []
+    want = getattr(slot_check, f"ref_{fn}")(**kwargs)
+    want = want[0] if isinstance(want, tuple) else want
+    for params in grid:
+        try:
+            f = slot_check.variant_function(slot, variant, fn, params)
+            got = f(**kwargs)
+            err = ((got[0] if isinstance(got, tuple) else got).float() - want.float()).abs().max().item()
+            g, _ = bench(lambda: f(**kwargs))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is data
+            print(f"    {params}: {type(e).__name__}: {str(e)[:160]}")
+            g, err = math.nan, math.nan
+        rows.append({"config": cfg_name, "problem": label, "variant": variant, "params": params, "graph_us": g,
+                     "max_err": err})
+        print(f"  {cfg_name:6s} {label:24s} {variant:12s} {json.dumps(params):80s} graph {g:8.1f} us err {err:.2g}",
+              flush=True)
     return rows
 
 
@@ -216,19 +231,19 @@ def table(rows: list[dict]) -> str:
 
 
 def sweep_table(rows: list[dict]) -> str:
-    lines = ["| config | problem | best params | graph µs | default-params µs |", "|---|---|---|---:|---:|"]
+    lines = ["| config | problem | variant | best params | graph µs | default-params µs |", "|---|---|---|---|---:|---:|"]
     by = {}
     for r in rows:
-        by.setdefault((r["config"], r["problem"]), []).append(r)
-    for (cfg, prob), rs in by.items():
+        by.setdefault((r["config"], r["problem"], r["variant"]), []).append(r)
+    for (cfg, prob, variant), rs in by.items():
         ok = [r for r in rs if not math.isnan(r["graph_us"]) and r["max_err"] < 0.05]
         if not ok:
-            lines.append(f"| {cfg} | {prob} | none ran | | |")
+            lines.append(f"| {cfg} | {prob} | {variant} | none ran | | |")
             continue
         best = min(ok, key=lambda r: r["graph_us"])
         default = [r for r in rs if not r["params"]]
         d = f"{default[0]['graph_us']:.1f}" if default else ""
-        lines.append(f"| {cfg} | {prob} | {json.dumps(best['params'])} | {best['graph_us']:.1f} | {d} |")
+        lines.append(f"| {cfg} | {prob} | {variant} | {json.dumps(best['params'])} | {best['graph_us']:.1f} | {d} |")
     return "\n".join(lines)
 
 
