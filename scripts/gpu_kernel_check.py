@@ -154,6 +154,8 @@ def run_bench(dtype, slots: set[str]) -> list[dict]:
 
 
 DECODE_SWEEP = [{}] + [{"decode_splits": s, "decode_block_n": n} for s in (0, 1, 4, 16) for n in (16, 32, 64)]
+EXACT_DECODE_SWEEP = [{}] + [{"decode_splits": s, "decode_block_n": n, "decode_warps": w}
+                             for s in (1, 2, 3) for n in (32, 64) for w in (4, 8)]
 PREFILL_SWEEP = [{}] + [{"prefill_block_m": m, "prefill_block_n": n, "prefill_warps": w, "prefill_stages": st}
                  for m, n, w, st in ((64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 2),
                                      (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))]
@@ -182,7 +184,7 @@ def run_sweep(dtype, slots: set[str]) -> list[dict]:
     for cfg_name, cfg in CONFIGS.items():
         for _, label, slot, fn, kwargs in problems(cfg_name, cfg, dtype):
             if slot == "decode_attention":
-                sweeps = [("triton_split", DECODE_SWEEP)]
+                sweeps = [("triton_split", DECODE_SWEEP), ("triton_exact", EXACT_DECODE_SWEEP)]
             elif slot == "prefill_attention":
                 sweeps = [("triton", PREFILL_SWEEP), ("triton_exact", EXACT_PREFILL_SWEEP)]
             elif slot == "linear" and kwargs[next(iter(kwargs))].shape[0] <= 64:
