@@ -120,18 +120,17 @@ def problems(cfg_name: str, cfg: dict, dtype):
     return [(cfg_name, *p) for p in out]
 
 
-def unfused_linear(fn: str, kwargs: dict):
-    """The linear slot's function as cuBLAS (+ the silu_mul slot's or the norm slot's triton kernel)."""
+def unfused_linear(fn: str):
+    """The linear slot's function `fn` as the engine runs it without the slot: cuBLAS, then the
+    silu_mul slot's or the norm slot's triton kernel. Takes the slot function's keyword arguments."""
     linear = torch.nn.functional.linear
-    x, w = kwargs["x"], kwargs["weight"]
     if fn == "linear":
-        return lambda: linear(x, w)
+        return lambda x, weight: linear(x, weight)
     if fn == "linear_silu":
         silu_mul = slot_check.variant_function("silu_mul", "triton", "silu_mul")
-        return lambda: silu_mul(linear(x, w))
+        return lambda x, weight: silu_mul(linear(x, weight))
     add_rmsnorm = slot_check.variant_function("norm", "triton", "add_rmsnorm")
-    residual, norm_w, eps = kwargs["residual"], kwargs["norm_w"], kwargs["eps"]
-    return lambda: add_rmsnorm(linear(x, w), residual, norm_w, eps)
+    return lambda x, weight, residual, norm_w, eps: add_rmsnorm(linear(x, weight), residual, norm_w, eps)
 
 
 def run_bench(dtype, slots: set[str]) -> list[dict]:
@@ -143,7 +142,7 @@ def run_bench(dtype, slots: set[str]) -> list[dict]:
                 continue
             calls = [(v, lambda f=slot_check.variant_function(slot, v, fn): f(**kwargs)) for v in variants[slot]]
             if slot == "linear":   # what the engine runs without the slot: cuBLAS, then the triton SwiGLU or norm
-                calls.append(("unfused", unfused_linear(fn, kwargs)))
+                calls.append(("unfused", lambda f=unfused_linear(fn): f(**kwargs)))
             for variant, call in calls:
                 g, e = bench(call)
                 rows.append({"config": cfg_name_, "problem": label, "slot": slot, "variant": variant,

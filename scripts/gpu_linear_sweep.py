@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from evaluator import slot_check
+from scripts.gpu_kernel_check import unfused_linear
 
 OUT = Path(os.environ.get("OUT", "/tmp/gpu_linear_sweep"))
 COLD_BYTES = 200 << 20      # weight copies per problem: at least this much, 4x an H100's L2
@@ -96,18 +97,6 @@ def cold_time_us(call, kwargs: dict) -> float:
     return statistics.median(times)
 
 
-def cublas(fn: str):
-    """What the engine runs without the linear slot: cuBLAS, then the triton SwiGLU or add+norm."""
-    linear = torch.nn.functional.linear
-    if fn == "linear":
-        return lambda x, weight: linear(x, weight)
-    if fn == "linear_silu":
-        silu_mul = slot_check.variant_function("silu_mul", "triton", "silu_mul")
-        return lambda x, weight: silu_mul(linear(x, weight))
-    add_rmsnorm = slot_check.variant_function("norm", "triton", "add_rmsnorm")
-    return lambda x, weight, residual, norm_w, eps: add_rmsnorm(linear(x, weight), residual, norm_w, eps)
-
-
 def max_err(fn: str, got, kwargs: dict) -> float:
     want = getattr(slot_check, f"ref_{fn}")(**kwargs)
     pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
@@ -126,7 +115,7 @@ def main() -> int:
         for label, fn, kwargs in problems(name):
             split = fn == "linear_add_norm"
             tilings = grid((QUICK_SPLIT if split else QUICK_GEMM) if args.quick else (SPLIT_GRID if split else GEMM_GRID))
-            results = [{"params": "cuBLAS", "us": cold_time_us(cublas(fn), kwargs), "err": 0.0}]
+            results = [{"params": "cuBLAS", "us": cold_time_us(unfused_linear(fn), kwargs), "err": 0.0}]
             for params in [{}] + tilings:
                 f = slot_check.variant_function("linear", "triton", fn, params)
                 try:

@@ -1,7 +1,7 @@
 """Kernel by kernel, where one decode step and one prefill pass of a warm engine go on the GPU.
 
-    python3 scripts/gpu_step_timeline.py [--engine PATH | PLAN='{...}'] [--batch 8] [--prompt 32]
-        [--prefill 4x128] [--out DIR]
+    python3 scripts/gpu_step_timeline.py [--engine PATH | --plan NAME --params JSON] [--batch 8]
+        [--prompt 32] [--prefill 4x128] [--out DIR]
 
 Why: the benchmark says how long a step takes, not whether the time is in kernel bodies or in
 the gaps between them (launch latency inside a CUDA graph). This builds one engine, prefills
@@ -11,14 +11,13 @@ decode step and for the prefill call it prints every GPU activity in order: its 
 idle gap since the previous one ended; then per kernel name: count, total, mean duration, mean
 gap before. The step's span (first start to last end) = sum of durations + sum of gaps.
 
-The engine is --engine, else the plan in the PLAN environment variable (a plan dict as JSON),
-else run.sh's usual final plan (paged, library kernels, triton_split decode, linear=triton).
+The engine is --engine, else --plan (one of scripts/gpu_engine_check.library_plans; default
+"lib split linear", run.sh's usual final plan) with --params added to its params.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -30,29 +29,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from agent.plan import Plan, engine_params, reference_slots
-from agent.render import render_engine
-from agent.search import PREFERRED
+from agent.plan import Plan
 from evaluator.common import load_config, load_engine_module
+from scripts.gpu_engine_check import library_plans, render_to_file
+from scripts.gpu_profile import GPU_CATS
 
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 DECODE_STEPS = 5
 IDLE_S = 0.002
 
 
-def engine_path(arg: str | None) -> Path:
-    if arg:
-        return Path(arg)
-    if os.environ.get("PLAN"):
-        plan = Plan.from_dict(json.loads(os.environ["PLAN"]))
-    else:
-        params = {name: p.default for name, p in engine_params("paged").items()}
-        plan = Plan("paged", {**reference_slots(), **PREFERRED, "decode_attention": "triton_split",
-                              "linear": "triton"}, params)
-    print("plan:", plan.describe())
-    path = Path(tempfile.mkdtemp()) / "timeline_engine.py"   # Triton compiles only functions in a file
-    path.write_text(render_engine(plan))
-    return path
+def engine_path(engine: str | None, plan: str, params: str) -> Path:
+    """--engine as given, else the named library plan with the extra params rendered to a file."""
+    if engine:
+        return Path(engine)
+    base = library_plans()[plan]
+    chosen = Plan(base.engine, base.slots, {**base.params, **json.loads(params)})
+    print("plan:", chosen.describe())
+    return render_to_file(chosen, f"timeline {chosen.describe()}")
 
 
 def gpu_events(prof) -> list[dict]:
@@ -103,7 +96,9 @@ def report(title: str, burst: list[dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine")
+    p.add_argument("--engine", help="an engine file (default: --plan rendered)")
+    p.add_argument("--plan", default="lib split linear", help="a plan of gpu_engine_check.library_plans")
+    p.add_argument("--params", default="{}", help="JSON params added to --plan's, e.g. '{\"pdl\": true}'")
     p.add_argument("--model-config", default="target/model_config.json")
     p.add_argument("--weight-dir", default="target/weights")
     p.add_argument("--batch", type=int, default=8)
@@ -112,7 +107,7 @@ def main() -> None:
     p.add_argument("--out", default="timeline-out")
     a = p.parse_args()
     config = load_config(a.model_config)
-    engine = load_engine_module(engine_path(a.engine)).create_engine(config, a.weight_dir, "cuda")
+    engine = load_engine_module(engine_path(a.engine, a.plan, a.params)).create_engine(config, a.weight_dir, "cuda")
     vocab = int(config["vocab_size"])
     gen = torch.Generator().manual_seed(0)
     ids = list(range(a.batch))

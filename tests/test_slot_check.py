@@ -104,7 +104,6 @@ def test_wrong_dtype_and_shape_are_reported():
     assert not r.passed and "dtype torch.float64" in r.worst_case
 
 
-
 def test_linear_return_forms_are_checked():
     """linear and linear_silu return one tensor, linear_add_norm the (y, new_residual) tuple."""
     ok = CORRECT["linear"].replace("test_ok", "forms")
