@@ -4,6 +4,13 @@ The menu is read from the template tree, so adding a kernel variant is adding on
 `templates/kernels/<slot>/<variant>.py.j2`, whose header line says where it runs:
 
     # slot: decode_attention    variant: triton_split    devices: cuda
+
+A variant whose numerics are looser than the reference's (another rounding of the softmax
+probabilities, say) may name, on a line of its own among the first lines, the variant that
+stands in for it on bf16 models, whose 8-bit mantissa leaves such a variant no margin
+(SPEC.md §3, docs/benchmarks-kernel-notes.md):
+
+    # bf16: triton_exact
 """
 from __future__ import annotations
 
@@ -19,8 +26,10 @@ ENGINES = TEMPLATES / "engine"
 SLOTS = ("norm", "rope_cache", "prefill_attention", "decode_attention", "silu_mul", "linear")
 REFERENCE_VARIANT = "torch"
 _HEADER = re.compile(r"#\s*slot:\s*(\w+)\s+variant:\s*(\w+)\s+devices:\s*([\w, ]+)")
+_BF16 = re.compile(r"#\s*bf16:\s*(\w+)\s*$")
 _PARAM = re.compile(r"#\s*param:\s*(\w+)\s*=\s*(\S+)\s+choices:\s*(.+?)(?:\s+devices:\s*([\w, ]+?))?\s*$")
 ALL_DEVICES = ("cpu", "cuda")
+HEADER_LINES = 5   # the header lines (`# slot:`, `# bf16:`) sit among a variant's first lines
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,7 @@ class Variant:
     name: str
     devices: tuple[str, ...]
     path: Path | None  # None for a variant that lives only in memory (an LLM proposal)
+    bf16: str | None = None  # the slot's variant an engine runs instead on bf16 models
 
 
 @dataclass(frozen=True)
@@ -57,12 +67,15 @@ class Plan:
 
 
 def parse_header(text: str, path: Path | None = None) -> Variant:
-    """Read the `# slot: ... variant: ... devices: ...` line that starts every variant."""
-    for line in text.splitlines()[:5]:
+    """Read the `# slot: ... variant: ... devices: ...` line that starts every variant, and the
+    optional `# bf16: V` line."""
+    head = text.splitlines()[:HEADER_LINES]
+    bf16 = next((m.group(1) for m in map(_BF16.match, head) if m), None)
+    for line in head:
         m = _HEADER.search(line)
         if m:
             devices = tuple(d.strip() for d in m.group(3).split(",") if d.strip())
-            return Variant(m.group(1), m.group(2), devices, path)
+            return Variant(m.group(1), m.group(2), devices, path, bf16)
     where = path or "variant source"
     raise ValueError(f"{where}: no '# slot: S variant: V devices: D' header in its first lines")
 
@@ -77,6 +90,10 @@ def menu() -> dict[str, list[Variant]]:
         out.setdefault(v.slot, []).append(v)
     for variants in out.values():
         variants.sort(key=lambda v: (v.name != REFERENCE_VARIANT, v.name))
+        names = {v.name for v in variants}
+        for v in variants:
+            if v.bf16 is not None and v.bf16 not in names:
+                raise ValueError(f"{v.path}: 'bf16: {v.bf16}' names no variant of slot {v.slot}")
     return out
 
 

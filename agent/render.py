@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jinja2
 
-from agent.plan import KERNELS, REFERENCE_VARIANT, SLOTS, TEMPLATES, Plan
+from agent.plan import KERNELS, REFERENCE_VARIANT, SLOTS, TEMPLATES, Plan, parse_header
 
 ExtraVariants = dict[tuple[str, str], str]
 
@@ -45,22 +45,35 @@ PDL_SUPPORTED = triton is not None and torch.cuda.is_available() and torch.cuda.
 '''
 
 
-def _variant_includes(slots: dict[str, str]) -> list[str]:
-    """Template paths of every slot's torch variant and chosen variant (torch is the CPU path)."""
+def _variant_includes(slots: dict[str, str], bf16_slots: dict[str, str]) -> list[str]:
+    """Template paths of every slot's torch variant (the CPU path), chosen variant and bf16
+    stand-in."""
     out = []
     for slot in SLOTS:
-        chosen = slots.get(slot, REFERENCE_VARIANT)
-        for name in dict.fromkeys((REFERENCE_VARIANT, chosen)):
+        for name in dict.fromkeys((REFERENCE_VARIANT, slots[slot], bf16_slots[slot])):
             out.append(f"kernels/{slot}/{name}.py.j2")
+    return out
+
+
+def _bf16_slots(slots: dict[str, str], extra: ExtraVariants) -> dict[str, str]:
+    """The variant each slot runs on bf16 models: the chosen one unless its header names a
+    stand-in (`# bf16: V`, agent/plan.py)."""
+    out = {}
+    for slot, name in slots.items():
+        text = extra.get((slot, name))
+        if text is None:
+            text = kernel_path(slot, name).read_text()
+        out[slot] = parse_header(text).bf16 or name
     return out
 
 
 def render_engine(plan: Plan, extra_variants: ExtraVariants | None = None) -> str:
     extra = extra_variants or {}
     slots = {s: plan.slots.get(s, REFERENCE_VARIANT) for s in SLOTS}
+    bf16_slots = _bf16_slots(slots, extra)
     template = _env(extra).get_template(f"engine/{plan.engine}.py.j2")
-    return template.render(plan=plan, slots=slots, params=plan.params,
-                           kernel_includes=_variant_includes(slots), prelude=PRELUDE)
+    return template.render(plan=plan, slots=slots, bf16_slots=bf16_slots, params=plan.params,
+                           kernel_includes=_variant_includes(slots, bf16_slots), prelude=PRELUDE)
 
 
 

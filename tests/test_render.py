@@ -4,13 +4,16 @@ torch/triton/stdlib, passes the engine policy, and carries its plan; in-memory v
 from __future__ import annotations
 
 import ast
+import importlib.util
 import sys
 
 import pytest
+import torch
 
+from agent import plan as plan_module
 from agent import policy
 from agent.loop import conservative_candidate
-from agent.plan import SLOTS, Plan
+from agent.plan import SLOTS, Plan, parse_header
 from agent.providers.base import EvalResult, SearchState
 from agent.providers.builtin import BuiltinProposer
 from agent.render import kernel_path, render_engine
@@ -65,3 +68,31 @@ def test_extra_variant_is_rendered_in():
     source = render_engine(plan, {(slot, "llm_try"): text})
     assert f"def {slot}__llm_try" in source and f"def {slot}__torch" in source
     compile(source, "<llm>", "exec")
+
+
+def test_looser_variants_name_a_bf16_stand_in_that_the_engine_binds_on_bf16(tmp_path):
+    """triton_split rounds the softmax probabilities otherwise than the reference: fine in fp16,
+    no margin in bf16. Its engine keeps it for fp16 models and binds triton_exact for bf16 ones."""
+    assert parse_header(kernel_path("decode_attention", "triton_split").read_text()).bf16 == "triton_exact"
+    assert parse_header(kernel_path("decode_attention", "triton_exact").read_text()).bf16 is None
+    plan = Plan("paged", {s: "torch" for s in SLOTS} | {"decode_attention": "triton_split"})
+    path = tmp_path / "engine_bf16_standin.py"
+    path.write_text(render_engine(plan))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    bound = {dtype: module.bind_kernels("cuda", dtype).decode_attention.__name__
+             for dtype in (torch.float16, torch.bfloat16)}
+    assert bound == {torch.float16: "decode_attention__triton_split",
+                     torch.bfloat16: "decode_attention__triton_exact"}
+    assert module.bind_kernels("cpu", torch.bfloat16).decode_attention.__name__ == "decode_attention__torch"
+
+
+def test_a_bf16_stand_in_must_be_a_variant_of_the_same_slot(tmp_path, monkeypatch):
+    slot_dir = tmp_path / "norm"
+    slot_dir.mkdir()
+    (slot_dir / "fast.py.j2").write_text("# slot: norm    variant: fast    devices: cuda\n# bf16: nowhere\n")
+    monkeypatch.setattr(plan_module, "KERNELS", tmp_path)
+    with pytest.raises(ValueError, match="names no variant"):
+        plan_module.menu()
