@@ -5,7 +5,7 @@ For each slot this module holds
 * a reference op written from SPEC §3 numerics, independently of any template
   (``ref_rmsnorm``, ``ref_add_rmsnorm``, ``ref_rope_cache``, ``ref_prefill_attention``,
   ``ref_decode_attention``, ``ref_silu_mul``, ``ref_linear``, ``ref_linear_silu``,
-  ``ref_linear_add_norm``);
+  ``ref_linear_add_norm``, ``ref_linear_rope_cache``);
 * a list of cases (sizes) covering the edges: N=1, odd N, head_dim 64/80/128/192,
   MHA/GQA/MQA, contexts that cross block boundaries, block sizes 16/32/64, long
   contexts and prompts (CUDA), ragged batches;
@@ -53,7 +53,7 @@ SLOT_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "prefill_attention": ("prefill_attention",),
     "decode_attention": ("decode_attention",),
     "silu_mul": ("silu_mul",),
-    "linear": ("linear", "linear_silu", "linear_add_norm"),
+    "linear": ("linear", "linear_silu", "linear_add_norm", "linear_rope_cache"),
 }
 
 # (atol, rtol) per compute dtype: about two units in the last place of the dtype, so a
@@ -195,6 +195,16 @@ def ref_linear_add_norm(x, weight, residual, norm_w, eps):
     """A sublayer's output projection, its residual add and the norm after it: (y, new_residual)."""
     r = residual + F.linear(x, weight)
     return ref_rmsnorm(r, norm_w, eps), r
+
+
+def ref_linear_rope_cache(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
+    """The QKV projection, RoPE on its q and k heads and the cache writes (Hkv, D from k_cache):
+    (qkv with q and k rotated, new_k_cache, new_v_cache), the inputs untouched."""
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    qkv = F.linear(x, weight).view(x.shape[0], -1, head_dim)
+    q, k, v = qkv.split([qkv.shape[1] - 2 * kv_heads, kv_heads, kv_heads], dim=1)
+    q_rot, k_rot, kc, vc = ref_rope_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache)
+    return torch.cat([q_rot, k_rot, v], dim=1).flatten(1), kc, vc
 
 
 # --------------------------------------------------------------------------- comparison
@@ -518,36 +528,56 @@ class _SiluMul(_Slot):
 
 
 class _Linear(_Slot):
-    """The slot's projections, each with what the layer does right after it: `linear` (plain, the
-    qkv projection), `linear_silu` (gate/up with SwiGLU) and `linear_add_norm` (o_proj or down with
-    the residual add and the next norm). One `weight` [O, K] serves all three: linear_silu reads it
-    as [2I, K], gate rows over up rows (I = O // 2; every case has an even O, and some an I that is
-    not a multiple of 16). Weights are scaled by 1/sqrt(K) so outputs are O(1) and a dropped
-    rounding or a swapped operand shows at the dtype's last bits."""
+    """The slot's projections, each with what the layer does right after it: `linear` (plain),
+    `linear_silu` (gate/up with SwiGLU), `linear_add_norm` (o_proj or down with the residual add
+    and the next norm) and `linear_rope_cache` (QKV with RoPE and the cache writes). One `weight`
+    [O, K] serves all four: linear_silu reads it as [2I, K], gate rows over up rows (I = O // 2;
+    every case has an even O, and some an I that is not a multiple of 16), linear_rope_cache as
+    (Hq + 2 Hkv) heads of D (every case's O is a multiple of its D). Weights are scaled by
+    1/sqrt(K) so outputs are O(1) and a dropped rounding or a swapped operand shows at the dtype's
+    last bits."""
 
     name = "linear"
-    # function -> (reference, keyword arguments); OUTPUTS: what each returns, one tensor or a tuple
+    # function -> (reference, keyword arguments); OUTPUTS: what each returns, one tensor or a tuple;
+    # IN_PLACE: arguments a function updates (compared as outputs too, each call on fresh copies)
     FUNCTIONS: ClassVar[dict] = {"linear": (ref_linear, ("x", "weight")),
                                  "linear_silu": (ref_linear_silu, ("x", "weight")),
                                  "linear_add_norm": (ref_linear_add_norm,
-                                                     ("x", "weight", "residual", "norm_w", "eps"))}
-    OUTPUTS: ClassVar[dict] = {"linear": ("y",), "linear_silu": ("a",), "linear_add_norm": ("y", "new_residual")}
+                                                     ("x", "weight", "residual", "norm_w", "eps")),
+                                 "linear_rope_cache": (ref_linear_rope_cache,
+                                                       ("x", "weight", "cos", "sin", "positions", "slot_mapping",
+                                                        "k_cache", "v_cache"))}
+    OUTPUTS: ClassVar[dict] = {"linear": ("y",), "linear_silu": ("a",), "linear_add_norm": ("y", "new_residual"),
+                               "linear_rope_cache": ("qkv",)}
+    IN_PLACE: ClassVar[dict] = {"linear_rope_cache": ("k_cache", "v_cache")}
+    POSITIONS = 4096     # rows of the RoPE tables
 
     def specs(self, rng, full):
-        sizes = [(1, 768, 768), (7, 80, 48), (33, 1000, 300)]  # O even: linear_silu's I = O // 2
+        # (N, K, O, D, Hkv): O = (Hq + 2 Hkv) * D, with MQA, GQA and D = 20, 40 (not powers of 2)
+        sizes = [(1, 768, 768, 192, 1), (7, 80, 48, 16, 1), (33, 1000, 300, 20, 5)]
         if full:
-            sizes += [(8, 3072, 768), (64, 2048, 3072), (200, 768, 1000), (16, 4096, 4096)]
-        return [{"N": n, "K": k, "O": o, "row_strided": i % 3 == 1,
-                 "eps": rng.choice([1e-5, 1e-6]), "x_scale": rng.choice([0.5, 3.0])}
-                for i, (n, k, o) in enumerate(sizes)]
+            sizes += [(8, 3072, 768, 64, 4), (64, 2048, 3072, 128, 4), (200, 768, 1000, 40, 1),
+                      (16, 4096, 4096, 128, 8)]
+        return [{"N": n, "K": k, "O": o, "D": d, "Hkv": hkv, "row_strided": i % 3 == 1,
+                 "eps": rng.choice([1e-5, 1e-6]), "x_scale": rng.choice([0.5, 3.0]),
+                 "theta": rng.choice([10000.0, 500000.0])}
+                for i, (n, k, o, d, hkv) in enumerate(sizes)]
 
     def build(self, spec, dtype, device, gen, cpu_gen):
-        n, k, o = spec["N"], spec["K"], spec["O"]
+        n, k, o, d, hkv = spec["N"], spec["K"], spec["O"], spec["D"], spec["Hkv"]
         pad = 13 if spec["row_strided"] else 0
+        inv_freq = 1.0 / (spec["theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        ang = torch.arange(self.POSITIONS, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        num_slots = 2 * n + 7
+        k_cache = torch.full((num_slots, hkv, d), float("nan"), dtype=dtype, device=device)
         return {"x": _randn((n, k + pad), dtype, device, gen, spec["x_scale"])[:, :k],
                 "residual": _randn((n, o + pad), dtype, device, gen)[:, :o],
                 "norm_w": (1.0 + 0.3 * torch.randn(o, generator=gen, device=device)).to(dtype), "eps": spec["eps"],
-                "weight": _randn((o, k), dtype, device, gen, k ** -0.5)}
+                "weight": _randn((o, k), dtype, device, gen, k ** -0.5),
+                "cos": ang.cos().to(dtype).to(device), "sin": ang.sin().to(dtype).to(device),
+                "positions": torch.randint(0, self.POSITIONS, (n,), generator=gen, device=device),
+                "slot_mapping": torch.randperm(num_slots, generator=gen, device=device)[:n],
+                "k_cache": k_cache, "v_cache": k_cache.clone()}
 
     @classmethod
     def outputs(cls, fn: str, out) -> tuple[list, str]:
@@ -567,7 +597,8 @@ class _Linear(_Slot):
         before = {name: t.clone() for name, t in inp.items() if isinstance(t, torch.Tensor)}
         res = []
         for fn, (ref, arg_names) in self.FUNCTIONS.items():
-            args = {a: inp[a] for a in arg_names}
+            in_place = self.IN_PLACE.get(fn, ())
+            args = {a: (inp[a].clone() if a in in_place else inp[a]) for a in arg_names}
             want = ref(**args)
             want = list(want) if isinstance(want, tuple) else [want]
             out, err = _pure_call(fns[fn], args, want, device, device.type == "cuda")
@@ -575,7 +606,9 @@ class _Linear(_Slot):
             if bad:
                 res.append((math.inf, math.inf, bad))
                 continue
-            res += [_compare(f"{fn} {name}", g, w, dtype) for name, g, w in zip(self.OUTPUTS[fn], got, want)]
+            names = self.OUTPUTS[fn] + tuple(f"{a} (slots by slot_mapping; the rest must stay NaN)" for a in in_place)
+            got += [args[a] for a in in_place]
+            res += [_compare(f"{fn} {name}", g, w, dtype) for name, g, w in zip(names, got, want)]
             res += [(0, 0, err)] if err else []
         res += [(0, 0, e) for e in (_unchanged(name, t, inp[name]) for name, t in before.items()) if e]
         return res
@@ -688,14 +721,16 @@ def slot_outputs(slot: str, fns: dict, inp: dict) -> dict[str, torch.Tensor]:
         return {"q": c["q"], "k": c["k"], "k_cache": c["k_cache"][sm], "v_cache": c["v_cache"][sm]}
     if slot == "silu_mul":
         return {"out": fns["silu_mul"](**c)}
-    if slot == "linear":  # linear, linear_silu, linear_add_norm.y, linear_add_norm.r
+    if slot == "linear":  # linear, linear_silu, linear_add_norm.y/.r, linear_rope_cache (+ .k_cache/.v_cache)
         out = {}
         for fn, (_, arg_names) in _Linear.FUNCTIONS.items():
-            got, bad = _Linear.outputs(fn, fns[fn](**{a: c[a] for a in arg_names}))
+            args = {a: c[a].clone() if isinstance(c[a], torch.Tensor) else c[a] for a in arg_names}
+            got, bad = _Linear.outputs(fn, fns[fn](**args))
             if bad:
                 raise TypeError(bad)
             names = [fn] if len(got) == 1 else [f"{fn}.y", f"{fn}.r"]
             out.update(zip(names, got))
+            out.update({f"{fn}.{a}": args[a][c["slot_mapping"]] for a in _Linear.IN_PLACE.get(fn, ())})
         return out
     return {"o": fns[slot](**c)}
 

@@ -92,6 +92,18 @@ def linear_add_norm__test_ok(x, weight, residual, norm_w, eps):
     r = residual + _mm_test_ok(x, weight)
     rf = r.float()
     return (rf / torch.sqrt((rf * rf).sum(-1, keepdim=True) / r.shape[-1] + eps)).to(r.dtype) * norm_w, r
+
+def linear_rope_cache__test_ok(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
+    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
+    qkv = _mm_test_ok(x, weight)
+    heads = qkv.view(x.shape[0], -1, d)
+    turned = heads[:, :heads.shape[1] - kv_heads]
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    e, o = turned[..., 0::2].clone(), turned[..., 1::2].clone()
+    turned[..., 0::2], turned[..., 1::2] = e * c - o * s, e * s + o * c
+    k_cache[slot_mapping] = heads[:, -2 * kv_heads:-kv_heads]
+    v_cache[slot_mapping] = heads[:, -kv_heads:]
+    return qkv
 ''',
 }
 
@@ -219,6 +231,19 @@ def linear_add_norm__wrong_norm_unweighted(x, weight, residual, norm_w, eps):
     r = residual + F.linear(x, weight)
     rf = r.float()
     return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype), r   # wrong: no * norm_w
+
+
+def linear_rope_cache__wrong_norm_unweighted(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
+    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
+    qkv = F.linear(x, weight)
+    heads = qkv.view(x.shape[0], -1, d)
+    turned = heads[:, :heads.shape[1] - kv_heads]
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    e, o = turned[..., 0::2].clone(), turned[..., 1::2].clone()
+    turned[..., 0::2], turned[..., 1::2] = e * c - o * s, e * s + o * c
+    k_cache[slot_mapping] = heads[:, -2 * kv_heads:-kv_heads]
+    v_cache[slot_mapping] = heads[:, -kv_heads:]
+    return qkv
 ''',
     ("linear", "wrong_silu_on_up"): '''# slot: linear    variant: wrong_silu_on_up    devices: cpu, cuda
 def linear__wrong_silu_on_up(x, weight):
@@ -234,6 +259,19 @@ def linear_add_norm__wrong_silu_on_up(x, weight, residual, norm_w, eps):
     r = residual + F.linear(x, weight)
     rf = r.float()
     return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w, r
+
+
+def linear_rope_cache__wrong_silu_on_up(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
+    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
+    qkv = F.linear(x, weight)
+    heads = qkv.view(x.shape[0], -1, d)
+    turned = heads[:, :heads.shape[1] - kv_heads]
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    e, o = turned[..., 0::2].clone(), turned[..., 1::2].clone()
+    turned[..., 0::2], turned[..., 1::2] = e * c - o * s, e * s + o * c
+    k_cache[slot_mapping] = heads[:, -2 * kv_heads:-kv_heads]
+    v_cache[slot_mapping] = heads[:, -kv_heads:]
+    return qkv
 ''',
     ("linear", "wrong_stale_residual"): '''# slot: linear    variant: wrong_stale_residual    devices: cpu, cuda
 def linear__wrong_stale_residual(x, weight):
@@ -250,6 +288,19 @@ def linear_add_norm__wrong_stale_residual(x, weight, residual, norm_w, eps):
     rf = r.float()
     normed = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w
     return normed, residual           # wrong: the new residual is the sum r
+
+
+def linear_rope_cache__wrong_stale_residual(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
+    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
+    qkv = F.linear(x, weight)
+    heads = qkv.view(x.shape[0], -1, d)
+    turned = heads[:, :heads.shape[1] - kv_heads]
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    e, o = turned[..., 0::2].clone(), turned[..., 1::2].clone()
+    turned[..., 0::2], turned[..., 1::2] = e * c - o * s, e * s + o * c
+    k_cache[slot_mapping] = heads[:, -2 * kv_heads:-kv_heads]
+    v_cache[slot_mapping] = heads[:, -kv_heads:]
+    return qkv
 ''',
     ("linear", "wrong_weight_tail"): '''# slot: linear    variant: wrong_weight_tail    devices: cpu, cuda
 def linear__wrong_weight_tail(x, weight):
@@ -267,5 +318,47 @@ def linear_add_norm__wrong_weight_tail(x, weight, residual, norm_w, eps):
     r = residual + F.linear(x, weight)
     rf = r.float()
     return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w, r
+
+
+def linear_rope_cache__wrong_weight_tail(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
+    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
+    qkv = F.linear(x, weight)
+    heads = qkv.view(x.shape[0], -1, d)
+    turned = heads[:, :heads.shape[1] - kv_heads]
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    e, o = turned[..., 0::2].clone(), turned[..., 1::2].clone()
+    turned[..., 0::2], turned[..., 1::2] = e * c - o * s, e * s + o * c
+    k_cache[slot_mapping] = heads[:, -2 * kv_heads:-kv_heads]
+    v_cache[slot_mapping] = heads[:, -kv_heads:]
+    return qkv
+''',
+    ("linear", "wrong_rope_rotate_half"): '''# slot: linear    variant: wrong_rope_rotate_half    devices: cpu, cuda
+def linear__wrong_rope_rotate_half(x, weight):
+    return F.linear(x, weight)
+
+
+def linear_silu__wrong_rope_rotate_half(x, weight):
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear_add_norm__wrong_rope_rotate_half(x, weight, residual, norm_w, eps):
+    r = residual + F.linear(x, weight)
+    rf = r.float()
+    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w, r
+
+
+def linear_rope_cache__wrong_rope_rotate_half(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
+    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
+    qkv = F.linear(x, weight)
+    heads = qkv.view(x.shape[0], -1, d)
+    turned = heads[:, :heads.shape[1] - kv_heads]
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    # wrong: Hugging Face's rotate-half pairs (x[:d/2], x[d/2:]), not the reference's interleaved ones
+    e, o = turned[..., :d // 2].clone(), turned[..., d // 2:].clone()
+    turned[..., :d // 2], turned[..., d // 2:] = e * c - o * s, e * s + o * c
+    k_cache[slot_mapping] = heads[:, -2 * kv_heads:-kv_heads]
+    v_cache[slot_mapping] = heads[:, -kv_heads:]
+    return qkv
 ''',
 }
