@@ -11,6 +11,12 @@ decode step and for the prefill call it prints every GPU activity in order: its 
 idle gap since the previous one ended; then per kernel name: count, total, mean duration, mean
 gap before. The step's span (first start to last end) = sum of durations + sum of gaps.
 
+Before the profile it also times whole calls without the profiler, with the tokens on the device
+as the benchmark draws them: how long the host takes to return from a call (a call's host work
+that the GPU cannot hide when it is longer than the call's kernels) and the call's wall time to
+the end of its kernels, for a warm engine's decode step and prefill, and for the first prefill of
+a fresh engine (what the benchmark's prefill case times).
+
 The engine is --engine, else --plan (one of scripts/gpu_engine_check.library_plans; default
 "lib split linear", run.sh's usual final plan) with --params added to its params.
 """
@@ -36,6 +42,7 @@ from scripts.gpu_profile import GPU_CATS
 
 DECODE_STEPS = 5
 IDLE_S = 0.002
+CALL_REPEATS = 7
 
 
 def engine_path(engine: str | None, plan: str, params: str) -> Path:
@@ -94,6 +101,35 @@ def report(title: str, burst: list[dict]) -> dict:
             "rows": [{"name": n, "us": d, "gap_us": g} for n, d, g in rows]}
 
 
+def call_time(fn, *args) -> tuple[float, float]:
+    """(host us until fn returns, wall us until its kernels end) of one call from an idle GPU."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(*args)
+    returned = time.perf_counter()
+    torch.cuda.synchronize()
+    return (returned - start) * 1e6, (time.perf_counter() - start) * 1e6
+
+
+def median_call_time(fn, *args) -> tuple[float, float]:
+    times = sorted(call_time(fn, *args) for _ in range(CALL_REPEATS))
+    return times[len(times) // 2]
+
+
+def report_call_times(module, engine, config, weight_dir, ids, tokens, prompts) -> dict:
+    """Host and wall time of whole calls (tokens on the device, no profiler)."""
+    pre_ids = list(range(3000, 3000 + len(prompts)))
+    out = {"decode": median_call_time(engine.decode, ids, tokens),
+           "prefill": median_call_time(engine.prefill, pre_ids, prompts)}
+    fresh = module.create_engine(config, weight_dir, "cuda")
+    out["fresh prefill"] = call_time(fresh.prefill, pre_ids, prompts)
+    del fresh
+    print("\n== whole calls (host us until the call returns / wall us until its kernels end)")
+    for name, (host, wall) in out.items():
+        print(f"  {name:14} host {host:8.1f}  wall {wall:8.1f}")
+    return {name: {"host_us": host, "wall_us": wall} for name, (host, wall) in out.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", help="an engine file (default: --plan rendered)")
@@ -107,7 +143,8 @@ def main() -> None:
     p.add_argument("--out", default="timeline-out")
     a = p.parse_args()
     config = load_config(a.model_config)
-    engine = load_engine_module(engine_path(a.engine, a.plan, a.params)).create_engine(config, a.weight_dir, "cuda")
+    module = load_engine_module(engine_path(a.engine, a.plan, a.params))
+    engine = module.create_engine(config, a.weight_dir, "cuda")
     vocab = int(config["vocab_size"])
     gen = torch.Generator().manual_seed(0)
     ids = list(range(a.batch))
@@ -120,6 +157,8 @@ def main() -> None:
         pre_ids = list(range(1000, 1000 + n))
         prompts = [torch.randint(vocab, (length,), generator=gen) for _ in pre_ids]
         engine.prefill(pre_ids, prompts)   # warm the bucket
+        calls = report_call_times(module, engine, config, a.weight_dir, ids, tokens.cuda(),
+                                  [t.cuda() for t in prompts])
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(DECODE_STEPS):
@@ -132,7 +171,7 @@ def main() -> None:
     bursts = split_into_bursts(gpu_events(prof), gap_us=IDLE_S * 1e6 / 2)
     if len(bursts) != DECODE_STEPS + 1:
         print(f"warning: {len(bursts)} bursts of GPU activity, expected {DECODE_STEPS + 1} (one per call)")
-    out = {"decode": report(f"decode step, batch {a.batch}", bursts[DECODE_STEPS // 2]),
+    out = {"calls": calls, "decode": report(f"decode step, batch {a.batch}", bursts[DECODE_STEPS // 2]),
            "prefill": report(f"prefill {a.prefill}", bursts[-1])}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "timeline.json").write_text(json.dumps(out, indent=1))

@@ -20,5 +20,7 @@ for params in "${SETS[@]}"; do
     --out "$OUT/plan$i" > "$OUT/plan$i.txt" 2>&1
   echo "plan$i $params: exit $?"
   grep -E "^(plan:|== )" "$OUT/plan$i.txt"
+  grep -A3 "^== whole calls" "$OUT/plan$i.txt" | tail -n 3
   grep -A12 "^-- decode" "$OUT/plan$i.txt" | head -n 9
+  grep -A12 "^-- prefill" "$OUT/plan$i.txt" | head -n 9
 done
