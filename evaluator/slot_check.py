@@ -207,13 +207,32 @@ def ref_linear_rope_cache(x, weight, cos, sin, positions, slot_mapping, k_cache,
     return torch.cat([q_rot, k_rot, v], dim=1).flatten(1), kc, vc
 
 
+def rope_cache_magnitudes(x, weight, slot_mapping, k_cache, v_cache):
+    """What an error in each of linear_rope_cache's outputs (qkv, k_cache, v_cache) may scale with:
+    for a rotated (q or k) element, the larger of its pair (e, o) before the rotation; else the
+    element itself. A rotated value can be small while its inputs are large, and each input is
+    free in its last bit (the GEMM's fp32 sums run in another order than the reference's)."""
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    pre = F.linear(x, weight).float().abs().view(x.shape[0], -1, head_dim)
+    mag = torch.maximum(pre[..., 0::2], pre[..., 1::2]).repeat_interleave(2, dim=-1)
+    heads = pre.shape[1]
+    mag[:, heads - kv_heads:] = pre[:, heads - kv_heads:]
+    kc, vc = torch.zeros_like(k_cache, dtype=torch.float32), torch.zeros_like(v_cache, dtype=torch.float32)
+    kc[slot_mapping] = mag[:, heads - 2 * kv_heads:heads - kv_heads]
+    vc[slot_mapping] = mag[:, heads - kv_heads:]
+    return [mag.flatten(1), kc, vc]
+
+
 # --------------------------------------------------------------------------- comparison
 
 
-def _compare(label: str, out, ref: torch.Tensor, dtype: torch.dtype) -> tuple[float, float, str]:
+def _compare(label: str, out, ref: torch.Tensor, dtype: torch.dtype,
+             magnitude: torch.Tensor | None = None) -> tuple[float, float, str]:
     """(max_abs_err, ratio, message); message is empty when `out` is within tolerance.
 
-    NaN where the reference has NaN (poisoned cache slots nobody may write) counts as equal."""
+    The bound is atol + rtol * |ref|, or rtol * `magnitude` where a result inherits the rounding
+    freedom of larger inputs (a rotated pair). NaN where the reference has NaN (poisoned cache
+    slots nobody may write) counts as equal."""
     atol, rtol = TOLERANCE[dtype]
     if not isinstance(out, torch.Tensor):
         return math.inf, math.inf, f"{label}: returned {type(out).__name__}, want a tensor"
@@ -229,7 +248,8 @@ def _compare(label: str, out, ref: torch.Tensor, dtype: torch.dtype) -> tuple[fl
     both_nan = torch.isnan(o) & torch.isnan(r)
     diff = torch.nan_to_num((o - r).abs(), nan=math.inf, posinf=math.inf)
     diff = torch.where(both_nan, torch.zeros_like(diff), diff)
-    bound = atol + rtol * torch.nan_to_num(r.abs(), nan=0.0, posinf=0.0)
+    scale = r.abs() if magnitude is None else torch.maximum(r.abs(), magnitude.float())
+    bound = atol + rtol * torch.nan_to_num(scale, nan=0.0, posinf=0.0)
     ratio_t = diff / bound
     worst = int(torch.argmax(ratio_t).item())
     ratio = float(ratio_t.flatten()[worst].item())
@@ -608,7 +628,9 @@ class _Linear(_Slot):
                 continue
             names = self.OUTPUTS[fn] + tuple(f"{a} (slots by slot_mapping; the rest must stay NaN)" for a in in_place)
             got += [args[a] for a in in_place]
-            res += [_compare(f"{fn} {name}", g, w, dtype) for name, g, w in zip(names, got, want)]
+            mags = (rope_cache_magnitudes(inp["x"], inp["weight"], inp["slot_mapping"], inp["k_cache"], inp["v_cache"])
+                    if fn == "linear_rope_cache" else [None] * len(want))
+            res += [_compare(f"{fn} {name}", g, w, dtype, m) for name, g, w, m in zip(names, got, want, mags)]
             res += [(0, 0, err)] if err else []
         res += [(0, 0, e) for e in (_unchanged(name, t, inp[name]) for name, t in before.items()) if e]
         return res

@@ -15,7 +15,8 @@ Before the profile it also times whole calls without the profiler, with the toke
 as the benchmark draws them: how long the host takes to return from a call (a call's host work
 that the GPU cannot hide when it is longer than the call's kernels) and the call's wall time to
 the end of its kernels, for a warm engine's decode step and prefill, and for the first prefill of
-a fresh engine (what the benchmark's prefill case times).
+a fresh engine (what the benchmark's prefill case times), whose host functions it then lists
+by their own time under cProfile (another fresh engine).
 
 The engine is --engine, else --plan (one of scripts/gpu_engine_check.library_plans; default
 "lib split linear", run.sh's usual final plan) with --params added to its params.
@@ -23,7 +24,9 @@ The engine is --engine, else --plan (one of scripts/gpu_engine_check.library_pla
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -43,6 +46,7 @@ from scripts.gpu_profile import GPU_CATS
 DECODE_STEPS = 5
 IDLE_S = 0.002
 CALL_REPEATS = 7
+HOST_PROFILE_ROWS = 15
 
 
 def engine_path(engine: str | None, plan: str, params: str) -> Path:
@@ -123,7 +127,15 @@ def report_call_times(module, engine, config, weight_dir, ids, tokens, prompts) 
            "prefill": median_call_time(engine.prefill, pre_ids, prompts)}
     fresh = module.create_engine(config, weight_dir, "cuda")
     out["fresh prefill"] = call_time(fresh.prefill, pre_ids, prompts)
-    del fresh
+    again = module.create_engine(config, weight_dir, "cuda")
+    profiler = cProfile.Profile()
+    profiler.runcall(again.prefill, pre_ids, prompts)
+    torch.cuda.synchronize()
+    print("\n== a fresh engine's first prefill under cProfile (host functions by own time, us)")
+    for (file, line, func), (_, calls, own, cumulative, _) in sorted(
+            pstats.Stats(profiler).stats.items(), key=lambda kv: -kv[1][2])[:HOST_PROFILE_ROWS]:
+        print(f"  {own * 1e6:8.1f} own {cumulative * 1e6:8.1f} cum {calls:5d}x  {func} ({Path(file).name}:{line})")
+    del fresh, again
     print("\n== whole calls (host us until the call returns / wall us until its kernels end)")
     for name, (host, wall) in out.items():
         print(f"  {name:14} host {host:8.1f}  wall {wall:8.1f}")

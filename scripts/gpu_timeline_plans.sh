@@ -21,6 +21,7 @@ for params in "${SETS[@]}"; do
   echo "plan$i $params: exit $?"
   grep -E "^(plan:|== )" "$OUT/plan$i.txt"
   grep -A3 "^== whole calls" "$OUT/plan$i.txt" | tail -n 3
+  grep -A12 "^== a fresh engine" "$OUT/plan$i.txt"
   grep -A12 "^-- decode" "$OUT/plan$i.txt" | head -n 9
   grep -A12 "^-- prefill" "$OUT/plan$i.txt" | head -n 9
 done
