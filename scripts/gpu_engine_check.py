@@ -78,9 +78,10 @@ def auto_plans() -> dict[str, Plan]:
 
 
 def library_plans() -> dict[str, Plan]:
-    """The plan the builtin search jumps to (agent.search.PREFERRED), its split-decode form, both
-    with the linear slot's Triton variant, and that variant with programmatic dependent launch
-    on (plan param pdl)."""
+    """The plan the builtin search jumps to (agent.search.PREFERRED), its split-decode form (the
+    same plan since PREFERRED chose triton_split, sixth session; the name stays for the scripts),
+    both with the linear slot's Triton variant, and that variant with programmatic dependent
+    launch on (plan param pdl)."""
     from agent.search import PREFERRED
     lib = {**{s: "torch" for s in SLOTS}, **PREFERRED}
     split = {**lib, "decode_attention": "triton_split"}
