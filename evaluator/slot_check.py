@@ -304,6 +304,20 @@ def _randn(shape, dtype, device, gen, scale=1.0):
     return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
 
 
+def _rope_cache_inputs(n, kv_heads, head_dim, positions, theta, dtype, device, gen) -> dict:
+    """What RoPE and the cache writes take besides q/k/v: cos/sin tables of `positions` rows (the
+    reference's fp32 angles cast to dt), random positions, distinct random slots, and NaN-poisoned
+    caches with room for twice the tokens (slots nobody writes must stay NaN)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ang = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    num_slots = 2 * n + 7
+    k_cache = torch.full((num_slots, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    return {"cos": ang.cos().to(dtype).to(device), "sin": ang.sin().to(dtype).to(device),
+            "positions": torch.randint(0, positions, (n,), generator=gen, device=device),
+            "slot_mapping": torch.randperm(num_slots, generator=gen, device=device)[:n],
+            "k_cache": k_cache, "v_cache": k_cache.clone()}
+
+
 def _view_of_fused(parts: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copy [N, H_i, D] tensors into one [N, sum(H_i)*D] buffer and return strided views of it,
     the way an engine slices q, k, v out of a fused QKV projection."""
@@ -401,14 +415,7 @@ class _RopeCache(_Slot):
         q, k, v = (_randn((n, h, d), dtype, device, gen, 2.0) for h in (hq, hkv, hkv))
         if spec["fused_qkv"]:
             q, k, v = _view_of_fused([q, k, v])
-        inv_freq = 1.0 / (spec["theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        ang = torch.arange(p, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        num_slots = 2 * n + 7
-        k_cache = torch.full((num_slots, hkv, d), float("nan"), dtype=dtype, device=device)
-        return {"q": q, "k": k, "v": v, "cos": ang.cos().to(dtype).to(device), "sin": ang.sin().to(dtype).to(device),
-                "positions": torch.randint(0, p, (n,), generator=gen, device=device),
-                "slot_mapping": torch.randperm(num_slots, generator=gen, device=device)[:n],
-                "k_cache": k_cache, "v_cache": k_cache.clone()}
+        return {"q": q, "k": k, "v": v, **_rope_cache_inputs(n, hkv, d, p, spec["theta"], dtype, device, gen)}
 
     def run(self, fns, spec, inp, dtype):
         want_q, want_k, want_kc, want_vc = ref_rope_cache(**inp)
@@ -586,18 +593,11 @@ class _Linear(_Slot):
     def build(self, spec, dtype, device, gen, cpu_gen):
         n, k, o, d, hkv = spec["N"], spec["K"], spec["O"], spec["D"], spec["Hkv"]
         pad = 13 if spec["row_strided"] else 0
-        inv_freq = 1.0 / (spec["theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        ang = torch.arange(self.POSITIONS, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        num_slots = 2 * n + 7
-        k_cache = torch.full((num_slots, hkv, d), float("nan"), dtype=dtype, device=device)
         return {"x": _randn((n, k + pad), dtype, device, gen, spec["x_scale"])[:, :k],
                 "residual": _randn((n, o + pad), dtype, device, gen)[:, :o],
                 "norm_w": (1.0 + 0.3 * torch.randn(o, generator=gen, device=device)).to(dtype), "eps": spec["eps"],
                 "weight": _randn((o, k), dtype, device, gen, k ** -0.5),
-                "cos": ang.cos().to(dtype).to(device), "sin": ang.sin().to(dtype).to(device),
-                "positions": torch.randint(0, self.POSITIONS, (n,), generator=gen, device=device),
-                "slot_mapping": torch.randperm(num_slots, generator=gen, device=device)[:n],
-                "k_cache": k_cache, "v_cache": k_cache.clone()}
+                **_rope_cache_inputs(n, hkv, d, self.POSITIONS, spec["theta"], dtype, device, gen)}
 
     @classmethod
     def outputs(cls, fn: str, out) -> tuple[list, str]:
