@@ -165,7 +165,7 @@ def step_profile(module, cfg: dict, weight_dir: str, device: str = "cuda") -> di
     steps = [draw(8) for _ in range(8)]
     it = iter(steps)
     out["decode_b8"] = timed(lambda: engine.decode(ids, next(it)), 8)
-    graph = getattr(engine, "decode_graphs", {}).get(8)
+    graph = engine.decode_graphs.get(engine._decode_graph_key(8, 40)) if hasattr(engine, "decode_graphs") else None
     if graph is not None:
         out["decode_b8_replay"] = timed(graph.graph.replay, 20)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

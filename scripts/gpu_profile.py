@@ -187,12 +187,12 @@ def replay_vs_call(module, config, weight_dir, trace, gen, reps=20) -> dict:
 # without one of them (another template, an LLM's rewrite) just lacks that section.
 ENGINE_METHODS = {
     "_ensure_positions": "ensure_pos", "_allocate_row": "alloc_row", "_allocate_blocks": "alloc_blk",
-    "_prefill_bucket": "bucket", "_decode_bucket": "bucket",
+    "_prefill_bucket": "bucket", "_decode_graph_key": "bucket",
     "_capture_prefill": "capture", "_capture_decode": "capture",
     "_to_device": "to_device", "_copy_to_device": "h2d_meta",
     "_prefill_step": "eager_step", "_decode_step": "eager_step",
 }
-MODULE_FUNCTIONS = {"prefill_metadata": "meta_build"}   # engine-module globals, looked up at call time
+MODULE_FUNCTIONS = {"prefill_metadata": "meta_build", "decode_metadata": "meta_build"}   # engine-module globals, looked up at call time
 METADATA_COPIES = ("h2d_meta", "to_device")             # until_copy ends where the first of these starts
 # Table columns in this order; labels not listed follow in order of appearance.
 SECTION_ORDER = ("ensure_pos", "alloc_row", "alloc_blk", "bucket", "capture", "to", "cat", "meta_build",

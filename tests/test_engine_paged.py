@@ -248,7 +248,9 @@ def with_fake_graphs(engine, module, max_batch=4, max_tokens=64):
     (they read the layout from cu_seqlens / context_lens, never from host lists)."""
     def capture(tokens, meta, step):
         engine.captured.append(("decode" if meta.dim() == 2 else "prefill", tokens.shape[0]))
+        engine.capturing = True
         logits = step()
+        engine.capturing = False
 
         class Replay:
             def replay(self):
@@ -262,6 +264,10 @@ def with_fake_graphs(engine, module, max_batch=4, max_tokens=64):
         return module.prefill_attention__torch(q, k, v, cu_seqlens, lens, max_seqlen, scale)
 
     def decode_full_width(q, k_cache, v_cache, block_table, context_lens, max_context, block_size, scale):
+        """Checks the bound the engine promises (every context <= max_context) at every replay."""
+        if not engine.capturing:
+            assert int(context_lens.max()) <= max_context
+            engine.context_bounds.add(max_context)
         return module.decode_attention__torch(q, k_cache, v_cache, block_table, context_lens,
                                               block_table.shape[1] * block_size, block_size, scale)
 
@@ -269,6 +275,8 @@ def with_fake_graphs(engine, module, max_batch=4, max_tokens=64):
                                   decode_attention=decode_full_width)
     engine.kernels = engine.model.kernels = kernels
     engine.captured = []
+    engine.capturing = False
+    engine.context_bounds = set()
     engine._capture = capture
     engine.decode_buckets = module.powers_of_two(1, max_batch)
     engine.prefill_buckets = module.powers_of_two(module.MIN_GRAPH_TOKENS, max_tokens)
@@ -286,7 +294,24 @@ def test_graph_code_path_on_cpu(tmp_path):
     c.prefill([30], [65])                            # more tokens than the largest bucket
     c.decode([1, 30, 2, 3, 4])                       # batch 5: eager (largest bucket is 4)
     c.decode([6, 5, 30])                             # batch 3: the 4 bucket, padded
+    c.decode([6, 5])                                 # short contexts: the short-context class
     assert {("prefill", 32), ("decode", 4)} <= set(c.engine.captured)
+    short = module.SHORT_CONTEXT
+    assert {short, c.engine.max_positions} <= c.engine.context_bounds   # both classes replayed
+    assert {key[1] for key in c.engine.decode_graphs} == {short, None}
+
+
+def test_decode_metadata_layout():
+    """Four int64 rows, then context_lens and blocks as the int32 halves of the fifth; padding
+    rows are the scratch row's."""
+    module = load_engine(torch_plan())
+    words = module.decode_metadata([5, 16], [37, 80], [3, 1], [0, 1], [6, 17], [2, 5], 3)
+    meta = torch.tensor(words, dtype=torch.long).view(module.DECODE_META_ROWS, 3)
+    assert meta[:4].tolist() == [[5, 16, 0], [37, 80, module.SCRATCH_SLOT], [3, 1, module.SCRATCH_ROW],
+                                 [0, 1, 0]]
+    context_lens, blocks = meta[4].view(torch.int32).view(2, -1)
+    assert context_lens.tolist() == [6, 17, 1]
+    assert blocks.tolist() == [2, 5, module.SCRATCH_BLOCK]
 
 
 def test_prefill_metadata_padding():
