@@ -122,13 +122,24 @@ def problems(cfg_name: str, cfg: dict, dtype):
 
 def unfused_linear(fn: str):
     """The linear slot's function `fn` as the engine runs it without the slot: cuBLAS, then the
-    silu_mul slot's or the norm slot's triton kernel. Takes the slot function's keyword arguments."""
+    silu_mul, rope_cache or norm slot's triton kernel. Takes the slot function's keyword arguments."""
     linear = torch.nn.functional.linear
     if fn == "linear":
         return lambda x, weight: linear(x, weight)
     if fn == "linear_silu":
         silu_mul = slot_check.variant_function("silu_mul", "triton", "silu_mul")
         return lambda x, weight: silu_mul(linear(x, weight))
+    if fn == "linear_rope_cache":
+        rope_cache = slot_check.variant_function("rope_cache", "triton", "rope_cache")
+
+        def qkv_rope_cache(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
+            qkv = linear(x, weight)
+            kv_heads, head_dim = k_cache.shape[1:]
+            q, k, v = qkv.split([qkv.shape[1] - 2 * kv_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
+            rope_cache(q.unflatten(1, (-1, head_dim)), k.unflatten(1, (-1, head_dim)), v.unflatten(1, (-1, head_dim)),
+                       cos, sin, positions, slot_mapping, k_cache, v_cache)
+            return qkv
+        return qkv_rope_cache
     add_rmsnorm = slot_check.variant_function("norm", "triton", "add_rmsnorm")
     return lambda x, weight, residual, norm_w, eps: add_rmsnorm(linear(x, weight), residual, norm_w, eps)
 

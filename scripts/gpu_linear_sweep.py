@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """The linear slot's tilings timed as the engine runs them: weights cold in L2.
 
-    OUT=... python3 scripts/gpu_linear_sweep.py [--configs public,1B] [--quick]
+    OUT=... python3 scripts/gpu_linear_sweep.py [--configs public,1B] [--quick] [--rows N]
+
+--rows N times the projections at N rows instead of the config's decode batch; above the
+kernel's WIDE_ROWS (a prefill) it sweeps the wide tilings of QKV + RoPE and gate/up + SwiGLU, the
+two functions an engine runs at that size, against cuBLAS plus the rope_cache or silu_mul kernel.
 
 Why: gpu_kernel_check.py replays one call on one weight matrix, which then sits in L2 (50 MiB on
 an H100) from the second replay on. In a decode step every projection reads a weight nobody read
@@ -39,6 +43,7 @@ from scripts.gpu_kernel_check import unfused_linear
 OUT = Path(os.environ.get("OUT", "/tmp/gpu_linear_sweep"))
 COLD_BYTES = 200 << 20      # weight copies per problem: at least this much, 4x an H100's L2
 REPLAYS = 20
+WIDE_ROWS = 64              # the linear slot's triton variant takes its wide tiling above this (WIDE_ROWS__triton)
 MAX_ERR = 0.05              # a tiling further than this from the reference op is reported, not timed
 
 # (hidden, q heads, kv heads, head dim, intermediate, decode rows)
@@ -48,6 +53,10 @@ GEMM_GRID = {"linear_gemm_block_n": (16, 32), "linear_block_k": (128, 256), "lin
              "linear_gemm_warps": (4, 8)}
 SPLIT_GRID = {"linear_block_n": (16, 32), "linear_splits": (2, 4, 8), "linear_block_k": (128, 256),
               "linear_stages": (3, 4), "linear_warps": (4, 8)}
+WIDE_GRID = {"linear_gemm_block_m": (64, 128), "linear_gemm_block_n": (64, 128), "linear_block_k": (32, 64),
+             "linear_stages": (3, 4), "linear_gemm_warps": (4, 8)}
+QUICK_WIDE = {"linear_gemm_block_m": (64, 128), "linear_gemm_block_n": (64, 128), "linear_block_k": (64,),
+              "linear_stages": (3, 4), "linear_gemm_warps": (4, 8)}
 QUICK_GEMM = {"linear_gemm_block_n": (16, 32), "linear_block_k": (128, 256), "linear_stages": (3, 5),
               "linear_gemm_warps": (4,)}
 QUICK_SPLIT = {"linear_block_n": (16, 32), "linear_splits": (4, 8), "linear_block_k": (128,),
@@ -58,13 +67,17 @@ def grid(axes: dict) -> list[dict]:
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
-def problems(name: str):
-    """(label, fn, kwargs) of the four projections at the config's decode rows."""
-    h, hq, hkv, d, inter, rows = CONFIGS[name]
-    for label, fn, k, o in (("qkv", "linear", h, (hq + 2 * hkv) * d), ("gate_up+silu", "linear_silu", h, 2 * inter),
-                            ("o_proj+add+norm", "linear_add_norm", hq * d, h),
-                            ("down+add+norm", "linear_add_norm", inter, h)):
-        spec = {"N": rows, "K": k, "O": o, "row_strided": False, "eps": 1e-5, "x_scale": 1.0}
+def problems(name: str, rows: int | None, wide: bool):
+    """(label, fn, kwargs) of the projections at `rows` (default: the config's decode rows): all
+    four, or with `wide` QKV + RoPE and gate/up + SwiGLU."""
+    h, hq, hkv, d, inter, decode_rows = CONFIGS[name]
+    rows = rows or decode_rows
+    four = (("qkv", "linear", h, (hq + 2 * hkv) * d), ("gate_up+silu", "linear_silu", h, 2 * inter),
+            ("o_proj+add+norm", "linear_add_norm", hq * d, h), ("down+add+norm", "linear_add_norm", inter, h))
+    two = (("qkv+rope", "linear_rope_cache", h, (hq + 2 * hkv) * d), ("gate_up+silu", "linear_silu", h, 2 * inter))
+    for label, fn, k, o in (two if wide else four):
+        spec = {"N": rows, "K": k, "O": o, "D": d, "Hkv": hkv, "theta": 10000.0, "row_strided": False, "eps": 1e-5,
+                "x_scale": 1.0}
         inp = slot_check.make_inputs("linear", spec, torch.float16, "cuda")
         _, args = slot_check.SLOTS["linear"].FUNCTIONS[fn]
         yield f"{name} {label} N={rows}", fn, {a: inp[a] for a in args}
@@ -107,14 +120,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="public,1B")
     ap.add_argument("--quick", action="store_true", help="a smaller grid")
+    ap.add_argument("--rows", type=int, default=0, help="rows a call (default: each config's decode batch)")
     args = ap.parse_args()
+    wide = args.rows > WIDE_ROWS
     OUT.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     rows = []
     for name in args.configs.split(","):
-        for label, fn, kwargs in problems(name):
+        for label, fn, kwargs in problems(name, args.rows, wide):
             split = fn == "linear_add_norm"
-            tilings = grid((QUICK_SPLIT if split else QUICK_GEMM) if args.quick else (SPLIT_GRID if split else GEMM_GRID))
+            axes = ((QUICK_WIDE if args.quick else WIDE_GRID) if wide
+                    else (QUICK_SPLIT if split else QUICK_GEMM) if args.quick else (SPLIT_GRID if split else GEMM_GRID))
+            tilings = grid(axes)
             results = [{"params": "cuBLAS", "us": cold_time_us(unfused_linear(fn), kwargs), "err": 0.0}]
             for params in [{}] + tilings:
                 f = slot_check.variant_function("linear", "triton", fn, params)
