@@ -3,7 +3,7 @@
     python3 scripts/gpu_first_call.py [--plan NAME] [--params JSON] [--repeat 5] [--out DIR]
 
 Why: the benchmark times each fresh engine's first call (a prefill), and on an H100 that call
-took 407 us of host time against 132 once warm (docs/benchmarks.md, seventh session): a quarter
+took 407 us of host time against 132 once warm (docs/benchmarks.md, sixth session): a quarter
 of the prefill case, whose GPU sits idle until the graph is launched. This builds fresh engines
 as the benchmark does (the harness's _release between them, tokens drawn on the device before
 the clock) and times the first prefill of the prefill case (4x128) and of the mixed case (4x64)

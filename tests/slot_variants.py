@@ -217,51 +217,24 @@ def silu_mul__wrong_swapped(gate_up):
     i = gate_up.shape[-1] // 2
     return F.silu(gate_up[:, i:]) * gate_up[:, :i]
 ''',
-    ("linear", "wrong_norm_unweighted"): '''# slot: linear    variant: wrong_norm_unweighted    devices: cpu, cuda
-def linear__wrong_norm_unweighted(x, weight):
+}
+
+# The linear slot's wrong variants: its four functions written right ({v}: the variant's name),
+# with one of them swapped for a wrong one in each fixture below.
+_LINEAR_RIGHT = {
+    "linear": '''def linear__{v}(x, weight):
     return F.linear(x, weight)
-
-
-def linear_silu__wrong_norm_unweighted(x, weight):
+''',
+    "linear_silu": '''def linear_silu__{v}(x, weight):
     gate, up = F.linear(x, weight).chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def linear_add_norm__wrong_norm_unweighted(x, weight, residual, norm_w, eps):
-    r = residual + F.linear(x, weight)
-    rf = r.float()
-    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype), r   # wrong: no * norm_w
-
-
-def linear_rope_cache__wrong_norm_unweighted(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
-    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
-    qkv = F.linear(x, weight)
-    heads = qkv.view(x.shape[0], -1, d)
-    turned = heads[:, :heads.shape[1] - kv_heads]
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    e, o = turned[..., 0::2].clone(), turned[..., 1::2].clone()
-    turned[..., 0::2], turned[..., 1::2] = e * c - o * s, e * s + o * c
-    k_cache[slot_mapping] = heads[:, -2 * kv_heads:-kv_heads]
-    v_cache[slot_mapping] = heads[:, -kv_heads:]
-    return qkv
 ''',
-    ("linear", "wrong_silu_on_up"): '''# slot: linear    variant: wrong_silu_on_up    devices: cpu, cuda
-def linear__wrong_silu_on_up(x, weight):
-    return F.linear(x, weight)
-
-
-def linear_silu__wrong_silu_on_up(x, weight):
-    gate, up = F.linear(x, weight).chunk(2, dim=-1)
-    return gate * F.silu(up)          # wrong: silu belongs on the gate rows (the first half of weight)
-
-
-def linear_add_norm__wrong_silu_on_up(x, weight, residual, norm_w, eps):
+    "linear_add_norm": '''def linear_add_norm__{v}(x, weight, residual, norm_w, eps):
     r = residual + F.linear(x, weight)
     rf = r.float()
     return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w, r
-
-
-def linear_rope_cache__wrong_silu_on_up(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
+''',
+    "linear_rope_cache": '''def linear_rope_cache__{v}(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
     kv_heads, d = k_cache.shape[1], k_cache.shape[2]
     qkv = F.linear(x, weight)
     heads = qkv.view(x.shape[0], -1, d)
@@ -273,82 +246,38 @@ def linear_rope_cache__wrong_silu_on_up(x, weight, cos, sin, positions, slot_map
     v_cache[slot_mapping] = heads[:, -kv_heads:]
     return qkv
 ''',
-    ("linear", "wrong_stale_residual"): '''# slot: linear    variant: wrong_stale_residual    devices: cpu, cuda
-def linear__wrong_stale_residual(x, weight):
-    return F.linear(x, weight)
+}
 
 
-def linear_silu__wrong_stale_residual(x, weight):
+def _wrong_linear(variant: str, fn: str, wrong: str) -> str:
+    """A linear variant's module text: _LINEAR_RIGHT with function `fn` replaced by `wrong`."""
+    bodies = {**_LINEAR_RIGHT, fn: wrong}
+    text = "\n\n".join(bodies[name].replace("{v}", variant) for name in _LINEAR_RIGHT)
+    return f"# slot: linear    variant: {variant}    devices: cpu, cuda\n" + text
+
+
+WRONG.update({("linear", variant): _wrong_linear(variant, fn, wrong) for variant, fn, wrong in (
+    ("wrong_norm_unweighted", "linear_add_norm", '''def linear_add_norm__{v}(x, weight, residual, norm_w, eps):
+    r = residual + F.linear(x, weight)
+    rf = r.float()
+    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype), r   # wrong: no * norm_w
+'''),
+    ("wrong_silu_on_up", "linear_silu", '''def linear_silu__{v}(x, weight):
     gate, up = F.linear(x, weight).chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def linear_add_norm__wrong_stale_residual(x, weight, residual, norm_w, eps):
+    return gate * F.silu(up)          # wrong: silu belongs on the gate rows (the first half of weight)
+'''),
+    ("wrong_stale_residual", "linear_add_norm", '''def linear_add_norm__{v}(x, weight, residual, norm_w, eps):
     r = residual + F.linear(x, weight)
     rf = r.float()
     normed = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w
     return normed, residual           # wrong: the new residual is the sum r
-
-
-def linear_rope_cache__wrong_stale_residual(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
-    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
-    qkv = F.linear(x, weight)
-    heads = qkv.view(x.shape[0], -1, d)
-    turned = heads[:, :heads.shape[1] - kv_heads]
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    e, o = turned[..., 0::2].clone(), turned[..., 1::2].clone()
-    turned[..., 0::2], turned[..., 1::2] = e * c - o * s, e * s + o * c
-    k_cache[slot_mapping] = heads[:, -2 * kv_heads:-kv_heads]
-    v_cache[slot_mapping] = heads[:, -kv_heads:]
-    return qkv
-''',
-    ("linear", "wrong_weight_tail"): '''# slot: linear    variant: wrong_weight_tail    devices: cpu, cuda
-def linear__wrong_weight_tail(x, weight):
+'''),
+    ("wrong_weight_tail", "linear", '''def linear__{v}(x, weight):
     # wrong: a tiled kernel that drops the last partial K block (here: the K % 64 tail columns)
     k = x.shape[1] - x.shape[1] % 64
     return F.linear(x[:, :k], weight[:, :k])
-
-
-def linear_silu__wrong_weight_tail(x, weight):
-    gate, up = F.linear(x, weight).chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def linear_add_norm__wrong_weight_tail(x, weight, residual, norm_w, eps):
-    r = residual + F.linear(x, weight)
-    rf = r.float()
-    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w, r
-
-
-def linear_rope_cache__wrong_weight_tail(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
-    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
-    qkv = F.linear(x, weight)
-    heads = qkv.view(x.shape[0], -1, d)
-    turned = heads[:, :heads.shape[1] - kv_heads]
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    e, o = turned[..., 0::2].clone(), turned[..., 1::2].clone()
-    turned[..., 0::2], turned[..., 1::2] = e * c - o * s, e * s + o * c
-    k_cache[slot_mapping] = heads[:, -2 * kv_heads:-kv_heads]
-    v_cache[slot_mapping] = heads[:, -kv_heads:]
-    return qkv
-''',
-    ("linear", "wrong_rope_rotate_half"): '''# slot: linear    variant: wrong_rope_rotate_half    devices: cpu, cuda
-def linear__wrong_rope_rotate_half(x, weight):
-    return F.linear(x, weight)
-
-
-def linear_silu__wrong_rope_rotate_half(x, weight):
-    gate, up = F.linear(x, weight).chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def linear_add_norm__wrong_rope_rotate_half(x, weight, residual, norm_w, eps):
-    r = residual + F.linear(x, weight)
-    rf = r.float()
-    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype) * norm_w, r
-
-
-def linear_rope_cache__wrong_rope_rotate_half(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
+'''),
+    ("wrong_rope_rotate_half", "linear_rope_cache", '''def linear_rope_cache__{v}(x, weight, cos, sin, positions, slot_mapping, k_cache, v_cache):
     kv_heads, d = k_cache.shape[1], k_cache.shape[2]
     qkv = F.linear(x, weight)
     heads = qkv.view(x.shape[0], -1, d)
@@ -360,5 +289,5 @@ def linear_rope_cache__wrong_rope_rotate_half(x, weight, cos, sin, positions, sl
     k_cache[slot_mapping] = heads[:, -2 * kv_heads:-kv_heads]
     v_cache[slot_mapping] = heads[:, -kv_heads:]
     return qkv
-''',
-}
+'''),
+)})
