@@ -103,7 +103,8 @@ def problems(cfg_name: str, cfg: dict, dtype):
                                 ("gate_up+silu", "linear_silu", cfg["H"], 2 * cfg["I"]),
                                 ("o_proj+add+norm", "linear_add_norm", cfg["Hq"] * cfg["D"], cfg["H"]),
                                 ("down+add+norm", "linear_add_norm", cfg["I"], cfg["H"])):
-            spec = {"N": n, "K": k, "O": o, "row_strided": False, "eps": 1e-5, "x_scale": 1.0}
+            spec = {"N": n, "K": k, "O": o, "D": cfg["D"], "Hkv": cfg["Hkv"], "theta": 10000.0,
+                    "row_strided": False, "eps": 1e-5, "x_scale": 1.0}
             inp = slot_check.make_inputs("linear", spec, dtype, "cuda")
             _, args = slot_check.SLOTS["linear"].FUNCTIONS[fn]
             out.append((f"{label} N={n}", "linear", fn, {a: inp[a] for a in args}))
@@ -167,8 +168,10 @@ DECODE_SWEEP = [{}] + [{"decode_splits": s, "decode_block_n": n} for s in (0, 1,
 EXACT_DECODE_SWEEP = [{}] + [{"decode_splits": s, "decode_block_n": n, "decode_warps": w}
                              for s in (1, 2, 3) for n in (32, 64) for w in (4, 8)]
 PREFILL_SWEEP = [{}] + [{"prefill_block_m": m, "prefill_block_n": n, "prefill_warps": w, "prefill_stages": st}
-                 for m, n, w, st in ((64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 2),
-                                     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))]
+                 for m, n, w, st in ((16, 16, 2, 2), (16, 16, 4, 2), (32, 16, 4, 2), (32, 32, 2, 2),
+                                     (32, 32, 4, 2), (32, 32, 4, 3), (64, 32, 4, 2), (64, 32, 4, 3),
+                                     (64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 3),
+                                     (128, 32, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))]
 
 # triton_exact (what the search keeps for prefill): row tile, key tile (divides the row tile), warps, stages
 EXACT_PREFILL_SWEEP = [{}] + [{"prefill_block_m": m, "prefill_block_n": n, "prefill_warps": w, "prefill_stages": st}
