@@ -334,11 +334,12 @@ def test_prefill_layout_is_derived_on_the_device(tmp_path):
     seq_lens = [2, bs + 1]
     writes = ([1, 2, 2], [0, 0, 1], [7, 9, 4])
     meta = torch.tensor(module.prefill_metadata(seq_lens, [1, 2], writes, bs + 5, 4, 6))
-    cu, positions, slots = c.engine._prefill_layout(meta, bs + 5, 4)
-    assert cu.tolist() == [0, 2, bs + 3, bs + 5, bs + 5]
+    cu, positions, slots, last = c.engine.prefill_layout(c.engine.block_table, meta, bs + 5, 4)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, bs + 3, bs + 5, bs + 5]
     assert positions.tolist() == [0, 1] + list(range(bs + 1)) + [0, 0]
     assert slots.tolist() == ([7 * bs, 7 * bs + 1] + [9 * bs + j for j in range(bs)] + [4 * bs]
                               + [module.SCRATCH_SLOT] * 2)
+    assert last.tolist() == [1, bs + 2, bs + 4, bs + 4]
     assert c.engine.block_table[2, :2].tolist() == [9, 4]
 
 
@@ -384,3 +385,51 @@ def test_cuda(tmp_path, slots, graphs, cfg):
     for _ in range(3):
         c.decode([14, 13, 12, 11, 10, 9])
         c.decode([9, 11])
+
+
+def check_layout_kernels(module, device, trials=12):
+    """prefill_layout_triton and decode_table_triton against their torch forms on random packed
+    prefills (graph padding and spare writes included) and decode steps (padding rows included):
+    the same outputs, and the same block table after."""
+    rng = random.Random()
+    bs, scratch = module.BLOCK_SIZE, module.SCRATCH_ROW
+    width = 32
+    for _ in range(trials):
+        table = torch.randint(1, 10_000, (64, width), dtype=torch.int32, device=device)
+        table[scratch] = module.SCRATCH_BLOCK
+        seq_lens = [rng.randint(1, 300) for _ in range(rng.randint(1, 20))]
+        rows = rng.sample(range(scratch + 1, 64), len(seq_lens))
+        blocks = iter(rng.sample(range(1, 10_000), sum(-(-n // bs) for n in seq_lens)))
+        writes = ([], [], [])
+        for row, n in zip(rows, seq_lens):
+            for col in range(-(-n // bs)):
+                writes[0].append(row)
+                writes[1].append(col)
+                writes[2].append(next(blocks))
+        pad_tokens = rng.choice([0, 3, 37])
+        num_seqs = len(seq_lens) + (pad_tokens > 0) + rng.randint(0, 3)
+        num_tokens = sum(seq_lens) + pad_tokens
+        meta = torch.tensor(module.prefill_metadata(seq_lens, rows, writes, num_tokens, num_seqs,
+                                                    len(writes[0]) + rng.randint(0, 4)), device=device)
+        want_table, got_table = table.clone(), table.clone()
+        want = module.prefill_layout_torch(want_table, meta, num_tokens, num_seqs)
+        got = module.prefill_layout_triton(got_table, meta, num_tokens, num_seqs)
+        for name, w, g in zip(("cu_seqlens", "positions", "slots", "last"), want, got):
+            assert g.dtype == w.dtype and torch.equal(g, w), name
+        assert torch.equal(got_table, want_table)
+
+        batch = rng.randint(1, 64 - scratch - 1)
+        live = rng.randint(1, batch)
+        step_rows = rng.sample(range(scratch + 1, 64), live) + [scratch] * (batch - live)
+        cols = [rng.randrange(width) for _ in range(live)] + [0] * (batch - live)
+        new = [rng.randint(1, 10_000) for _ in range(live)] + [module.SCRATCH_BLOCK] * (batch - live)
+        args = (torch.tensor(step_rows, device=device), torch.tensor(cols, device=device),
+                torch.tensor(new, dtype=torch.int32, device=device))
+        want_table, got_table = table.clone(), table.clone()
+        assert torch.equal(module.decode_table_triton(got_table, *args), module.decode_table_torch(want_table, *args))
+        assert torch.equal(got_table, want_table)
+
+
+@cuda_only
+def test_layout_kernels_match_torch():
+    check_layout_kernels(load_engine(torch_plan()), "cuda")
