@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """The linear slot's tilings timed as the engine runs them: weights cold in L2.
 
-    OUT=... python3 scripts/gpu_linear_sweep.py [--configs public,1B] [--quick] [--rows N]
+    OUT=... python3 scripts/gpu_linear_sweep.py [--configs public,1B] [--quick] [--rows N] [--add-norm]
 
 --rows N times the projections at N rows instead of the config's decode batch; above the
 kernel's WIDE_ROWS (a prefill) it sweeps the wide tilings of QKV + RoPE and gate/up + SwiGLU, the
 two functions an engine runs at that size, against cuBLAS plus the rope_cache or silu_mul kernel.
+--add-norm times only o_proj and down with their residual add and norm (linear_add_norm, a split-K
+GEMM and its reduction) over a small split grid, at any --rows: can prefill-sized passes use it?
 
 Why: gpu_kernel_check.py replays one call on one weight matrix, which then sits in L2 (50 MiB on
 an H100) from the second replay on. In a decode step every projection reads a weight nobody read
@@ -64,21 +66,23 @@ QUICK_GEMM = {"linear_gemm_block_n": (16, 32), "linear_block_k": (128, 256), "li
               "linear_gemm_warps": (4,)}
 QUICK_SPLIT = {"linear_block_n": (16, 32), "linear_splits": (4, 8), "linear_block_k": (128,),
                "linear_stages": (3, 4), "linear_warps": (4,)}
+ADD_NORM_SPLIT = {"linear_block_n": (32, 64), "linear_splits": (1, 2, 4, 8), "linear_block_k": (128,),
+                  "linear_stages": (3,), "linear_warps": (4,)}
 
 
 def grid(axes: dict) -> list[dict]:
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
-def problems(name: str, rows: int | None, wide: bool):
+def problems(name: str, rows: int | None, wide: bool, add_norm: bool = False):
     """(label, fn, kwargs) of the projections at `rows` (default: the config's decode rows): all
-    four, or with `wide` QKV + RoPE and gate/up + SwiGLU."""
+    four, with `wide` QKV + RoPE and gate/up + SwiGLU, with `add_norm` o_proj and down."""
     h, hq, hkv, d, inter, decode_rows = CONFIGS[name]
     rows = rows or decode_rows
     four = (("qkv", "linear", h, (hq + 2 * hkv) * d), ("gate_up+silu", "linear_silu", h, 2 * inter),
             ("o_proj+add+norm", "linear_add_norm", hq * d, h), ("down+add+norm", "linear_add_norm", inter, h))
     two = (("qkv+rope", "linear_rope_cache", h, (hq + 2 * hkv) * d), ("gate_up+silu", "linear_silu", h, 2 * inter))
-    for label, fn, k, o in (two if wide else four):
+    for label, fn, k, o in (four[2:] if add_norm else two if wide else four):
         spec = {"N": rows, "K": k, "O": o, "D": d, "Hkv": hkv, "theta": 10000.0, "row_strided": False, "eps": 1e-5,
                 "x_scale": 1.0}
         inp = slot_check.make_inputs("linear", spec, torch.float16, "cuda")
@@ -126,15 +130,16 @@ def main() -> int:
     ap.add_argument("--configs", default="public,1B")
     ap.add_argument("--quick", action="store_true", help="a smaller grid")
     ap.add_argument("--rows", type=int, default=0, help="rows a call (default: each config's decode batch)")
+    ap.add_argument("--add-norm", action="store_true", help="only o_proj and down + residual add + norm")
     args = ap.parse_args()
-    wide = args.rows > WIDE_ROWS
+    wide = args.rows > WIDE_ROWS and not args.add_norm
     OUT.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     rows = []
     for name in args.configs.split(","):
-        for label, fn, kwargs in problems(name, args.rows, wide):
+        for label, fn, kwargs in problems(name, args.rows, wide, args.add_norm):
             split = fn == "linear_add_norm"
-            axes = ((QUICK_WIDE if args.quick else WIDE_GRID) if wide
+            axes = (ADD_NORM_SPLIT if args.add_norm else (QUICK_WIDE if args.quick else WIDE_GRID) if wide
                     else (QUICK_SPLIT if split else QUICK_GEMM) if args.quick else (SPLIT_GRID if split else GEMM_GRID))
             tilings = grid(axes) + ([NARROW_AT_WIDE] if wide else [])
             results = [{"params": "cuBLAS", "us": cold_time_us(unfused_linear(fn), kwargs), "err": 0.0}]
