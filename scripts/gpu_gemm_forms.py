@@ -15,7 +15,7 @@ faster kernel. Forms, each x [M, K] @ w^T:
            setting: reported to know, not for the engine, whose settings must not change the
            reference's GEMMs in the same process)
 Each form's time is a CUDA-graph replay of LAYERS calls, each with its own copy of the weight (the
-engine's layers: weights come from HBM, not L2), divided by LAYERS; median of REPEATS replays.
+engine's layers: weights come from HBM, not L2), divided by LAYERS; median of 20 replays.
 Beside each time: the fraction of outputs bit-equal to `linear`'s (1.0: the same rounding) and
 the max abs difference. fp16, reduced-precision reductions off, as the engine sets them.
 """
@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.nn.functional as F
 
+from scripts.gpu_linear_sweep import graph_replay_us
+
 LAYERS = 12
-REPEATS = 20
 CONFIGS = {   # hidden, q heads, kv heads, head_dim, intermediate, vocab; row counts to time
     "public": (768, 4, 4, 192, 3072, 4096, (8, 64, 128, 192, 256, 384, 512)),
     "1B": (2048, 32, 8, 64, 8192, 32000, (64, 512, 2048, 16384)),
@@ -45,7 +47,7 @@ def projections(hidden, hq, hkv, d, inter, vocab) -> dict[str, tuple[int, int]]:
 
 
 def time_graph(calls) -> float:
-    """µs per call: median over REPEATS replays of a graph running `calls` once each."""
+    """µs per call of a graph running `calls` once each (graph_replay_us: median of its replays)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -56,17 +58,7 @@ def time_graph(calls) -> float:
     with torch.cuda.graph(graph):
         for c in calls:
             c()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(calls))
-    return statistics.median(times)
+    return graph_replay_us(graph, len(calls))
 
 
 def run(config: str) -> list[dict]:
