@@ -24,17 +24,16 @@ Default engine: the library plan the builtin search jumps to (PREFERRED, triton_
 --host-breakdown (instead of the above): where the host microseconds of each call go, on fresh
 engines built and timed as the benchmark builds them (SPEC §5). torch.profiler's CUPTI callbacks
 inflate host times, so this mode never starts it: it wraps the callables a paged engine calls in
-prefill/decode (its helper methods on the instance, its staging buffers' copy, the module's
-prefill_metadata; and, while its engine is measured, torch.cat, torch.frombuffer,
-CUDAGraph.replay, Event.synchronize, Tensor.clone/copy_/to) and sums time.perf_counter_ns per
-callable per call.
+prefill/decode (its helper methods on the instance, its module's Mailbox.post and metadata
+builders; and, while its engine is measured, torch.cat, torch.frombuffer, CUDAGraph.replay,
+Event.synchronize, Tensor.clone/copy_/to) and sums time.perf_counter_ns per callable per call.
 Per case: `repeat` fresh-engine runs wrapped and as many plain (to see what the wrappers cost);
 for the median wrapped run, per call, the sections it called directly, other = whole - their sum
-(the engine's own Python: loops, list building, slicing), until_copy (entry to the metadata copy:
-the bookkeeping before it) and when the GPU finished; then, on that engine, a warm call of the
+(the engine's own Python: loops, list building, slicing), until_copy (entry to the metadata's way
+to the device, a mailbox post or a copy: the bookkeeping before it) and when the GPU finished; then, on that engine, a warm call of the
 trace's first prefill and the same call once more (steady state), each after a synchronize, so
 first-call effects show. GPU syncs stay outside the measured calls; only the engine's own (its
-staging-event waits, ev_sync) fall inside. --device cpu runs the engine's CPU path (no graphs,
+mailbox polls inside post, or staging-event waits, ev_sync) fall inside. --device cpu runs the engine's CPU path (no graphs,
 no GPU times): a check of the wrapping on a machine without a GPU. Numbers go to --out/profile.json.
 """
 from __future__ import annotations
@@ -189,14 +188,14 @@ ENGINE_METHODS = {
     "_ensure_positions": "ensure_pos", "_allocate_row": "alloc_row", "_allocate_blocks": "alloc_blk",
     "_prefill_bucket": "bucket", "_decode_graph_key": "bucket",
     "_capture_prefill": "capture", "_capture_decode": "capture",
-    "_to_device": "to_device", "_copy_to_device": "h2d_meta",
+    "_to_device": "to_device", "_copy_to_device": "h2d_meta", "_input": "input",
     "_prefill_step": "eager_step", "_decode_step": "eager_step",
 }
 MODULE_FUNCTIONS = {"prefill_metadata": "meta_build", "decode_metadata": "meta_build"}   # engine-module globals, looked up at call time
-METADATA_COPIES = ("h2d_meta", "to_device")             # until_copy ends where the first of these starts
+METADATA_COPIES = ("post", "h2d_meta", "to_device")     # until_copy ends where the first of these starts
 # Table columns in this order; labels not listed follow in order of appearance.
-SECTION_ORDER = ("ensure_pos", "alloc_row", "alloc_blk", "bucket", "capture", "to", "cat", "meta_build",
-                 "copy_", "to_device", "h2d_meta", "eager_step", "replay", "clone")
+SECTION_ORDER = ("ensure_pos", "alloc_row", "alloc_blk", "input", "bucket", "capture", "to", "cat", "meta_build",
+                 "copy_", "post", "to_device", "h2d_meta", "eager_step", "replay", "clone")
 
 # (labels from the outermost wrapped callable down to this one, start ns, end ns)
 Span = tuple[tuple[str, ...], int, int]
@@ -214,7 +213,7 @@ def torch_targets() -> list[tuple[Any, str, str]]:
 
 class HostClock:
     """Wrappers that, while `active`, record a Span per call of the wrapped callable. A wrapped
-    call inside another (staging.copy inside _copy_to_device) gets the path of labels above it."""
+    call inside another (Tensor.to inside _input) gets the path of labels above it."""
 
     def __init__(self) -> None:
         self.active = False
@@ -268,14 +267,18 @@ def wrapper_overhead_us(reps: int = 20000) -> float:
 
 def instrument(engine: Any, clock: HostClock) -> list[tuple[Any, str, Callable]]:
     """(owner, attribute, wrapper) for `patched`: the engine's methods on the instance (shadowing
-    the class's, so the template is untouched), its staging buffers' copy, its module's metadata
-    builder, and the torch callables of torch_targets."""
+    the class's, so the template is untouched), its staging buffers' copy (older engines) or its
+    module's Mailbox.post (at class level: every mailbox), its module's metadata builders, and the
+    torch callables of torch_targets."""
     module = sys.modules[type(engine).__module__]
     targets = [(engine, name, clock.wrap(label, getattr(engine, name)))
                for name, label in ENGINE_METHODS.items() if callable(getattr(engine, name, None))]
     staging = getattr(engine, "staging", None)
     if callable(getattr(staging, "copy", None)):
         targets.append((staging, "copy", clock.wrap("staging", staging.copy)))
+    mailbox = getattr(module, "Mailbox", None)
+    if callable(getattr(mailbox, "post", None)):
+        targets.append((mailbox, "post", clock.wrap("post", mailbox.post)))
     targets += [(module, name, clock.wrap(label, getattr(module, name)))
                 for name, label in MODULE_FUNCTIONS.items() if callable(getattr(module, name, None))]
     targets += [(owner, name, clock.wrap(label, getattr(owner, name)))

@@ -78,17 +78,18 @@ class Checked:
     def tokens(self, n):
         return torch.randint(0, self.vocab, (n,), generator=self.gen, device=self.device)
 
-    def prefill(self, ids, lengths):
+    def prefill(self, ids, lengths, as_input=None):
+        """as_input(t) -> what the engine gets (another device, dtype or layout): by default t."""
         prompts = [self.tokens(n) for n in lengths]
         for rid, p in zip(ids, prompts):
             self.history[rid] = p.tolist()
-        self._check(ids, self.engine.prefill(ids, prompts))
+        self._check(ids, self.engine.prefill(ids, [as_input(p) for p in prompts] if as_input else prompts))
 
-    def decode(self, ids):
+    def decode(self, ids, as_input=None):
         toks = self.tokens(len(ids))
         for rid, t in zip(ids, toks.tolist()):
             self.history[rid].append(t)
-        self._check(ids, self.engine.decode(ids, toks))
+        self._check(ids, self.engine.decode(ids, as_input(toks) if as_input else toks))
 
     def remove(self, ids):
         self.engine.remove(ids)
@@ -243,11 +244,23 @@ def test_decode_output_survives_the_next_call_cpu(tmp_path):
 
 def with_fake_graphs(engine, module, max_batch=4, max_tokens=64):
     """Run the CUDA-graph code path on the CPU: 'capture' runs the step once into a static
-    output and 'replay' reruns it on the static inputs, so bucketing, padding, static buffers
-    and recapture after growth are all exercised. The attention slots get graph-safe stand-ins
+    output and 'replay' reruns it on what the call posted to the graph's mailbox, so bucketing,
+    padding, mailboxes, static outputs and recapture after growth are all exercised. A graph's
+    step passes no prompts or tokens (on CUDA its kernel reads them through their addresses in
+    the metadata): here the torch forms get the values at those addresses, looked up among the
+    call's inputs, which checks the addresses. The attention slots get graph-safe stand-ins
     (they read the layout from cu_seqlens / context_lens, never from host lists)."""
-    def capture(tokens, meta, step):
-        engine.captured.append(("decode" if meta.dim() == 2 else "prefill", tokens.shape[0]))
+    inputs = []   # the current call's prompts or tokens, as the engine reads them (after _input)
+
+    def value_at(address):
+        """The int64 element at `address` in one of the call's inputs."""
+        for t in inputs:
+            offset, rest = divmod(address - t.data_ptr(), t.element_size())
+            if rest == 0 and 0 <= offset < t.numel():
+                return t.view(-1)[offset]
+        raise AssertionError(f"the metadata names address {address:#x}, in none of the call's inputs")
+
+    def capture(box, step):
         engine.capturing = True
         logits = step()
         engine.capturing = False
@@ -256,7 +269,44 @@ def with_fake_graphs(engine, module, max_batch=4, max_tokens=64):
             def replay(self):
                 logits.copy_(step())
 
-        return module.CapturedStep(Replay(), tokens, meta, logits)
+        return module.CapturedStep(Replay(), box, logits)
+
+    def recording(kind, capture_step):
+        def wrapped(size, *rest):
+            engine.captured.append((kind, size))
+            return capture_step(size, *rest)
+        return wrapped
+
+    def new_call(call):
+        def wrapped(ids, given):
+            inputs.clear()
+            return call(ids, given)
+        return wrapped
+
+    def kept(as_input):
+        def wrapped(t):
+            inputs.append(as_input(t))
+            return inputs[-1]
+        return wrapped
+
+    def words(box, start, stop):
+        return box.words[module.MAILBOX_HEADER + start:module.MAILBOX_HEADER + stop].tolist()
+
+    def prefill_inputs(block_table, box, num_tokens, num_seqs, num_writes, prompts=None):
+        if prompts is None:
+            prompts = []
+            for address, start, end in zip(words(box, 2 * num_seqs + 1, 3 * num_seqs + 1), words(box, 0, num_seqs),
+                                           words(box, 1, num_seqs + 1)):
+                if address:
+                    prompts.append(torch.stack([value_at(address + 8 * j) for j in range(end - start)]))
+        return module.prefill_inputs_torch(block_table, box, num_tokens, num_seqs, num_writes, prompts)
+
+    def decode_inputs(block_table, box, batch, width, token_ids=None):
+        if token_ids is None:
+            addresses = words(box, 5 * batch, 6 * batch)
+            token_ids = torch.tensor([int(value_at(a)) for a in addresses if a], dtype=torch.long)
+            assert addresses[len(token_ids):] == [0] * (batch - len(token_ids))   # padding rows last
+        return module.decode_inputs_torch(block_table, box, batch, width, token_ids)
 
     def prefill_from_cu(q, k, v, cu_seqlens, seq_lens, max_seqlen, scale):
         bounds = cu_seqlens.tolist()
@@ -278,6 +328,13 @@ def with_fake_graphs(engine, module, max_batch=4, max_tokens=64):
     engine.capturing = False
     engine.context_bounds = set()
     engine._capture = capture
+    engine._capture_prefill = recording("prefill", engine._capture_prefill)
+    engine._capture_decode = recording("decode", engine._capture_decode)
+    engine.prefill = new_call(engine.prefill)
+    engine.decode = new_call(engine.decode)
+    engine._input = kept(engine._input)
+    engine.prefill_inputs = prefill_inputs
+    engine.decode_inputs = decode_inputs
     engine.decode_buckets = module.powers_of_two(1, max_batch)
     engine.prefill_buckets = module.powers_of_two(module.MIN_GRAPH_TOKENS, max_tokens)
     return engine
@@ -295,6 +352,8 @@ def test_graph_code_path_on_cpu(tmp_path):
     c.decode([1, 30, 2, 3, 4])                       # batch 5: eager (largest bucket is 4)
     c.decode([6, 5, 30])                             # batch 3: the 4 bucket, padded
     c.decode([6, 5])                                 # short contexts: the short-context class
+    c.prefill([40, 41], [5, 9], as_input=lambda t: t.to(torch.int32))     # converted before use
+    c.decode([41, 40], as_input=lambda t: torch.stack([t, t], 1)[:, 0])   # strided: copied
     assert {("prefill", 32), ("decode", 4)} <= set(c.engine.captured)
     short = module.SHORT_CONTEXT
     assert {short, c.engine.max_positions} <= c.engine.context_bounds   # both classes replayed
@@ -302,39 +361,46 @@ def test_graph_code_path_on_cpu(tmp_path):
 
 
 def test_decode_metadata_layout():
-    """Four int64 rows, then context_lens and blocks as the int32 halves of the fifth; padding
-    rows are the scratch row's."""
+    """Four int64 rows, context_lens and blocks as the int32 halves of the fifth, the token
+    addresses; padding rows are the scratch row's (address 0: token 0)."""
     module = load_engine(torch_plan())
-    words = module.decode_metadata([5, 16], [37, 80], [3, 1], [0, 1], [6, 17], [2, 5], 3)
+    words = module.decode_metadata([5, 16], [37, 80], [3, 1], [0, 1], [6, 17], [2, 5], range(800, 816, 8), 3)
     meta = torch.tensor(words, dtype=torch.long).view(module.DECODE_META_ROWS, 3)
     assert meta[:4].tolist() == [[5, 16, 0], [37, 80, module.SCRATCH_SLOT], [3, 1, module.SCRATCH_ROW],
                                  [0, 1, 0]]
     context_lens, blocks = meta[4].view(torch.int32).view(2, -1)
     assert context_lens.tolist() == [6, 17, 1]
     assert blocks.tolist() == [2, 5, module.SCRATCH_BLOCK]
+    assert meta[5].tolist() == [800, 808, 0]
 
 
 def test_prefill_metadata_padding():
     module = load_engine(torch_plan())
     row, block = module.SCRATCH_ROW, module.SCRATCH_BLOCK
-    meta = module.prefill_metadata([2, 1], [1, 2], ([1, 2], [0, 0], [7, 9]), 5, 4, 4)
-    assert meta == ([0, 2, 3, 5, 5] + [1, 2, row, row]
+    meta = module.prefill_metadata([2, 1], [1, 2], [640, 768], ([1, 2], [0, 0], [7, 9]), 5, 4, 4)
+    assert meta == ([0, 2, 3, 5, 5] + [1, 2, row, row] + [640, 768, 0, 0]
                     + [1, 2, row, row] + [0, 0, 0, 0] + [7, 9, block, block])
     assert module.padded_seq_lens([2, 1], 5, 4) == [2, 1, 2, 0]
-    assert module.prefill_metadata([1], [3], ([3], [0], [4]), 1, 1, 1) == [0, 1, 3, 3, 0, 4]
+    assert module.prefill_metadata([1], [3], [64], ([3], [0], [4]), 1, 1, 1) == [0, 1, 3, 64, 3, 0, 4]
     assert len(meta) == module.prefill_metadata_size(4, 4)
 
 
 def test_prefill_layout_is_derived_on_the_device(tmp_path):
-    """Positions and slots of a padded packed prefill, from the per-sequence metadata: two prompts
-    (the second crossing a block boundary), then graph padding in the scratch row."""
+    """Tokens, positions and slots of a padded packed prefill, from the per-sequence metadata in
+    a mailbox: two prompts (the second crossing a block boundary), then graph padding in the
+    scratch row. Reading the mailbox acknowledges the post."""
     c = Checked(torch_plan(**SMALL_CACHE), config(), tmp_path)
     module = sys.modules[type(c.engine).__module__]
     bs = module.BLOCK_SIZE
     seq_lens = [2, bs + 1]
+    prompts = [c.tokens(n) for n in seq_lens]
     writes = ([1, 2, 2], [0, 0, 1], [7, 9, 4])
-    meta = torch.tensor(module.prefill_metadata(seq_lens, [1, 2], writes, bs + 5, 4, 6))
-    cu, positions, slots, last = c.engine.prefill_layout(c.engine.block_table, meta, bs + 5, 4)
+    box = module.Mailbox(64, "cpu")
+    box.post(module.prefill_metadata(seq_lens, [1, 2], [p.data_ptr() for p in prompts], writes, bs + 5, 4, 6))
+    assert box.array[module.MAILBOX_ACKED] != box.array[module.MAILBOX_POSTED]
+    tokens, cu, positions, slots, last = c.engine.prefill_inputs(c.engine.block_table, box, bs + 5, 4, 6, prompts)
+    assert box.array[module.MAILBOX_ACKED] == box.array[module.MAILBOX_POSTED]
+    assert tokens.tolist() == prompts[0].tolist() + prompts[1].tolist() + [0, 0]
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, bs + 3, bs + 5, bs + 5]
     assert positions.tolist() == [0, 1] + list(range(bs + 1)) + [0, 0]
     assert slots.tolist() == ([7 * bs, 7 * bs + 1] + [9 * bs + j for j in range(bs)] + [4 * bs]
@@ -388,16 +454,32 @@ def test_cuda(tmp_path, slots, graphs, cfg):
 
 
 def check_layout_kernels(module, device, trials=12):
-    """prefill_layout_triton and decode_table_triton against their torch forms on random packed
-    prefills (graph padding and spare writes included) and decode steps (padding rows included):
-    the same outputs, and the same block table after."""
+    """prefill_inputs_triton and decode_inputs_triton against their torch forms on random packed
+    prefills (graph padding and spare writes included) and decode steps (padding rows included),
+    the metadata posted to a mailbox each time: the same outputs (tokens gathered through their
+    addresses included), the same block table after, and every post acknowledged."""
     rng = random.Random()
     bs, scratch = module.BLOCK_SIZE, module.SCRATCH_ROW
     width = 32
+    box = module.Mailbox(4096, device)
+
+    def both(form_torch, form_triton, values, *args):
+        """(torch form's outputs and table, Triton form's), each run on its own copy of the table."""
+        out = []
+        for form in (form_torch, form_triton):
+            box.post(values)
+            copy = table.clone()
+            out.append((form(copy, box, *args), copy))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert box.array[module.MAILBOX_ACKED] == box.array[module.MAILBOX_POSTED], "post not acknowledged"
+        return out
+
     for _ in range(trials):
         table = torch.randint(1, 10_000, (64, width), dtype=torch.int32, device=device)
         table[scratch] = module.SCRATCH_BLOCK
         seq_lens = [rng.randint(1, 300) for _ in range(rng.randint(1, 20))]
+        prompts = [torch.randint(0, 1 << 40, (n,), device=device) for n in seq_lens]
         rows = rng.sample(range(scratch + 1, 64), len(seq_lens))
         blocks = iter(rng.sample(range(1, 10_000), sum(-(-n // bs) for n in seq_lens)))
         writes = ([], [], [])
@@ -409,24 +491,29 @@ def check_layout_kernels(module, device, trials=12):
         pad_tokens = rng.choice([0, 3, 37])
         num_seqs = len(seq_lens) + (pad_tokens > 0) + rng.randint(0, 3)
         num_tokens = sum(seq_lens) + pad_tokens
-        meta = torch.tensor(module.prefill_metadata(seq_lens, rows, writes, num_tokens, num_seqs,
-                                                    len(writes[0]) + rng.randint(0, 4)), device=device)
-        want_table, got_table = table.clone(), table.clone()
-        want = module.prefill_layout_torch(want_table, meta, num_tokens, num_seqs)
-        got = module.prefill_layout_triton(got_table, meta, num_tokens, num_seqs)
-        for name, w, g in zip(("cu_seqlens", "positions", "slots", "last"), want, got):
+        num_writes = len(writes[0]) + rng.randint(0, 4)
+        values = module.prefill_metadata(seq_lens, rows, [p.data_ptr() for p in prompts], writes, num_tokens,
+                                         num_seqs, num_writes)
+        (want, want_table), (got, got_table) = both(module.prefill_inputs_torch, module.prefill_inputs_triton,
+                                                    values, num_tokens, num_seqs, num_writes, prompts)
+        for name, w, g in zip(("tokens", "cu_seqlens", "positions", "slots", "last"), want, got):
             assert g.dtype == w.dtype and torch.equal(g, w), name
         assert torch.equal(got_table, want_table)
 
         batch = rng.randint(1, 64 - scratch - 1)
         live = rng.randint(1, batch)
-        step_rows = rng.sample(range(scratch + 1, 64), live) + [scratch] * (batch - live)
-        cols = [rng.randrange(width) for _ in range(live)] + [0] * (batch - live)
-        new = [rng.randint(1, 10_000) for _ in range(live)] + [module.SCRATCH_BLOCK] * (batch - live)
-        args = (torch.tensor(step_rows, device=device), torch.tensor(cols, device=device),
-                torch.tensor(new, dtype=torch.int32, device=device))
-        want_table, got_table = table.clone(), table.clone()
-        assert torch.equal(module.decode_table_triton(got_table, *args), module.decode_table_torch(want_table, *args))
+        token_ids = torch.randint(0, 1 << 40, (live,), device=device)
+        step_rows = rng.sample(range(scratch + 1, 64), live)
+        cols = [rng.randrange(width) for _ in range(live)]
+        new = [rng.randint(1, 10_000) for _ in range(live)]
+        positions = [rng.randrange(1 << 20) for _ in range(live)]
+        addresses = range(token_ids.data_ptr(), token_ids.data_ptr() + 8 * live, 8)
+        values = module.decode_metadata(positions, positions, step_rows, cols, positions, new, addresses, batch)
+        step_width = rng.randint(1, width)
+        (want, want_table), (got, got_table) = both(module.decode_inputs_torch, module.decode_inputs_triton,
+                                                    values, batch, step_width, token_ids)
+        for name, w, g in zip(("meta", "table rows", "tokens"), want, got):
+            assert g.dtype == w.dtype and torch.equal(g, w), name
         assert torch.equal(got_table, want_table)
 
 
