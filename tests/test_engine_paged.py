@@ -260,7 +260,8 @@ def with_fake_graphs(engine, module, max_batch=4, max_tokens=64):
                 return t.view(-1)[offset]
         raise AssertionError(f"the metadata names address {address:#x}, in none of the call's inputs")
 
-    def capture(box, step):
+    def capture(box, padding, step):
+        box.post(padding)
         engine.capturing = True
         logits = step()
         engine.capturing = False
@@ -269,7 +270,7 @@ def with_fake_graphs(engine, module, max_batch=4, max_tokens=64):
             def replay(self):
                 logits.copy_(step())
 
-        return module.CapturedStep(Replay(), box, logits)
+        return module.CapturedStep(Replay(), box, padding, logits)
 
     def recording(kind, capture_step):
         def wrapped(size, *rest):
