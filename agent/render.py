@@ -67,13 +67,28 @@ def _bf16_slots(slots: dict[str, str], extra: ExtraVariants) -> dict[str, str]:
     return out
 
 
+def _optional_functions(slots: dict[str, str], bf16_slots: dict[str, str], extra: ExtraVariants) -> set[str]:
+    """`fn__variant` of every optional slot function (slot_check.OPTIONAL_FUNCTIONS) that a
+    chosen variant or bf16 stand-in defines: the engine binds those, None for the others."""
+    from evaluator.slot_check import OPTIONAL_FUNCTIONS
+    out = set()
+    for slot, functions in OPTIONAL_FUNCTIONS.items():
+        for name in {slots[slot], bf16_slots[slot]}:
+            text = extra.get((slot, name))
+            if text is None:
+                text = kernel_path(slot, name).read_text()
+            out.update(f"{fn}__{name}" for fn in functions if f"def {fn}__{name}(" in text)
+    return out
+
+
 def render_engine(plan: Plan, extra_variants: ExtraVariants | None = None) -> str:
     extra = extra_variants or {}
     slots = {s: plan.slots.get(s, REFERENCE_VARIANT) for s in SLOTS}
     bf16_slots = _bf16_slots(slots, extra)
     template = _env(extra).get_template(f"engine/{plan.engine}.py.j2")
     return template.render(plan=plan, slots=slots, bf16_slots=bf16_slots, params=plan.params,
-                           kernel_includes=_variant_includes(slots, bf16_slots), prelude=PRELUDE)
+                           kernel_includes=_variant_includes(slots, bf16_slots), prelude=PRELUDE,
+                           optional_functions=_optional_functions(slots, bf16_slots, extra))
 
 
 

@@ -55,6 +55,13 @@ SLOT_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "silu_mul": ("silu_mul",),
     "linear": ("linear", "linear_silu", "linear_add_norm", "linear_rope_cache"),
 }
+# Functions a variant may also define: checked when it does, and the engine then calls them
+# (the paged engine's prefill passes above fused_rows run RoPE + the cache writes inside the
+# attention kernel instead of a rope_cache kernel before it).
+OPTIONAL_FUNCTIONS: dict[str, dict[str, str]] = {   # slot -> {function: its arguments}
+    "prefill_attention": {"prefill_attention_rope_cache": "q, k, v, cos, sin, positions, slot_mapping, k_cache, "
+                                                          "v_cache, cu_seqlens, seq_lens, max_seqlen, scale"},
+}
 
 # (atol, rtol) per compute dtype: about two units in the last place of the dtype, so a
 # kernel that rounds once where the reference rounds twice passes, and one that drops a
@@ -470,6 +477,33 @@ class _PrefillAttention(_Slot):
         out, err = _pure_call(fns["prefill_attention"], inp, [want], want.device, want.device.type == "cuda")
         res = [_compare("o", out, want, dtype)]
         res += [(0, 0, e) for e in [err] + [_unchanged(name, t, inp[name]) for name, t in before.items()] if e]
+        if "prefill_attention_rope_cache" in fns:
+            res += self.run_rope_cache(fns["prefill_attention_rope_cache"], spec, inp, dtype)
+        return res
+
+    @staticmethod
+    def run_rope_cache(fn, spec, inp, dtype) -> list[tuple[float, float, str]]:
+        """The optional fused function: rope_cache's rotation and cache writes (random positions,
+        distinct random slots, NaN-poisoned caches), then attention on the rotated q and k. q and k
+        themselves may come back rotated or not."""
+        q, k, v = inp["q"], inp["k"], inp["v"]
+        gen = torch.Generator(device=q.device).manual_seed(len(spec["seq_lens"]) * 7919 + q.shape[2])
+        rope = _rope_cache_inputs(q.shape[0], k.shape[1], q.shape[2], 4096, 500000.0, dtype, q.device, gen)
+        q_rot, k_rot, want_kc, want_vc = ref_rope_cache(q, k, v, **rope)
+        want = ref_prefill_attention(q_rot, k_rot, v, inp["cu_seqlens"], inp["seq_lens"], inp["max_seqlen"],
+                                     inp["scale"])
+        before = {name: rope[name].clone() for name in ("cos", "sin", "positions", "slot_mapping")}
+        before_v = v.clone()
+        out = fn(q.clone(), k.clone(), v, **rope, cu_seqlens=inp["cu_seqlens"], seq_lens=inp["seq_lens"],
+                 max_seqlen=inp["max_seqlen"], scale=inp["scale"])
+        res = [_compare("prefill_attention_rope_cache o", out, want, dtype),
+               _compare("prefill_attention_rope_cache k_cache (slots by slot_mapping; the rest must stay NaN)",
+                        rope["k_cache"], want_kc, dtype),
+               _compare("prefill_attention_rope_cache v_cache (slots by slot_mapping; the rest must stay NaN)",
+                        rope["v_cache"], want_vc, dtype)]
+        res += [(0, 0, e) for e in [_unchanged(f"prefill_attention_rope_cache {name}", t, rope[name])
+                                    for name, t in before.items()] + [_unchanged("prefill_attention_rope_cache v",
+                                                                                  before_v, v)] if e]
         return res
 
 
@@ -833,6 +867,10 @@ def check_variant(slot: str, source=None, device: str = "cpu", seed: int | None 
         if not callable(f):
             return failed(f"missing function {fn}__{name} (slot {slot} needs {', '.join(SLOT_FUNCTIONS[slot])})")
         fns[fn] = f
+    for fn in OPTIONAL_FUNCTIONS.get(slot, ()):
+        f = getattr(module, f"{fn}__{name}", None)
+        if callable(f):
+            fns[fn] = f
 
     if dtypes is None:
         dtypes = [torch.float16, torch.bfloat16] if dev.type == "cuda" else [torch.float32]

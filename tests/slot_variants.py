@@ -51,6 +51,21 @@ def prefill_attention__test_ok(q, k, v, cu_seqlens, seq_lens, max_seqlen, scale)
             out[sl, h] = torch.softmax(s, -1).to(q.dtype) @ v[sl, h // group]
         start += length
     return out
+
+
+def _pairs_test_ok(x, cos, sin, positions):
+    e, o = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    return torch.stack((e * c - o * s, e * s + o * c), dim=-1).flatten(-2)
+
+
+def prefill_attention_rope_cache__test_ok(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
+                                          cu_seqlens, seq_lens, max_seqlen, scale):
+    k_rot = _pairs_test_ok(k, cos, sin, positions)
+    k_cache.index_copy_(0, slot_mapping, k_rot)
+    v_cache.index_copy_(0, slot_mapping, v)
+    return prefill_attention__test_ok(_pairs_test_ok(q, cos, sin, positions), k_rot, v, cu_seqlens, seq_lens,
+                                      max_seqlen, scale)
 ''',
     "decode_attention": '''# slot: decode_attention    variant: test_ok    devices: cpu, cuda
 def decode_attention__test_ok(q, k_cache, v_cache, block_table, context_lens, max_context, block_size, scale):
@@ -247,6 +262,37 @@ _LINEAR_RIGHT = {
     return qkv
 ''',
 }
+
+
+def _wrong_fused_prefill(variant: str, wrong: str) -> str:
+    """The right prefill_attention (CORRECT's) with a wrong prefill_attention_rope_cache."""
+    right = CORRECT["prefill_attention"]
+    plain = right[:right.index("def _pairs_test_ok(")].replace("test_ok", variant)
+    return plain + wrong.replace("{v}", variant)
+
+
+WRONG.update({("prefill_attention", variant): _wrong_fused_prefill(variant, wrong) for variant, wrong in (
+    ("wrong_fused_rotate_half", """def prefill_attention_rope_cache__{v}(q, k, v, cos, sin, positions, slot_mapping, k_cache,
+                                    v_cache, cu_seqlens, seq_lens, max_seqlen, scale):
+    def rot(x):
+        half = x.shape[-1] // 2
+        c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat((a * c - b * s, a * s + b * c), -1)
+    k_cache[slot_mapping] = rot(k)
+    v_cache[slot_mapping] = v
+    return prefill_attention__{v}(rot(q), rot(k), v, cu_seqlens, seq_lens, max_seqlen, scale)
+"""),
+    ("wrong_fused_cache_unrotated", """def prefill_attention_rope_cache__{v}(q, k, v, cos, sin, positions, slot_mapping, k_cache,
+                                        v_cache, cu_seqlens, seq_lens, max_seqlen, scale):
+    def rot(x):
+        e, o = x[..., 0::2], x[..., 1::2]
+        c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+        return torch.stack((e * c - o * s, e * s + o * c), -1).flatten(-2)
+    k_cache[slot_mapping] = k
+    v_cache[slot_mapping] = v
+    return prefill_attention__{v}(rot(q), rot(k), v, cu_seqlens, seq_lens, max_seqlen, scale)
+"""))})
 
 
 def _wrong_linear(variant: str, fn: str, wrong: str) -> str:

@@ -361,6 +361,34 @@ def test_graph_code_path_on_cpu(tmp_path):
     assert {key[1] for key in c.engine.decode_graphs} == {short, None}
 
 
+def test_rope_inside_prefill_attention_cpu(tmp_path):
+    """A prefill_attention variant that defines prefill_attention_rope_cache takes RoPE and the
+    cache writes of the prefill passes above fused_rows: no rope_cache call there, the same
+    outputs. (The Triton variant's kernel is checked by slot_check; here a torch composition
+    stands in for it, to check the engine's wiring.)"""
+    c = Checked(torch_plan(fused_rows=8, **SMALL_CACHE), config(num_key_value_heads=2, head_dim=24), tmp_path)
+    module = sys.modules[type(c.engine).__module__]
+    calls = {"rope_cache": 0, "fused": 0}
+
+    def rope_cache(*args):
+        calls["rope_cache"] += 1
+        return module.rope_cache__torch(*args)
+
+    def fused(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, cu_seqlens, seq_lens, max_seqlen, scale):
+        calls["fused"] += 1
+        module.rope_cache__torch(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache)
+        return module.prefill_attention__torch(q, k, v, cu_seqlens, seq_lens, max_seqlen, scale)
+
+    kernels = dataclasses.replace(c.engine.kernels, rope_cache=rope_cache, prefill_attention_rope_cache=fused)
+    c.engine.kernels = c.engine.model.kernels = kernels
+    c.prefill([0, 1], [5, 30])                 # 35 tokens: above fused_rows, RoPE in the attention
+    assert calls == {"rope_cache": 0, "fused": 2}   # one call per layer
+    c.decode([0, 1])                           # a fused pass: RoPE in the QKV projection
+    c.prefill([2], [3])
+    ragged_trace(c)
+    assert calls["rope_cache"] == 0
+
+
 def test_decode_metadata_layout():
     """Four int64 rows, context_lens and blocks as the int32 halves of the fifth, the token
     addresses; padding rows are the scratch row's (address 0: token 0)."""

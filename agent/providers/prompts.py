@@ -35,6 +35,7 @@ class SlotInfo:
     contract: str        # the `# contract:` comment block of the reference variant
     reference: str       # the reference variant's code
     signatures: tuple[str, ...]  # `fn__<variant>(args)` with the placeholder suffix VARIANT
+    optional: tuple[str, ...] = ()   # signatures of the functions a variant may also define
 
 
 def slot_functions(slot: str) -> tuple[str, ...]:
@@ -59,7 +60,9 @@ def slot_info(slot: str) -> SlotInfo:
             if line.startswith(f"def {fn}__{REFERENCE_VARIANT}("):
                 args = line[line.index("(") + 1:line.rindex(")")]
                 signatures.append(f"{fn}__VARIANT({args})")
-    return SlotInfo(slot, functions, contract.strip("\n"), reference, tuple(signatures))
+    from evaluator.slot_check import OPTIONAL_FUNCTIONS
+    optional = tuple(f"{fn}__VARIANT({args})" for fn, args in OPTIONAL_FUNCTIONS.get(slot, {}).items())
+    return SlotInfo(slot, functions, contract.strip("\n"), reference, tuple(signatures), optional)
 
 
 def hardware_facts(state: SearchState) -> dict[str, object]:
