@@ -4,7 +4,9 @@
 # decode-wide (64 requests, 512-token prompts, 32 steps) against the reference, which says whose
 # numerics hold at this size; then each plan in TIME_PLANS timed (--no-verify) in prefill-long
 # (8 x 2048) and decode-wide against the floor the benchmark reports. Before that, the CUDA engine
-# tests (tests/test_engine_paged.py -k cuda), cut at TEST_TIMEOUT (0: skip them).
+# tests (tests/test_engine_paged.py -k cuda), cut at TEST_TIMEOUT (0: skip them). Last, for each plan in
+# PROFILE_PLANS (default none), scripts/gpu_profile.py over PROFILE_CASES (default decode-wide): the top kernels
+# by GPU time and each call's host/GPU times, in $OUT/profile_<plan>/.
 #
 #   run tool: command "bash scripts/gpu_scale_check.sh", carry [".whl"]
 set -uo pipefail
@@ -38,8 +40,8 @@ PY
 ARGS=(--model-config "$CONFIG" --weight-dir "$WEIGHTS" --device cuda)
 echo "== scale family on $CONFIG"
 [ -f "$WEIGHTS/model.pt" ] || python3 scripts/generate_toy_weights.py --config "$CONFIG" --output "$WEIGHTS/model.pt"
-IFS=, read -ra CHECK <<< "${CHECK_PLANS:-torch,lib,lib split}"
-IFS=, read -ra TIME <<< "${TIME_PLANS:-lib,lib split}"
+IFS=, read -ra CHECK <<< "${CHECK_PLANS-torch,lib,lib split}"
+IFS=, read -ra TIME <<< "${TIME_PLANS-lib,lib split}"
 for name in "${CHECK[@]}"; do   # correctness: decode-wide's checked pass, one call at a time
   tag="${name// /-}"
   render "$name" "/tmp/scale_$tag.py"
@@ -59,4 +61,14 @@ for r in json.load(open(sys.argv[1])):
     print(f"  {r['case_name']:13} {r['elapsed_ms']:9.2f} ms  {r['tokens_per_second']:11.0f} tok/s  "
           f"floor {r['floor_ms']:8.3f} ms  {100 * r['floor_fraction']:5.1f}% of floor  peak {r['peak_memory_mb']:.0f} MiB")
 PY
+done
+IFS=, read -ra PROFILE <<< "${PROFILE_PLANS:-}"
+for name in "${PROFILE[@]}"; do  # where the time goes
+  tag="${name// /-}"
+  [ -f "/tmp/scale_$tag.py" ] || render "$name" "/tmp/scale_$tag.py"
+  echo "== profile $name"
+  python3 scripts/gpu_profile.py --engine "/tmp/scale_$tag.py" --model-config "$CONFIG" --weight-dir "$WEIGHTS" \
+    --cases "${PROFILE_CASES:-decode-wide}" --repeat 1 --out "$OUT/profile_$tag" > "$OUT/profile_$tag.txt" 2>&1
+  echo "gpu_profile exit code $?"
+  rm -f "$OUT/profile_$tag"/trace-*.json   # chrome traces: too large to bring back
 done
