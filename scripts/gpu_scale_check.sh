@@ -6,7 +6,8 @@
 # (8 x 2048) and decode-wide against the floor the benchmark reports. Before that, the CUDA engine
 # tests (tests/test_engine_paged.py -k cuda), cut at TEST_TIMEOUT (0: skip them). Last, for each plan in
 # PROFILE_PLANS (default none), scripts/gpu_profile.py over PROFILE_CASES (default decode-wide): the top kernels
-# by GPU time and each call's host/GPU times, in $OUT/profile_<plan>/.
+# by GPU time and each call's host/GPU times, in $OUT/profile_<plan>/. TIME_ENGINES (space-separated engine
+# files rendered beforehand, e.g. from another commit) are timed like TIME_PLANS, REPEAT times interleaved.
 #
 #   run tool: command "bash scripts/gpu_scale_check.sh", carry [".whl"]
 set -uo pipefail
@@ -49,18 +50,26 @@ for name in "${CHECK[@]}"; do   # correctness: decode-wide's checked pass, one c
     --warmup 0 --repeat 1 > "$OUT/check_$tag.json" 2> "$OUT/check_$tag.err"
   echo "$name: decode-wide checked pass exit code $?"; grep -h "Error\|differ" "$OUT/check_$tag.err" | tail -n 1
 done
-for name in "${TIME[@]}"; do    # timing (unverified: the checks above say which pass)
-  tag="${name// /-}"
-  [ -f "/tmp/scale_$tag.py" ] || render "$name" "/tmp/scale_$tag.py"
-  python3 evaluator/benchmark_throughput.py --engine "/tmp/scale_$tag.py" "${ARGS[@]}" \
-    --cases "${CASES:-prefill-long,decode-wide}" --no-verify > "$OUT/bench_$tag.json" 2> "$OUT/bench_$tag.err"
-  echo "$name: benchmark exit code $?"
-  python3 - "$OUT/bench_$tag.json" <<'PY'
+time_engine() {   # $1 tag, $2 engine file: timed (unverified: the checks above say which plans pass)
+  python3 evaluator/benchmark_throughput.py --engine "$2" "${ARGS[@]}" \
+    --cases "${CASES:-prefill-long,decode-wide}" --no-verify > "$OUT/bench_$1.json" 2> "$OUT/bench_$1.err"
+  echo "$1: benchmark exit code $?"
+  python3 - "$OUT/bench_$1.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1])):
     print(f"  {r['case_name']:13} {r['elapsed_ms']:9.2f} ms  {r['tokens_per_second']:11.0f} tok/s  "
           f"floor {r['floor_ms']:8.3f} ms  {100 * r['floor_fraction']:5.1f}% of floor  peak {r['peak_memory_mb']:.0f} MiB")
 PY
+}
+for name in "${TIME[@]}"; do
+  tag="${name// /-}"
+  [ -f "/tmp/scale_$tag.py" ] || render "$name" "/tmp/scale_$tag.py"
+  time_engine "$tag" "/tmp/scale_$tag.py"
+done
+for run in $(seq "${REPEAT:-1}"); do   # TIME_ENGINES: engine files rendered beforehand (an A/B against another commit)
+  for file in ${TIME_ENGINES:-}; do
+    time_engine "$(basename "$file" .py)-$run" "$file"
+  done
 done
 IFS=, read -ra PROFILE <<< "${PROFILE_PLANS:-}"
 for name in "${PROFILE[@]}"; do  # where the time goes

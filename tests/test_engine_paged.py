@@ -345,8 +345,15 @@ def test_graph_code_path_on_cpu(tmp_path):
     c = Checked(torch_plan(**SMALL_CACHE), config(num_key_value_heads=2, head_dim=24), tmp_path)
     module = sys.modules[type(c.engine).__module__]
     with_fake_graphs(c.engine, module)
+    retired_during_passes = []   # graphs that growth invalidated are destroyed after the pass is queued
+    for name in ("_prefill_step", "_decode_step"):
+        def noting(*args, _step=getattr(c.engine, name)):
+            retired_during_passes.append(len(c.engine.retired_graphs))
+            return _step(*args)
+        setattr(c.engine, name, noting)
     public_sequence(c)
     ragged_trace(c)                                  # pool growth invalidates and recaptures
+    assert max(retired_during_passes) > 0 and not c.engine.retired_graphs
     c.prefill([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6])   # 21 tokens: the 32 bucket, padded
     c.prefill(list(range(10, 28)), [1] * 18)         # more prompts than a captured prefill holds
     c.prefill([30], [65])                            # more tokens than the largest bucket
