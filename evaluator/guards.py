@@ -165,33 +165,55 @@ def compare(student: torch.Tensor, reference: torch.Tensor, tol: Tolerance) -> C
     )
 
 
-# Block sizes tried, largest first, when filling the CUDA caching allocator's free memory.
-POISON_BLOCK_BYTES = tuple(2**k for k in range(30, 8, -1))
+# Every byte of a poisoned block: NaN read as fp32, fp16 or bf16 (and -1 as an integer index).
+POISON_BYTE = 0xFF
+SMALL_REQUEST = 1 << 20   # the caching allocator serves requests up to 1 MiB from its small segments
+
+
+def _cached_free_blocks() -> list[int]:
+    """Request sizes, largest first, that the CUDA caching allocator can serve from blocks it holds
+    free for the current stream in its default pool: each large free block whole, free memory in
+    small segments in requests of at most 1 MiB (a larger request would open a large segment)."""
+    stream = torch.cuda.current_stream().cuda_stream
+    sizes = []
+    for seg in torch.cuda.memory_snapshot():
+        if seg["stream"] != stream or tuple(seg["segment_pool_id"]) != (0, 0):
+            continue
+        small = seg["segment_type"] == "small"
+        for block in seg["blocks"]:
+            if block["state"] != "inactive":
+                continue
+            if not small:
+                if block["size"] > SMALL_REQUEST:
+                    sizes.append(block["size"])
+                continue
+            whole, rest = divmod(block["size"], SMALL_REQUEST)
+            sizes += [SMALL_REQUEST] * whole + ([rest] if rest else [])
+    return sorted(sizes, reverse=True)
 
 
 def poison_free_device_memory(device: str) -> None:
     """Fill the memory the CUDA caching allocator holds but has not handed out with NaN.
 
-    A block is taken only while it comes from the cache (the reserved total does not grow), then
-    all are freed again: the next torch.empty in the engine gets NaN, not a plausible stale
-    tensor (the reference's last logits, a request that was just removed). Best effort: a cached
-    block smaller than 512 bytes stays as it is. Nothing to do on the CPU, whose allocator
-    returns large blocks to the system."""
+    Each free block is taken (allocated at its exact size, largest first, so each request lands
+    on its own block), filled, and all are freed again: the next torch.empty in the engine gets
+    NaN, not a plausible stale tensor (the reference's last logits, a request that was just
+    removed). The blocks come from the allocator's own list, never a guess: an earlier form
+    allocated power-of-two sizes while the free total allowed, and each time the free memory was
+    fragmented it opened a fresh 1 GiB segment, kept in the cache; a stress run reserved 78 GiB
+    that way and the next engine ran out of memory. Should a request still open a segment, it is
+    handed back at once. Nothing to do on the CPU, whose allocator returns large blocks to the
+    system."""
     if device != "cuda":
         return
     reserved = torch.cuda.memory_reserved()
-    free = reserved - torch.cuda.memory_allocated()
-    blocks = []
-    for size in POISON_BLOCK_BYTES:
-        while free >= size:
-            try:
-                block = torch.empty(size // 4, dtype=torch.float32, device="cuda")
-            except torch.cuda.OutOfMemoryError:
-                break
-            if torch.cuda.memory_reserved() != reserved:  # a fresh segment, not a cached block
-                del block
-                break
-            block.fill_(float("nan"))
-            blocks.append(block)
-            free -= size
-    del blocks
+    taken = []
+    for size in _cached_free_blocks():
+        block = torch.empty(size, dtype=torch.uint8, device="cuda")
+        if torch.cuda.memory_reserved() != reserved:   # not a cached block after all
+            del block
+            torch.cuda.empty_cache()
+            break
+        block.fill_(POISON_BYTE)
+        taken.append(block)
+    del taken

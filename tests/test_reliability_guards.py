@@ -136,6 +136,30 @@ def test_poison_fills_freed_device_memory_with_nan():
 
 
 @cuda
+def test_poison_is_nan_in_every_float_dtype():
+    block = torch.ones(4 << 20, dtype=torch.uint8, device="cuda")
+    del block
+    poison_free_device_memory("cuda")
+    again = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert torch.isnan(again.view(dtype)).all(), dtype
+
+
+@cuda
+def test_poison_takes_cached_blocks_only_even_when_free_memory_is_fragmented():
+    """600 + 700 MiB free, no block of 1 GiB: the guard must not open segments of its own, call
+    after call (an earlier form opened a 1 GiB segment per call and a stress run reserved 78 GiB)."""
+    a, live, b = (torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (600, 8, 700))
+    del a, b
+    reserved = torch.cuda.memory_reserved()
+    for _ in range(5):
+        poison_free_device_memory("cuda")
+    assert torch.cuda.memory_reserved() == reserved
+    again = torch.empty(700 << 20, dtype=torch.uint8, device="cuda")
+    assert bool((again == 0xFF).all()) and live.numel() == 8 << 20
+
+
+@cuda
 def test_an_engine_reading_memory_it_never_wrote_gets_nan(recompute_source, write_engine, tiny_model):
     source = recompute_source.replace("""\
             self.histories[rid] = torch.cat([self.histories[rid], tokens[i:i + 1]])
