@@ -267,3 +267,27 @@ def test_builtin_walk_tries_the_library_plan_right_after_all_torch(monkeypatch):
         second = proposer.propose(state)
         assert first.plan.slots[slot] == "torch"
         assert (second.plan.slots[slot] if second else None) == expected
+
+
+def test_builtin_walk_falls_back_to_the_faithful_library_plan_only_when_the_library_plan_is_not_kept(monkeypatch):
+    """A library plan that fails, or passes too close to the tolerance, is followed by the same
+    plan with the attention variants that round like the reference; a kept one is not (the walk
+    goes on slot by slot from it)."""
+    import agent.providers.builtin as builtin
+    from agent import search
+    attention = ("decode_attention", "prefill_attention")
+    fake = {slot: [Variant(slot, name, ("cpu", "cuda") if name == "torch" else ("cuda",), None)
+                   for name in ("torch", search.PREFERRED[slot], search.FAITHFUL[slot])] for slot in attention}
+    monkeypatch.setattr(builtin, "menu", lambda: fake)
+    monkeypatch.setattr(builtin, "engine_params", lambda engine: {})
+    monkeypatch.setattr(builtin, "engines", lambda: ["paged", "recompute"])
+    faithful = {slot: search.FAITHFUL[slot] for slot in attention}
+    thin = with_margin(passed(50.0), public=0.9, stress=MIN_SAFETY_MARGIN - 0.1)
+    for library_verdict, expect_faithful in ((failed(), True), (thin, True), (passed(50.0), False)):
+        state = SearchState(spec=None, device="cuda", hardware={})
+        proposer = BuiltinProposer("cuda")
+        for verdict in (passed(1.0), library_verdict):
+            state.history.append((proposer.propose(state), verdict))
+        library, third = state.history[1][0].plan, proposer.propose(state).plan
+        assert {slot: library.slots[slot] for slot in attention} == {s: search.PREFERRED[s] for s in attention}
+        assert ({slot: third.slots[slot] for slot in attention} == faithful) == expect_faithful, third.slots
