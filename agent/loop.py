@@ -18,7 +18,7 @@ from pathlib import Path
 
 from agent import policy, search
 from agent.judge import FULL, VERIFY
-from agent.providers.base import MIN_SAFETY_MARGIN, Candidate, EvalResult, Proposer, SearchState, improves
+from agent.providers.base import Candidate, EvalResult, Proposer, SearchState, improves
 from agent.render import render_engine
 from agent.report import Entry, Reporter, describe
 from agent.workspace import VARIANTS, Workspace, atomic_write
@@ -75,8 +75,8 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
             entry.result = judge(entry.directory / "engine.py", entry.directory, timeout_for(state, left()), FULL)
         report.verdict(entry, entry.result)
         if entry.result.passed and not entry.result.safe():
-            report.warn(f"#{index:03d} passed with margin {entry.result.margin():.2f} < {MIN_SAFETY_MARGIN}: "
-                        "too close to the tolerance to keep")
+            report.warn(f"#{index:03d} passed with margin {entry.result.margin():.2f} < "
+                        f"{entry.result.required_margin():.2f}: too close to the tolerance to keep")
         if improves(entry.result, state.best_result):
             install(entry, entry.result, source, ws, report)
     report.finished(entry)

@@ -4,6 +4,8 @@
         --device cpu|cuda|auto [--stress off|quick|full] [--cases prefill,decode,mixed,...] \
         [--warmup 1] [--repeat 3] [--seed N] [--protect PATH ...] --out RESULT.json
 
+Before the candidate is imported, the judge's own rounding noise on the real weights
+(evaluator/noise.py: `reference_margin`, what the loop's safety margin is read against).
 Stages in order: import → public (SPEC.md §4) → stress → benchmark; it stops at the first
 failing stage, writes RESULT.json (even on failure) and exits 0 only when all passed.
 Progress goes to stderr, a one-line verdict to stdout. Timeouts are the caller's to record.
@@ -30,6 +32,7 @@ from evaluator.common import (CRASH, REPO_ROOT, EvalFailure, Tolerance, compute_
                               resolve_device)
 from evaluator.floor import detect_hardware  # noqa: E402
 from evaluator.guards import FunctionIdentities  # noqa: E402
+from evaluator.noise import reference_margin  # noqa: E402
 from evaluator.sandbox import Sandbox  # noqa: E402
 from evaluator.stress import run_stress  # noqa: E402
 from evaluator.test_correctness import run_public_sequence  # noqa: E402
@@ -60,7 +63,8 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     identities = FunctionIdentities()
     device = resolve_device(device)
     result = {"status": "failed", "stage": "import", "error_kind": None, "error": None, "device": device,
-              "public": None, "stress": None, "benchmark": None, "score": None, "seconds": 0.0}
+              "public": None, "stress": None, "benchmark": None, "score": None, "reference_margin": None,
+              "seconds": 0.0}
     fenced = [REPO_ROOT, weight_dir, *protect] + ([] if isinstance(model_config, dict) else [model_config])
     sandbox = Sandbox(fenced, device)
 
@@ -72,6 +76,9 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
         config = load_config(model_config)
         # Before the sandbox: this is the evaluator's own work (it may run `uname`, and measures).
         hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
+        # Before the candidate exists: nothing it patches can touch the yardstick of its margin.
+        result["reference_margin"] = reference_margin(config, weight_dir, device, tol, seed)
+        log(f"the judge's own margin against fp32 on these weights: {result['reference_margin']:.3f}")
         with sandbox:
             try:
                 module = load_engine_module(engine)

@@ -60,10 +60,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_div: floa
 class ReferenceModel:
     """A plain PyTorch tiny-llama: weights cast to the compute dtype at load."""
 
-    def __init__(self, model_config: dict, weights: dict[str, torch.Tensor], device: str = "auto"):
+    def __init__(self, model_config: dict, weights: dict[str, torch.Tensor], device: str = "auto",
+                 dtype: torch.dtype | None = None):
+        """dtype: the compute dtype of SPEC.md §3 unless given (evaluator/noise.py runs the same
+        model in fp32, to see how far the judge's own rounding takes it)."""
         self.dims = ModelDims.from_config(model_config)
         self.device = resolve_device(device)
-        self.dtype = compute_dtype(model_config, self.device)
+        self.dtype = dtype or compute_dtype(model_config, self.device)
         self.w = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
 
     @classmethod

@@ -126,3 +126,25 @@ def test_generate_toy_weights_script_writes_the_seeded_toy_weights(tmp_path):
     expected = random_weights(TINY_CONFIG, seed=5)
     assert written.keys() == expected.keys()
     assert all(torch.equal(written[k], v) for k, v in expected.items())
+
+
+def test_reference_margin_is_the_judges_own_distance_from_fp32(tiny_model, tiny_model_large):
+    """evaluator/noise.py: 1.0 where the judge computes in fp32 (the CPU); in bf16 the worst
+    margin of the judge against the same model in fp32 over its prompts, computed by hand here,
+    and lower on larger weights, where rounding grows."""
+    from evaluator.guards import compare
+    from evaluator.noise import prompt_lengths, reference_margin
+    from evaluator.common import Tolerance, load_weights, make_generator
+    assert reference_margin(TINY_CONFIG, tiny_model.weight_dir, "cpu") == 1.0
+    weights = load_weights(tiny_model.weight_dir)
+    judge = ReferenceModel(TINY_CONFIG, weights, "cpu", dtype=torch.bfloat16)
+    exact = ReferenceModel(TINY_CONFIG, weights, "cpu", dtype=torch.float32)
+    gen, worst = make_generator(5, "cpu"), 1.0
+    for length in prompt_lengths(TINY_CONFIG["max_position_embeddings"]):
+        tokens = torch.randint(0, judge.dims.vocab, (length,), generator=gen)
+        worst = min(worst, compare(judge.last_logits(tokens).float()[None], exact.last_logits(tokens)[None],
+                                   Tolerance()).margin)
+    toy = reference_margin(TINY_CONFIG, tiny_model.weight_dir, "cpu", seed=5, dtype=torch.bfloat16)
+    large = reference_margin(TINY_CONFIG, tiny_model_large.weight_dir, "cpu", seed=5, dtype=torch.bfloat16)
+    assert toy == pytest.approx(worst) and toy < 1.0
+    assert large < toy

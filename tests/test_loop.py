@@ -9,7 +9,7 @@ import pytest
 
 from agent import loop
 from agent.plan import Param, Plan, Variant
-from agent.providers.base import MIN_GAIN, MIN_SAFETY_MARGIN, Candidate, EvalResult, SearchState, improves
+from agent.providers.base import MARGIN_FLOOR, MIN_GAIN, MIN_SAFETY_MARGIN, Candidate, EvalResult, SearchState, improves
 from agent.providers.builtin import BuiltinProposer
 from agent.report import Reporter
 from agent.workspace import Workspace
@@ -106,6 +106,18 @@ def test_a_pass_too_close_to_the_tolerance_is_not_kept(tmp_path, monkeypatch):
     assert installed_key(ws) == b.key()
     assert "too close to the tolerance" in (ws.root / "results.log").read_text()
 
+
+def test_the_margin_asked_is_the_judges_own_where_the_judge_is_noisier_but_never_below_the_floor():
+    def result(margin: float, reference: float | None) -> EvalResult:
+        r = with_margin(passed(5.0), public=0.9, stress=margin)
+        r.reference_margin = reference
+        return r
+    assert result(0.45, None).required_margin() == MIN_SAFETY_MARGIN   # no measurement: the fixed rule
+    assert result(0.45, 0.9).required_margin() == MIN_SAFETY_MARGIN    # a quiet judge changes nothing
+    assert not result(0.45, 0.9).safe()
+    assert result(0.45, 0.35).safe() and not result(0.33, 0.35).safe()
+    assert result(0.2, -3.0).required_margin() == MARGIN_FLOOR and not result(MARGIN_FLOOR - 0.01, -3.0).safe()
+    assert EvalResult.from_dict({**result(0.45, 0.35).to_dict()}).safe()   # survives results.json
 
 def test_conservative_first_then_keeps_the_fastest(tmp_path, monkeypatch):
     a, b, c, d = (Plan("paged", params={"x": i}) for i in range(4))

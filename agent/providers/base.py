@@ -27,6 +27,11 @@ MIN_GAIN = 0.02
 # margin = 1 - max((|s - r| - rtol*|r|) / atol): 1 is exact, 0 is at the tolerance. The random
 # stress models only have to pass: their weights are not the ones the engine will serve.
 MIN_SAFETY_MARGIN = 0.5
+# ...unless the judge itself is further than that from exact arithmetic on these weights
+# (evaluator/noise.py: fp16/bf16 rounding alone can take half the tolerance); then the margin
+# asked is the judge's own against fp32, an engine as close to the judge as the judge is to the
+# exact answer, but never less than this: the checks then still leave 1.4x the worst error seen.
+MARGIN_FLOOR = 0.3
 
 
 @dataclass
@@ -43,6 +48,7 @@ class EvalResult:
     stress: dict | None = None
     benchmark: list[dict] = field(default_factory=list)
     score: float | None = None
+    reference_margin: float | None = None   # the judge's own margin against fp32 (evaluator/noise.py)
     seconds: float = 0.0
 
     @property
@@ -67,9 +73,16 @@ class EvalResult:
                    if part and part.get(key) is not None]
         return min(margins, default=None)
 
+    def required_margin(self) -> float:
+        """MIN_SAFETY_MARGIN, or the judge's own margin against fp32 where that is smaller (see
+        MARGIN_FLOOR)."""
+        if self.reference_margin is None:
+            return MIN_SAFETY_MARGIN
+        return max(MARGIN_FLOOR, min(MIN_SAFETY_MARGIN, self.reference_margin))
+
     def safe(self) -> bool:
         margin = self.margin()
-        return margin is None or margin >= MIN_SAFETY_MARGIN
+        return margin is None or margin >= self.required_margin()
 
     def tokens_per_second(self) -> dict[str, float]:
         return {c.get("case_name", "?"): float(c.get("tokens_per_second") or 0.0) for c in self.benchmark}
