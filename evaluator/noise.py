@@ -42,17 +42,26 @@ def prompt_lengths(max_positions: int) -> list[int]:
     return sorted({max(1, round(math.exp(math.log(top) * i / (NOISE_PROMPTS - 1)))) for i in range(NOISE_PROMPTS)})
 
 
-@torch.no_grad()
 def reference_margin(config: dict, weight_dir: str | Path, device: str = "auto",
                      tol: Tolerance = Tolerance(), seed: int | None = None,
                      dtype: torch.dtype | None = None) -> float:
+    """The judge's margin against an fp32 run of the model in `weight_dir` (judge_margin)."""
+    device = resolve_device(device)
+    if (dtype or compute_dtype(config, device)) == torch.float32:
+        return 1.0
+    return judge_margin(config, load_weights(weight_dir), device, tol, seed, dtype)
+
+
+@torch.no_grad()
+def judge_margin(config: dict, weights: dict[str, torch.Tensor], device: str = "auto",
+                 tol: Tolerance = Tolerance(), seed: int | None = None,
+                 dtype: torch.dtype | None = None) -> float:
     """The judge's margin against an fp32 run of the same model; 1.0 where the judge is fp32.
     dtype: the judge's compute dtype, if not SPEC.md §3's for `device` (tests on the CPU)."""
     device = resolve_device(device)
     dtype = dtype or compute_dtype(config, device)
     if dtype == torch.float32:
         return 1.0
-    weights = load_weights(weight_dir)
     judge = ReferenceModel(config, weights, device, dtype=dtype)
     exact = ReferenceModel(config, weights, device, dtype=torch.float32)
     gen = make_generator(random.SystemRandom().randrange(2**31) if seed is None else seed, device)

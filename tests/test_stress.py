@@ -10,7 +10,10 @@ import torch
 
 from evaluator.common import REPO_ROOT, compute_dtype
 from evaluator.reference_model import ReferenceModel
-from evaluator.stress import NORM_SPREAD, run_stress, stress_models
+from evaluator.common import Tolerance
+from evaluator.noise import judge_margin
+from evaluator.stress import (JUDGE_MARGIN, MAX_SHRINKS, NORM_SPREAD, SCALE_STEP, judge_safe_weights,
+                              run_stress, stress_models)
 from evaluator.traces import (DECODE, FULL, PREFILL, QUICK, STRESS_SCENARIOS, Contexts, churn_scenario)
 from evaluator.weights import TOY_SCALE, random_weights
 
@@ -84,6 +87,32 @@ def test_half_precision_scales_stay_nearer_the_toy_init(test_seed, monkeypatch):
             k = b.config["hidden_size"] * b.scale**2
             assert k <= 0.1 or b.scale <= 1.2 * TOY_SCALE
 
+
+def test_a_random_model_shrinks_until_the_judge_is_within_its_margin_of_fp32(test_seed):
+    """Where the judge in bf16 is far from fp32 (weights well above the toy init), the scale
+    shrinks step by step until it is not; the real margin (judge_margin, bf16 on the CPU) of the
+    weights handed back is then within JUDGE_MARGIN, and the same model gives the same weights."""
+    model = stress_models(random.Random(test_seed), True, "cpu")[0]
+    model = type(model)(model.name, model.config, 0.08, model.weight_seed, model.trace_seed, model.scenarios)
+    bf16 = lambda *args: judge_margin(*args, dtype=torch.bfloat16)  # noqa: E731
+    lines = []
+    weights = judge_safe_weights(model, "cpu", Tolerance(), lines.append, margin_of=bf16)
+    assert 1 <= len(lines) <= MAX_SHRINKS and all("scale x" in line for line in lines)
+    assert bf16(model.config, weights, "cpu", Tolerance(), model.trace_seed) >= JUDGE_MARGIN
+    shrunk = 0.08 * SCALE_STEP ** len(lines)
+    assert torch.equal(weights["lm_head.weight"],
+                       random_weights(model.config, model.weight_seed, shrunk, NORM_SPREAD)["lm_head.weight"])
+    again = judge_safe_weights(model, "cpu", Tolerance(), margin_of=bf16)
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
+
+
+def test_on_the_cpu_the_judge_is_fp32_and_the_drawn_scale_stays(test_seed):
+    model = stress_models(random.Random(test_seed), True, "cpu")[1]
+    lines = []
+    weights = judge_safe_weights(model, "cpu", Tolerance(), lines.append)
+    assert not lines
+    assert torch.equal(weights["lm_head.weight"],
+                       random_weights(model.config, model.weight_seed, model.scale, NORM_SPREAD)["lm_head.weight"])
 
 @pytest.mark.parametrize("size", [QUICK, FULL], ids=["quick", "full"])
 def test_scenarios_are_well_formed(size, test_seed):
