@@ -42,6 +42,25 @@ except ImportError:
     tl = None
 # Programmatic dependent launch (a kernel starts before the previous one ends) needs sm_90+.
 PDL_SUPPORTED = triton is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+# Shared memory one Triton program may take on this GPU, the bound Triton checks each compiled
+# kernel against (no bound in the CPU interpreter).
+MAX_SHARED_MEMORY = (triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())[
+    "max_shared_mem"] if triton is not None and torch.cuda.is_available() else math.inf)
+
+
+def fit_shared_memory(block_n, stages, shared_bytes, min_block_n=16):
+    """(block_n, stages) for a kernel whose tiles take shared_bytes(block_n, stages): pipeline
+    stages given up first, then halves of the key tile, until they fit MAX_SHARED_MEMORY. Tiles
+    tuned for head_dim <= 192 ask more than a GPU has at wide heads (an H100, head_dim 384:
+    240 KiB of 227)."""
+    while shared_bytes(block_n, stages) > MAX_SHARED_MEMORY:
+        if stages > 1:
+            stages -= 1
+        elif block_n > min_block_n:
+            block_n //= 2
+        else:
+            break
+    return block_n, stages
 '''
 
 

@@ -6,7 +6,8 @@ For each slot this module holds
   (``ref_rmsnorm``, ``ref_add_rmsnorm``, ``ref_rope_cache``, ``ref_prefill_attention``,
   ``ref_decode_attention``, ``ref_silu_mul``, ``ref_linear``, ``ref_linear_silu``,
   ``ref_linear_add_norm``, ``ref_linear_rope_cache``);
-* a list of cases (sizes) covering the edges: N=1, odd N, head_dim 64/80/128/192,
+* a list of cases (sizes) covering the edges: N=1, odd N, head_dim 64/80/128/192 (on CUDA
+  also the wide 256/384/512 that random stress models draw),
   MHA/GQA/MQA, contexts that cross block boundaries, block sizes 16/32/64, long
   contexts and prompts (CUDA), ragged batches;
 * an input builder (seeded, fresh seed by default) that *poisons* what a correct
@@ -413,7 +414,8 @@ class _RopeCache(_Slot):
     def specs(self, rng, full):
         shapes = [(1, 4, 4, 192, True), (7, 8, 2, 80, False), (5, 4, 1, 64, True)]
         if full:
-            shapes += [(33, 32, 8, 64, True), (300, 16, 4, 128, False), (17, 12, 3, 192, True)]
+            shapes += [(33, 32, 8, 64, True), (300, 16, 4, 128, False), (17, 12, 3, 192, True),
+                       (9, 2, 2, 512, False)]
         return [{"N": n, "Hq": hq, "Hkv": hkv, "D": d, "fused_qkv": fused, "P": 4096,
                  "theta": rng.choice([10000.0, 500000.0])} for n, hq, hkv, d, fused in shapes]
 
@@ -449,7 +451,10 @@ class _PrefillAttention(_Slot):
                        ([rng.randint(1000, 2048) for _ in range(3)], 16, 4, 128, True),
                        ([rng.randint(1, 64) for _ in range(64)], 8, 8, 64, False),
                        ([2048, 2048], 32, 8, 64, True),
-                       ([rng.randint(1, 300) for _ in range(9)], 8, 2, 80, False)]
+                       ([rng.randint(1, 300) for _ in range(9)], 8, 2, 80, False),
+                       # wide heads: tiles tuned at D <= 192 overflow shared memory here
+                       ([rng.randint(100, 300), 17], 2, 2, 512, True), ([129, 64, 1], 4, 2, 384, False),
+                       ([rng.randint(1, 200) for _ in range(3)], 4, 4, 256, True)]
         return [{"seq_lens": lens, "Hq": hq, "Hkv": hkv, "D": d, "fused_qkv": fused,
                  "q_scale": rng.choice([1.0, 3.0]), "scale_mult": 1.0 if i % 3 else 0.8}
                 for i, (lens, hq, hkv, d, fused) in enumerate(shapes)]
@@ -520,7 +525,10 @@ class _DecodeAttention(_Slot):
                        ([4096] + [rng.randint(1, 4096) for _ in range(3)], 16, 4, 128, 32),
                        ([rng.randint(1, 1000) for _ in range(7)], 8, 8, 80, 64),
                        ([rng.randint(1, 600) for _ in range(13)], 32, 4, 192, 16),
-                       ([1, 2, 3, 31, 32, 33, 63, 64, 65], 16, 2, 64, 32)]
+                       ([1, 2, 3, 31, 32, 33, 63, 64, 65], 16, 2, 64, 32),
+                       # wide heads: tiles tuned at D <= 192 overflow shared memory here
+                       ([rng.randint(1, 700) for _ in range(6)], 2, 2, 512, 16), ([100, 257, 1], 4, 1, 384, 32),
+                       ([rng.randint(1, 300) for _ in range(5)], 8, 2, 256, 64)]
         return [{"ctx": ctx, "Hq": hq, "Hkv": hkv, "D": d, "block_size": bs,
                  "max_context": "bound" if i % 2 else "exact", "q_scale": rng.choice([1.0, 4.0]),
                  "scale_mult": 1.0 if i % 3 else 0.8}
@@ -618,7 +626,7 @@ class _Linear(_Slot):
         sizes = [(1, 768, 768, 192, 1), (7, 80, 48, 16, 1), (33, 1000, 300, 20, 5)]
         if full:
             sizes += [(8, 3072, 768, 64, 4), (64, 2048, 3072, 128, 4), (200, 768, 1000, 40, 1),
-                      (16, 4096, 4096, 128, 8)]
+                      (16, 4096, 4096, 128, 8), (5, 768, 2048, 512, 1)]
         return [{"N": n, "K": k, "O": o, "D": d, "Hkv": hkv, "row_strided": i % 3 == 1,
                  "eps": rng.choice([1e-5, 1e-6]), "x_scale": rng.choice([0.5, 3.0]),
                  "theta": rng.choice([10000.0, 500000.0])}

@@ -96,3 +96,23 @@ def test_a_bf16_stand_in_must_be_a_variant_of_the_same_slot(tmp_path, monkeypatc
     monkeypatch.setattr(plan_module, "KERNELS", tmp_path)
     with pytest.raises(ValueError, match="names no variant"):
         plan_module.menu()
+
+
+def test_fit_shared_memory_trims_stages_then_key_tiles_to_the_gpu():
+    """The prelude's tile trimmer, with an H100's bound: the prefill tiles an H100 refused at
+    head_dim 384 (64 query rows, 64 key rows, 2 stages: 240 KiB of 227) lose a stage; a bound
+    no tile fits stops at the smallest key tile rather than looping."""
+    from agent.render import PRELUDE
+    prelude: dict = {}
+    exec(PRELUDE, prelude)
+    prelude["MAX_SHARED_MEMORY"] = 232448
+    fit = prelude["fit_shared_memory"]
+
+    def prefill_bytes(width):
+        return lambda n, s: 2 * width * (64 + 2 * s * n)
+    assert prefill_bytes(384)(64, 2) == 245760                  # the compile error's "Required"
+    assert fit(64, 2, prefill_bytes(384)) == (64, 1)
+    assert fit(64, 2, prefill_bytes(192)) == (64, 2)            # the public config: unchanged
+    assert fit(64, 3, prefill_bytes(1024)) == (16, 1)          # 196 KiB: two halvings
+    prelude["MAX_SHARED_MEMORY"] = 1
+    assert fit(64, 3, prefill_bytes(128)) == (16, 1)
