@@ -126,6 +126,28 @@ def test_linear_cases_split_weight_into_gate_and_up():
     assert slot_check.ref_linear_silu(inp["x"], inp["weight"]).shape == (specs[2]["N"], specs[2]["O"] // 2)
 
 
+def test_linear_silu_leaves_gate_and_up_their_last_bit():
+    """A tiled GEMM sums in another fp32 order than cuBLAS, so its gate and up may round one ulp
+    off; silu(g) * u carries that at up to five times its own size (g < 0). Every gate and up
+    element one ulp off passes in fp16; silu on the wrong half still fails."""
+    nudged = """# slot: linear    variant: nudged    devices: cpu
+def linear__nudged(x, weight):
+    return F.linear(x, weight)
+
+
+def linear_silu__nudged(x, weight):
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    gate, up = ((t.view(torch.int16) + 1).view(t.dtype) for t in (gate, up))   # one ulp off zero
+    return F.silu(gate) * up
+"""
+    base = WRONG[("linear", "wrong_silu_on_up")]    # its other functions are right
+    others = base[base.index("def linear_add_norm__"):].replace("wrong_silu_on_up", "nudged")
+    r = check_variant("linear", nudged + "\n\n" + others, "cpu", seed=0, dtypes=["fp16"], full=True)
+    assert r.passed, r.summary()
+    r = check_variant("linear", base, "cpu", seed=0, dtypes=["fp16"], full=True)
+    assert not r.passed and "linear_silu" in r.worst_case, r.summary()
+
+
 def test_make_inputs_poisons_unused_cache_slots():
     spec = slot_check.case_specs("decode_attention", 0, full=False)[1]
     inp = slot_check.make_inputs("decode_attention", spec, torch.float32, "cpu", seed=0)
