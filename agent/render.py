@@ -48,12 +48,13 @@ MAX_SHARED_MEMORY = (triton.runtime.driver.active.utils.get_device_properties(to
     "max_shared_mem"] if triton is not None and torch.cuda.is_available() else math.inf)
 
 
-def fit_shared_memory(block_n, stages, shared_bytes, min_block_n=16):
-    """(block_n, stages) for a kernel whose tiles take shared_bytes(block_n, stages): pipeline
-    stages given up first, then halves of the key tile, until they fit MAX_SHARED_MEMORY. Tiles
-    tuned for head_dim <= 192 ask more than a GPU has at wide heads (an H100, head_dim 384:
-    240 KiB of 227)."""
-    while shared_bytes(block_n, stages) > MAX_SHARED_MEMORY:
+def fit_shared_memory(block_n, stages, rows, width, elem_bytes, min_block_n=16):
+    """(block_n, stages) for an attention kernel that keeps a [rows, width] query tile and, per
+    pipeline stage, a [block_n, width] key tile and value tile in shared memory: stages given up
+    first, then halves of the key tile, until they fit MAX_SHARED_MEMORY. Tiles tuned for
+    head_dim <= 192 ask more than a GPU has at wide heads (an H100, head_dim 384: 240 KiB of 227,
+    the figure of Triton's error)."""
+    while elem_bytes * width * (rows + 2 * stages * block_n) > MAX_SHARED_MEMORY:
         if stages > 1:
             stages -= 1
         elif block_n > min_block_n:

@@ -105,14 +105,12 @@ def test_fit_shared_memory_trims_stages_then_key_tiles_to_the_gpu():
     from agent.render import PRELUDE
     prelude: dict = {}
     exec(PRELUDE, prelude)
-    prelude["MAX_SHARED_MEMORY"] = 232448
     fit = prelude["fit_shared_memory"]
-
-    def prefill_bytes(width):
-        return lambda n, s: 2 * width * (64 + 2 * s * n)
-    assert prefill_bytes(384)(64, 2) == 245760                  # the compile error's "Required"
-    assert fit(64, 2, prefill_bytes(384)) == (64, 1)
-    assert fit(64, 2, prefill_bytes(192)) == (64, 2)            # the public config: unchanged
-    assert fit(64, 3, prefill_bytes(1024)) == (16, 1)          # 196 KiB: two halvings
+    prelude["MAX_SHARED_MEMORY"] = 245760                       # the compile error's "Required"
+    assert fit(64, 2, 64, 384, 2) == (64, 2)
+    prelude["MAX_SHARED_MEMORY"] = 232448                       # its "Hardware limit"
+    assert fit(64, 2, 64, 384, 2) == (64, 1)
+    assert fit(64, 2, 64, 192, 2) == (64, 2)                    # the public config: unchanged
+    assert fit(64, 3, 64, 1024, 2) == (16, 1)                   # 196 KiB: two halvings
     prelude["MAX_SHARED_MEMORY"] = 1
-    assert fit(64, 3, prefill_bytes(128)) == (16, 1)
+    assert fit(64, 3, 64, 128, 2) == (16, 1)
