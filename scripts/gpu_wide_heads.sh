@@ -14,15 +14,11 @@ OUT="${OUT:-/tmp/gpu_wide_heads}"
 source scripts/gpu_prelude.sh
 python3 -m pytest -q tests/test_kernels_gpu.py > "$OUT/tests.txt" 2>&1 &
 tests=$!
-python3 - <<'PY'
-from agent.plan import Plan
+python3 -c "
+import sys; sys.path.insert(0, 'scripts')
+from gpu_engine_check import library_plans
 from agent.render import render_engine
-slots = {"norm": "triton", "rope_cache": "triton", "prefill_attention": "triton", "decode_attention": "triton_split",
-         "silu_mul": "triton", "linear": "triton"}
-params = {"block_size": 16, "decode_graphs": True, "max_graph_batch": 64, "cache_tokens": 4096,
-          "prefill_graphs": True, "max_graph_tokens": 2048, "pdl": False}
-open("/tmp/lib_split_linear.py", "w").write(render_engine(Plan("paged", slots, params)))
-PY
+open('/tmp/lib_split_linear.py', 'w').write(render_engine(library_plans()['lib split linear']))"
 [ -f target/weights/model.pt ] || python3 scripts/generate_toy_weights.py --config target/model_config.json --output target/weights/model.pt
 timeout "${STRESS_SECONDS:-400}" python3 evaluator/stress.py --engine /tmp/lib_split_linear.py --device cuda --full \
   --seed "${SEED:-169816081}" --model-config target/model_config.json --weight-dir target/weights > "$OUT/stress.txt" 2>&1
