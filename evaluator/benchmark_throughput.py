@@ -25,7 +25,8 @@ import gc
 import json
 import sys
 import time
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -40,6 +41,7 @@ from evaluator.common import (EngineRaised, ModelDims, Tolerance, WrongResult, c
 from evaluator.floor import Hardware, detect_hardware, floor_seconds  # noqa: E402
 from evaluator.guards import FunctionIdentities, ThreadWatch, compare, take_output  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
+from evaluator.remote import RemoteEngine  # noqa: E402
 from evaluator.session import (CheckedSession, Histories, draw_op_tokens,  # noqa: E402
                                mismatch_message, reference_rows)
 from evaluator.traces import DECODE, PREFILL, PUBLIC_CASES, Op, benchmark_trace, token_counts  # noqa: E402
@@ -50,6 +52,10 @@ MIB = 2**20
 # row validated): the pass is there to catch skipped calls, and on a CPU the reference costs
 # more than a fast engine, so comparing every row would double a candidate's evaluation.
 CHECKED_ROWS_PER_CALL = 1
+# Rows of each timed run (an engine in the judge's worker) compared with the reference, drawn
+# after the run from all its outputs by a generator the worker cannot see; every row of every
+# output is checked finite. An engine right only where the checks look is caught this way.
+TIMED_ROWS_CHECKED = 6
 
 
 @dataclass
@@ -66,7 +72,8 @@ class LastOutput:
 class TimedRun:
     seconds: float
     peak_memory_mb: float
-    check: LastOutput | None = None
+    checks: list[LastOutput] = field(default_factory=list)
+    inner_seconds: float | None = None   # the worker's own clock around the same calls
 
 
 def _draw_trace(trace: list[Op], gen: torch.Generator, vocab: int, device: str) -> list[list[torch.Tensor]]:
@@ -91,7 +98,10 @@ def timed_run(engine, trace: list[Op], tokens: list[list[torch.Tensor]], device:
               vocab: int, keep_last: bool, threads: ThreadWatch | None = None) -> TimedRun:
     """One pass over the trace under the official timing method. With keep_last, the last
     logits are copied (after the clock stops) for a later check against the reference. With
-    `threads`, a thread still running when the clock stops (work hidden from it) fails."""
+    `threads`, a thread still running when the clock stops (work hidden from it) fails. An
+    engine in the judge's worker is timed by the judge around the whole trace (remote_timed_run)."""
+    if isinstance(engine, RemoteEngine):
+        return remote_timed_run(engine, trace, tokens, case, vocab, keep_last)
     calls = _calls(engine, trace, tokens)
     last, last_index, index = None, -1, -1
     if device == "cuda":
@@ -117,7 +127,39 @@ def timed_run(engine, trace: list[Op], tokens: list[list[torch.Tensor]], device:
         histories = Histories()
         for prior, drawn in zip(trace[:last_index + 1], tokens):
             histories.apply(prior, drawn)
-        run.check = LastOutput(what, op.request_ids, histories, take_output(last, len(op.request_ids), vocab, what))
+        run.checks = [LastOutput(what, op.request_ids, histories,
+                                 take_output(last, len(op.request_ids), vocab, what))]
+    return run
+
+
+def remote_timed_run(engine: RemoteEngine, trace: list[Op], tokens: list[list[torch.Tensor]], case: str,
+                     vocab: int, check: bool) -> TimedRun:
+    """A timed run in the worker: every output must be there and finite; with `check`, up to
+    TIMED_ROWS_CHECKED rows drawn at random from all of them are kept for the reference."""
+    trace_run = engine.run_trace(trace, tokens, f"benchmark case {case}")
+    run = TimedRun(trace_run.seconds, trace_run.peak_memory_mb, inner_seconds=trace_run.inner_seconds)
+    rows = []
+    for index, (op, out) in enumerate(zip(trace, trace_run.outputs)):
+        if out is None:
+            continue
+        bad = ~torch.isfinite(out)
+        if bad.any():
+            raise WrongResult(f"benchmark case {case}, timed run, {op.describe()}: {int(bad.sum())} output values "
+                              "non-finite or never written before the worker answered")
+        rows += [(index, r) for r in range(len(op.request_ids))]
+    if not check or not rows:
+        return run
+    picked = sorted(random.SystemRandom().sample(rows, min(TIMED_ROWS_CHECKED, len(rows))))
+    histories = Histories()
+    for index, (op, drawn) in enumerate(zip(trace, tokens)):
+        histories.apply(op, drawn)
+        mine = [r for i, r in picked if i == index]
+        if mine:
+            snapshot = Histories()
+            snapshot.tokens = dict(histories.tokens)
+            run.checks.append(LastOutput(f"benchmark case {case}, timed run, {op.describe()}",
+                                         tuple(op.request_ids[r] for r in mine), snapshot,
+                                         trace_run.outputs[index][mine]))
     return run
 
 
@@ -219,7 +261,7 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
     for case in measured:
         runs = _time_case(module, config, str(weight_dir), device, case, repeat, verify_outputs, identities.threads)
         identities.check(f"after benchmark case {case.name}")
-        checks += [r.check for r in runs if r.check is not None]
+        checks += [c for r in runs for c in r.checks]
         median = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
         trace = case.trace
         pre, dec = token_counts(trace)
@@ -236,6 +278,7 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
             "floor_ms": floor_s * 1e3,
             "floor_fraction": floor_s / median.seconds,
             "runs_ms": [r.seconds * 1e3 for r in runs],
+            **({"worker_runs_ms": [r.inner_seconds * 1e3 for r in runs]} if median.inner_seconds is not None else {}),
         })
     verify(checks, config, str(weight_dir), device, tol)
     return results

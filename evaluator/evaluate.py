@@ -2,22 +2,28 @@
 
     python3 -m evaluator.evaluate --engine PATH --model-config CFG --weight-dir DIR \
         --device cpu|cuda|auto [--stress off|quick|full] [--cases prefill,decode,mixed,...] \
-        [--warmup 1] [--repeat 3] [--seed N] [--protect PATH ...] --out RESULT.json
+        [--warmup 1] [--repeat 3] [--seed N] [--memory-gb G] --out RESULT.json
 
-Before the candidate is imported, the judge's own rounding noise on the real weights
-(evaluator/noise.py: `reference_margin`, what the loop's safety margin is read against).
-Stages in order: import → public (SPEC.md §4) → stress → benchmark; it stops at the first
-failing stage, writes RESULT.json (even on failure) and exits 0 only when all passed.
-Progress goes to stderr, a one-line verdict to stdout. Timeouts are the caller's to record.
-From the import on, the candidate runs inside the sandbox (evaluator/sandbox.py): no network,
-no processes (on CPU), no writes to the repository, RESULT.json's folder, the weights, the
-config or any --protect path.
+This process is the judge: it holds the inputs, the reference, the comparison, the clock and
+the verdict, and never imports the candidate. The candidate runs in a worker process inside
+the operating system's fence (evaluator/isolation.py: own uid, no network, limits, killed
+whole at the end) and is driven over a narrow channel (evaluator/remote.py); see
+docs/reliability.md for what each layer stops.
+
+Before the worker starts, the judge's own rounding noise on the real weights (evaluator/noise.py:
+`reference_margin`, what the loop's safety margin is read against). Stages in order: import →
+public (SPEC.md §4) → stress → benchmark (tokens from a fresh, unpredictable seed; outputs of
+the timed runs checked too); it stops at the first failing stage, writes RESULT.json (even on
+failure) and exits 0 only when all passed. Progress goes to stderr, a one-line verdict to
+stdout. Timeouts are the caller's to record.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import secrets
+import signal
 import sys
 import time
 import traceback
@@ -27,18 +33,21 @@ if __package__ in (None, ""):  # run as a script: make the `evaluator` package i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
-from evaluator.common import (CRASH, REPO_ROOT, EvalFailure, Tolerance, compute_dtype,  # noqa: E402
-                              harness_parser, load_config, load_engine_module, parse_cases,
-                              resolve_device)
+from evaluator.common import (CRASH, EvalFailure, Tolerance, compute_dtype, harness_parser,  # noqa: E402
+                              load_config, parse_cases, resolve_device)
 from evaluator.floor import detect_hardware  # noqa: E402
-from evaluator.guards import FunctionIdentities  # noqa: E402
 from evaluator.noise import reference_margin  # noqa: E402
-from evaluator.sandbox import Sandbox  # noqa: E402
+from evaluator.remote import RemoteModule, Worker  # noqa: E402
 from evaluator.stress import run_stress  # noqa: E402
 from evaluator.test_correctness import run_public_sequence  # noqa: E402
 from evaluator.traces import BENCHMARK_CASES, PUBLIC_CASES  # noqa: E402
 
 STRESS_MODES = ("off", "quick", "full")
+MEMORY_FRACTION = 0.8   # of physical memory: the worker's default cap (the judge needs the rest)
+
+
+def default_memory_cap() -> int:
+    return int(MEMORY_FRACTION * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def score(benchmark: list[dict]) -> float | None:
@@ -53,40 +62,27 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              device: str = "auto", stress: str = "quick", cases=PUBLIC_CASES, warmup: int = 1,
              repeat: int = 3, seed: int | None = None, bandwidth_gbs: float | None = None,
              peak_tflops: float | None = None, tol: Tolerance = Tolerance(),
-             log=lambda line: None, protect: tuple[str | Path, ...] = ()) -> dict:
-    """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate. The
-    candidate runs in the sandbox, which also protects the repository, the weights, the config
-    (when a path) and `protect`."""
+             log=lambda line: None, memory_bytes: int | None = None) -> dict:
+    """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
+    candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`."""
     if stress not in STRESS_MODES:
         raise ValueError(f"stress must be one of {STRESS_MODES}")
     start = time.perf_counter()
-    identities = FunctionIdentities()
     device = resolve_device(device)
     result = {"status": "failed", "stage": "import", "error_kind": None, "error": None, "device": device,
               "public": None, "stress": None, "benchmark": None, "score": None, "reference_margin": None,
-              "seconds": 0.0}
-    fenced = [REPO_ROOT, weight_dir, *protect] + ([] if isinstance(model_config, dict) else [model_config])
-    sandbox = Sandbox(fenced, device)
-
-    def check(when: str) -> None:
-        identities.check(when)
-        sandbox.check(when)
-
+              "isolation": None, "seconds": 0.0}
     try:
         config = load_config(model_config)
-        # Before the sandbox: this is the evaluator's own work (it may run `uname`, and measures).
         hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
-        # Before the candidate exists: nothing it patches can touch the yardstick of its margin.
         result["reference_margin"] = reference_margin(config, weight_dir, device, tol, seed)
         log(f"the judge's own margin against fp32 on these weights: {result['reference_margin']:.3f}")
-        with sandbox:
-            try:
-                module = load_engine_module(engine)
-            finally:
-                check("at import")  # a refused operation explains a failed import better than its traceback
+        with Worker(device, memory_bytes or default_memory_cap(), log) as worker:
+            result["isolation"] = worker.layers
+            worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
+            module = RemoteModule(worker)
             result["stage"] = "public"
             public = run_public_sequence(module, config, weight_dir, device, tol.atol, tol.rtol)
-            check("after the public sequence")
             result["public"] = {"status": public["status"], "max_abs_err": public["max_abs_err"],
                                 "cases": public["cases"], "worst_margin": public["worst_margin"]}
             log(f"public: passed, max abs err {public['max_abs_err']:.3g}")
@@ -95,17 +91,16 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                 report = run_stress(module, device, seed, quick=stress == "quick", target=(config, weight_dir),
                                     fail_fast=True, tol=tol, log=log)
                 result["stress"] = report.to_dict()
-                check("after the stress suite")
                 failure = report.first_failure
                 if failure is not None:
                     result["error_kind"] = failure.error_kind
                     result["error"] = f"stress case {failure.name} (seed {report.seed}): {failure.error}"
                     return result
             result["stage"] = "benchmark"
+            # A fresh seed the worker never sees: it gets each trace's tokens when the clock starts.
             result["benchmark"] = run_benchmark(module, config, weight_dir, device, list(cases), warmup, repeat,
-                                                hardware=hardware, tol=tol)
+                                                seed=secrets.randbits(62), hardware=hardware, tol=tol)
             result["score"] = score(result["benchmark"])
-            check("after the evaluation")
             result["stage"], result["status"] = "done", "passed"
     except EvalFailure as e:
         result["error_kind"], result["error"] = e.kind, str(e)
@@ -139,16 +134,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, help="stress seed (default: fresh)")
     p.add_argument("--bandwidth-gbs", type=float)
     p.add_argument("--peak-tflops", type=float)
-    p.add_argument("--protect", action="append", default=[],
-                   help="a path the candidate may not write to (besides the repository, the weights, "
-                        "the config and the folder of --out); repeatable")
+    p.add_argument("--memory-gb", type=float,
+                   help=f"the worker's memory cap (default {MEMORY_FRACTION:.0%} of this machine's memory)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    # SIGTERM (the agent's timeout) unwinds like an interrupt, so the worker's jail is torn down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     cases = parse_cases(a.cases)
     result = evaluate(a.engine, a.model_config, a.weight_dir, a.device, a.stress, cases, a.warmup, a.repeat,
                       a.seed, a.bandwidth_gbs, a.peak_tflops,
                       log=lambda line: print(line, file=sys.stderr, flush=True),
-                      protect=(Path(a.out).resolve().parent, *a.protect))
+                      memory_bytes=int(a.memory_gb * 2**30) if a.memory_gb else None)
     write_json(result, a.out)
     score_text = "untimed" if result["score"] is None else f"{result['score']:.4g}"
     verdict = f"score {score_text}" if result["status"] == "passed" else \
@@ -156,8 +152,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{result['status']}: {verdict} ({result['seconds']:.1f} s)")
     sys.stdout.flush()
     sys.stderr.flush()
-    # Leave without the interpreter's teardown: the sandbox is off now, and a candidate's atexit
-    # handler, finalizer or leftover thread must not get to run and rewrite the verdict.
     os._exit(0 if result["status"] == "passed" else 1)
 
 

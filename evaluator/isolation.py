@@ -1,0 +1,412 @@
+"""The operating system's fence around untrusted code: one confined worker process per judgement.
+
+The judge never imports a candidate. It starts a worker process inside a `Jail` and talks to
+it over a socket (evaluator/channel.py). The jail stacks layers; each says what it stops:
+
+- **Own uid** (when the judge runs as root): a fresh uid no process or file uses. The worker
+  cannot write the repository, the workspace, the weights, site-packages or the verdict (all
+  owned by root), cannot signal, ptrace or read the memory of the judge or the agent, and all
+  it leaves behind is findable by its uid. It keeps one capability, CAP_DAC_READ_SEARCH, only
+  where the Python it runs or its packages lie under a folder others cannot enter (a pyenv in
+  /root): it then reads what root can read, and still writes only what its uid owns. Every
+  other capability is dropped from its bounding set.
+- **No network**: a network namespace of its own (as root; otherwise inside a user namespace
+  where the kernel allows one).
+- **No new privileges** (PR_SET_NO_NEW_PRIVS): no setuid binary gives anything back.
+- **Limits** (rlimits): file size, core dumps, processes of its uid, and on CPU with a CPU build
+  of torch its address space (the memory cap; the CUDA build reserves too much address space to
+  run under one, so there the judge watches resident memory instead).
+- **Private scratch**: its own HOME, TMPDIR and compiler caches in a folder made for it, its
+  working directory there, a clean environment (no LD_PRELOAD, no PYTHON* variables, no API
+  keys), Python in isolated mode, no descriptor but the channel's.
+- **Death with the judge** (PR_SET_PDEATHSIG), and at the end **nothing survives**: its session
+  is killed, then every process of its uid and every orphan that was re-parented to the judge
+  (a child subreaper), then the files its uid left in the shared temporary folders.
+- The judge itself is made non-dumpable, so a worker that shares its uid (no root) still cannot
+  ptrace it or read /proc/<judge>/mem.
+
+`layers()` names what this machine gave, for the log: the run works without the optional
+layers, and says which ones it lacks.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# prctl options and capability numbers (linux/prctl.h, linux/capability.h)
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_KEEPCAPS = 1, 4, 8
+PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 24, 36, 38, 47
+PR_CAP_AMBIENT_RAISE = 2
+CAP_DAC_READ_SEARCH, CAP_LAST = 2, 40
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
+
+FILE_SIZE_LIMIT = 512 * 2**20     # bytes one file of the worker may reach
+PROCESS_LIMIT = 2048              # processes and threads of the worker's uid
+UID_RANGE = (3_000_000, 2**31 - 2)  # fresh uids are drawn here: far above any account's
+SHARED_TEMP = ("/tmp", "/var/tmp", "/dev/shm")   # where a uid can leave files outside its scratch
+# What of the judge's environment the worker may see (everything else is dropped).
+ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+            "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES",
+            "NVIDIA_DRIVER_CAPABILITIES", "TRITON_PTXAS_PATH", "TRITON_INTERPRET", "TORCH_CUDA_ARCH_LIST")
+KILL_ROUNDS = 50                  # sweeps for processes of the uid (a fork loop races the first ones)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, arg: int = 0) -> bool:
+    return _libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0
+
+
+def protect_judge() -> None:
+    """In the judge: not dumpable (no ptrace, no /proc/<pid>/mem for a same-uid worker), and a
+    child subreaper (a worker's orphans, daemons included, become the judge's children, so the
+    sweep finds them). Harmless where unsupported."""
+    _prctl(PR_SET_DUMPABLE, 0)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _reachable_by_others(path: Path) -> bool:
+    """Whether a user with no relation to the owners can reach `path` (every folder on the way
+    searchable by others, the path itself readable by them)."""
+    path = path.resolve()
+    try:
+        for folder in list(reversed(path.parents)):
+            if not os.stat(folder).st_mode & stat.S_IXOTH:
+                return False
+        return bool(os.stat(path).st_mode & stat.S_IROTH)
+    except OSError:
+        return False
+
+
+def _fresh_uid() -> int:
+    """A uid no account, process or file in the shared temporary folders uses."""
+    import pwd
+    used = {int(s.split()[1]) for s in _proc_fields("Uid") if s}
+    while True:
+        uid = random.SystemRandom().randrange(*UID_RANGE)
+        try:
+            pwd.getpwuid(uid)
+            continue
+        except KeyError:
+            pass
+        if uid not in used:
+            return uid
+
+
+def _proc_fields(name: str) -> list[str]:
+    """The value of one /proc/<pid>/status field for every process, with the pid first."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as f:
+                for line in f:
+                    if line.startswith(name + ":"):
+                        out.append(f"{entry.name} {line.split(':', 1)[1].strip()}")
+                        break
+        except OSError:
+            continue
+    return out
+
+
+def _device_groups() -> list[int]:
+    """Groups that own GPU device nodes others may not open: the worker joins them."""
+    groups = set()
+    for node in Path("/dev").glob("nvidia*"):
+        try:
+            st = node.stat()
+        except OSError:
+            continue
+        if not st.st_mode & stat.S_IWOTH and st.st_mode & stat.S_IWGRP and st.st_gid != 0:
+            groups.add(st.st_gid)
+    return sorted(groups)
+
+
+@dataclass(frozen=True)
+class JailSpec:
+    """What the worker applies to itself first thing, before it imports anything heavy."""
+
+    judge_pid: int
+    uid: int | None = None
+    groups: tuple[int, ...] = ()
+    read_search: bool = False           # keep CAP_DAC_READ_SEARCH (see the module docstring)
+    address_space: int | None = None    # RLIMIT_AS in bytes, or None
+    file_size: int = FILE_SIZE_LIMIT
+    processes: int = PROCESS_LIMIT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> "JailSpec":
+        data = json.loads(text)
+        data["groups"] = tuple(data["groups"])
+        return JailSpec(**data)
+
+
+def _set_capabilities(keep: int | None) -> None:
+    """Effective, permitted and inheritable sets to {keep} (or empty), raised as ambient so that
+    the compilers Triton starts can still reach headers under the same folders."""
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    mask = 0 if keep is None else 1 << keep
+    data = (Data * 2)(Data(mask, mask, mask), Data(0, 0, 0))
+    if _libc.capset(ctypes.byref(Header(LINUX_CAPABILITY_VERSION_3, 0)), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
+    if keep is not None and _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, keep, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "raising the ambient capability failed")
+
+
+def enter(spec: JailSpec) -> list[str]:
+    """Confine the calling process (the worker, at its start). Returns the layers it holds; a
+    required layer that fails raises (the worker then exits and the judge says why)."""
+    held = []
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (spec.file_size, spec.file_size))
+    if spec.address_space is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (spec.address_space, spec.address_space))
+        held.append(f"address space {spec.address_space / 2**30:.1f} GiB")
+    held.append(f"file size {spec.file_size // 2**20} MiB")
+    root = os.geteuid() == 0
+    flags = CLONE_NEWNET if root else CLONE_NEWUSER | CLONE_NEWNET
+    if _libc.unshare(flags) == 0:
+        held.append("no network (own network namespace)")
+    if spec.uid is not None:
+        keep = CAP_DAC_READ_SEARCH if spec.read_search else None
+        for cap in range(CAP_LAST + 1):
+            if cap != keep:
+                _prctl(PR_CAPBSET_DROP, cap)
+        _prctl(PR_SET_KEEPCAPS, 1 if keep is not None else 0)
+        os.setgroups(list(spec.groups))
+        os.setresgid(spec.uid, spec.uid, spec.uid)
+        os.setresuid(spec.uid, spec.uid, spec.uid)
+        resource.setrlimit(resource.RLIMIT_NPROC, (spec.processes, spec.processes))
+        _set_capabilities(keep)
+        if os.getuid() != spec.uid or os.geteuid() != spec.uid:
+            raise OSError("the worker's uid did not change")
+        held.append(f"own uid {spec.uid}" + (" (reads like root, writes as itself)" if keep is not None else ""))
+        held.append(f"processes {spec.processes}")
+        _prctl(PR_SET_DUMPABLE, 1)   # its own /proc/self stays readable to itself
+    if not _prctl(PR_SET_NO_NEW_PRIVS, 1):
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
+    held.append("no new privileges")
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)   # after the uid change, which clears it
+    if os.getppid() != spec.judge_pid:
+        os._exit(1)   # the judge is gone already
+    held.append("dies with the judge")
+    return held
+
+
+def _clean_env(home: Path) -> dict[str, str]:
+    env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
+    env.setdefault("PATH", os.defpath)
+    tmp = home / "tmp"
+    env.update(HOME=str(home), TMPDIR=str(tmp), TRITON_CACHE_DIR=str(home / ".triton"),
+               TRITON_HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), CUDA_CACHE_PATH=str(home / ".nv"),
+               PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+@dataclass
+class Jail:
+    """One worker's confinement: a scratch folder, a uid, the layers, the cleanup.
+
+    `with Jail(device) as jail: proc = jail.spawn(argv, pass_fds)`: on leaving, nothing the
+    worker started is left running and nothing it wrote is left behind."""
+
+    device: str
+    memory_bytes: int | None = None
+    root: Path = field(init=False)
+    home: Path = field(init=False)
+    spec: JailSpec = field(init=False)
+    proc: subprocess.Popen | None = field(init=False, default=None)
+    log_path: Path = field(init=False)
+    _children_before: set[int] = field(init=False)
+
+    def __post_init__(self):
+        protect_judge()
+        self._children_before = _children()
+        self.root = Path(tempfile.mkdtemp(prefix="judge-worker-"))
+        os.chmod(self.root, 0o755)
+        self.home = self.root / "home"
+        (self.home / "tmp").mkdir(parents=True)
+        self.log_path = self.home / "worker.log"
+        uid = _fresh_uid() if os.geteuid() == 0 else None
+        needs = (Path(sys.executable), Path(os.__file__).parent, Path(_torch_dir()), REPO_ROOT / "evaluator")
+        read_search = uid is not None and not all(_reachable_by_others(p) for p in needs)
+        cap = self.memory_bytes if self.device == "cpu" and _torch_is_cpu_build() else None
+        self.spec = JailSpec(os.getpid(), uid, tuple(_device_groups()) if uid is not None else (), read_search, cap)
+        if uid is not None:
+            for path in (self.home, self.home / "tmp"):
+                os.chown(path, uid, uid)
+            os.chmod(self.home, 0o700)
+
+    def __enter__(self) -> "Jail":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def readable(self, path: str | Path) -> str:
+        """A path the worker can read with the same content: `path` itself when it can, else a
+        copy in the jail (a weight folder under a private home, pytest's 0700 temp folders)."""
+        path = Path(path)
+        if self.spec.uid is None or self.spec.read_search or _reachable_by_others(path):
+            return str(path)
+        copy = Path(tempfile.mkdtemp(dir=self.root, prefix="input-"))
+        os.chmod(copy, 0o755)
+        target = copy / path.name
+        if path.is_dir():
+            shutil.copytree(path, target)
+        else:
+            shutil.copy2(path, target)
+        for p in [target, *target.rglob("*")] if target.is_dir() else [target]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        return str(target)
+
+    def spawn(self, argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
+        """Start the worker: `python -I <argv...> <spec>`, its output to worker.log."""
+        with open(self.log_path, "wb") as log:
+            if self.spec.uid is not None:
+                os.chown(self.log_path, self.spec.uid, self.spec.uid)
+            self.proc = subprocess.Popen([sys.executable, "-I", *argv, self.spec.to_json()], cwd=self.home,
+                                         env=_clean_env(self.home), stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, pass_fds=pass_fds, start_new_session=True)
+        return self.proc
+
+    def log_tail(self, limit: int = 3000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(f.seek(0, os.SEEK_END) - limit, 0))
+                return f.read().decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    def resident_bytes(self) -> int:
+        if self.proc is None:
+            return 0
+        try:
+            with open(f"/proc/{self.proc.pid}/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def close(self) -> None:
+        """Kill everything the worker started, remove everything its uid wrote."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc.wait()
+        if self.spec.uid is not None:
+            _kill_uid(self.spec.uid)
+        _kill_orphans(self._children_before)
+        if self.spec.uid is not None:
+            _remove_files_of(self.spec.uid)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def layers(self, held: list[str]) -> str:
+        """One line for the log: the layers the worker holds, and the ones this machine lacks."""
+        missing = []
+        if self.spec.uid is None:
+            missing.append("own uid (the judge is not root)")
+        if not any(h.startswith("no network") for h in held):
+            missing.append("network namespace (refused by this kernel or container)")
+        if self.memory_bytes and self.spec.address_space is None:
+            missing.append("address-space cap (not with CUDA: resident memory watched instead)")
+        text = "worker isolation: " + ", ".join(held)
+        return text + (f"; missing: {', '.join(missing)}" if missing else "")
+
+
+def _torch_dir() -> str:
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    return str(Path(spec.origin).parent) if spec and spec.origin else sys.prefix
+
+
+def _torch_is_cpu_build() -> bool:
+    import torch
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of `uid` until none is left (a fork loop may race a few rounds)."""
+    for _ in range(KILL_ROUNDS):
+        pids = [int(s.split()[0]) for s in _proc_fields("Uid") if int(s.split()[1]) == uid]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    return {int(s.split()[0]) for s in _proc_fields("PPid") if s.split()[1] == me}
+
+
+def _kill_orphans(before: set[int]) -> None:
+    """Children of the judge that were not there when the jail was made: orphans of the worker,
+    re-parented here (the judge is a child subreaper). Killed and reaped."""
+    for _ in range(KILL_ROUNDS):
+        orphans = _children() - before
+        if not orphans:
+            return
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+
+
+def _remove_files_of(uid: int) -> None:
+    """Whatever `uid` left in the shared temporary folders (and in world-writable folders one
+    level down: /tmp/.X11-unix and the like)."""
+    def sweep(folder: str, depth: int) -> None:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_uid == uid:
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(e.path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(e.path)
+                    except OSError:
+                        pass
+            elif depth and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH:
+                sweep(e.path, depth - 1)
+    for folder in SHARED_TEMP:
+        sweep(folder, 1)

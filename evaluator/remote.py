@@ -1,0 +1,251 @@
+"""The judge's side of the worker: a candidate engine that lives in another process.
+
+`RemoteModule(worker)` stands where an imported engine module stood: its `create_engine`
+returns a `RemoteEngine` whose prefill/decode/remove send the call to the worker and return
+the logits as a private fp32 CPU tensor, so the public sequence, the stress suite and the
+benchmark's checked passes run unchanged on it. The benchmark's timed runs go through
+`RemoteEngine.run_trace`: the whole trace in one request, the judge's clock around it, every
+output in the judge's hands (copied out of the shared buffer) before the clock is read.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import select
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from evaluator import channel
+from evaluator.common import CRASH, EngineRaised, EvalFailure, WrongResult
+from evaluator.isolation import Jail
+from evaluator.traces import DECODE, PREFILL, Op
+
+WORKER_SCRIPT = Path(__file__).resolve().parent / "worker.py"
+HELLO_SECONDS = 120.0          # the worker's start: its confinement and `import torch`
+WATCH_SECONDS = 0.2            # how often a wait looks at the worker's health
+MESSAGE_SECONDS = 60.0         # for the rest of a message once its first byte arrived
+FIRST_BUFFER_BYTES = 1 << 22
+NAN_BYTE = b"\xff"             # 0xFFFFFFFF is a NaN as fp32: rows the worker never wrote show
+
+
+class WorkerDied(EvalFailure):
+    """The worker exited, broke the channel, or passed the memory cap."""
+
+    kind = CRASH
+
+
+@dataclass
+class TraceRun:
+    """One timed trace as the judge saw it."""
+
+    seconds: float                     # the judge's clock: request sent → answer received and outputs copied
+    inner_seconds: float               # what the worker measured around the same calls (its own claim)
+    peak_memory_mb: float              # the worker's claim
+    outputs: list[torch.Tensor | None]  # per op: [B, vocab] fp32 (CPU, the judge's copy), None for remove
+
+
+class Worker:
+    """A confined worker process and the channel to it. Use as a context manager."""
+
+    def __init__(self, device: str, memory_bytes: int | None = None, log: Callable[[str], None] = lambda s: None):
+        self.device = device
+        self.memory_bytes = memory_bytes
+        self.jail = Jail(device, memory_bytes)
+        self._readable: dict[str, str] = {}
+        self.pending_release: list[int] = []
+        self.buffer: channel.OutputBuffer | None = None
+        self.pinned = False
+        ours, theirs = socket.socketpair()
+        self.sock = ours
+        try:
+            self.proc = self.jail.spawn([str(WORKER_SCRIPT), str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        hello = self._answer(time.monotonic() + HELLO_SECONDS, "starting the worker")
+        self.layers = self.jail.layers(list(hello.get("layers", [])))
+        log(self.layers)
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            channel.send(self.sock, {"op": "exit"})
+        except channel.ChannelClosed:
+            pass
+        self.sock.close()
+        self.jail.close()
+        if self.buffer is not None:
+            self.buffer.close()
+
+    # ---- requests ----
+
+    def _died(self, what: str, why: str) -> WorkerDied:
+        code = self.proc.poll()
+        status = f"exited with code {code}" if code is not None else why
+        tail = self.jail.log_tail()
+        return WorkerDied(f"{what}: the worker {status}" + (f"; its last output:\n{tail}" if tail else ""))
+
+    def _answer(self, deadline: float | None, what: str) -> dict:
+        """Wait for one answer, watching that the worker lives and stays under the memory cap."""
+        while True:
+            wait = WATCH_SECONDS if deadline is None else min(WATCH_SECONDS, deadline - time.monotonic())
+            if wait <= 0:
+                raise self._died(what, "did not answer in time")
+            ready, _, _ = select.select([self.sock], [], [], wait)
+            if ready:
+                break
+            if self.proc.poll() is not None:
+                raise self._died(what, "exited")
+            if self.memory_bytes and self.jail.spec.address_space is None \
+                    and self.jail.resident_bytes() > self.memory_bytes:
+                raise self._died(what, f"used more than {self.memory_bytes / 2**30:.1f} GiB of memory (the cap)")
+        try:
+            header, _, _ = channel.receive(self.sock, time.monotonic() + MESSAGE_SECONDS, max_payload=0)
+        except channel.ChannelClosed as e:
+            raise self._died(what, str(e)) from e
+        return header
+
+    def request(self, header: dict, payload: bytes = b"", what: str = "", fds: tuple[int, ...] = ()) -> dict:
+        """Send one request, return its answer; a refusal becomes the EvalFailure it names."""
+        header = {**header, "release": self.pending_release}
+        self.pending_release = []
+        try:
+            channel.send(self.sock, header, payload, fds)
+        except channel.ChannelClosed as e:
+            raise self._died(what, str(e)) from e
+        answer = self._answer(None, what)
+        if answer.get("ok") is True:
+            return answer
+        kind, error = str(answer.get("kind", CRASH)), str(answer.get("error", "no reason given"))[:4000]
+        if kind == "wrong_result":
+            raise WrongResult(error)
+        if kind in ("compile_error", "runtime_error"):
+            raise EngineRaised(error, kind)
+        raise WorkerDied(f"{what}: {error}")
+
+    def readable(self, path: str | Path) -> str:
+        key = str(path)
+        if key not in self._readable:
+            self._readable[key] = self.jail.readable(path)
+        return self._readable[key]
+
+    def output_rows(self, rows: int, vocab: int) -> None:
+        """Make the output buffer hold `rows` x `vocab` fp32 values."""
+        need = max(rows * vocab * 4, 4)
+        if self.buffer is not None and self.buffer.nbytes >= need:
+            return
+        size = max(need, FIRST_BUFFER_BYTES, 2 * (self.buffer.nbytes if self.buffer else 0))
+        fresh = channel.OutputBuffer(size)
+        answer = self.request({"op": "buffer", "nbytes": size, "device": self.device}, what="output buffer",
+                              fds=(fresh.fd,))
+        if self.buffer is not None:
+            self.buffer.close()
+        self.buffer, self.pinned = fresh, bool(answer.get("pinned"))
+
+    def poison_rows(self, rows: int, vocab: int) -> None:
+        self.buffer.map[:rows * vocab * 4] = NAN_BYTE * (rows * vocab * 4)
+
+    def copy_rows(self, first: int, rows: int, vocab: int) -> torch.Tensor:
+        """The judge's own fp32 copy of buffer rows [first, first + rows)."""
+        view = torch.frombuffer(self.buffer.map, dtype=torch.float32, count=rows * vocab, offset=first * vocab * 4)
+        return view.view(rows, vocab).clone()
+
+
+class RemoteModule:
+    """Stands for the candidate's module: `create_engine` builds the engine in the worker."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def create_engine(self, model_config: dict, weight_dir: str, device: str = "cuda") -> "RemoteEngine":
+        w = self.worker
+        answer = w.request({"op": "create", "config": model_config, "weight_dir": w.readable(weight_dir),
+                            "device": device}, what="create_engine")
+        return RemoteEngine(w, int(answer["engine"]), int(model_config["vocab_size"]), device)
+
+
+def _flat_tokens(tensors: list[torch.Tensor]) -> bytes:
+    if not tensors:
+        return b""
+    return torch.cat([t.reshape(-1) for t in tensors]).to("cpu", torch.int64).numpy().tobytes()
+
+
+class RemoteEngine:
+    """prefill/decode/remove of an engine that lives in the worker."""
+
+    def __init__(self, worker: Worker, engine_id: int, vocab: int, device: str):
+        self.worker, self.id, self.vocab, self.device = worker, engine_id, vocab, device
+
+    def __del__(self):
+        # Not a request here (a collection may run in the middle of one): the next one carries it.
+        self.worker.pending_release.append(self.id)
+
+    def _call(self, kind: str, request_ids: list[int], tokens: list[torch.Tensor], lengths: list[int]):
+        rows = len(request_ids) if kind != "remove" else 0
+        w = self.worker
+        w.output_rows(rows, self.vocab)
+        w.poison_rows(rows, self.vocab)
+        w.request({"op": "call", "engine": self.id, "kind": kind, "ids": [int(i) for i in request_ids],
+                   "lengths": lengths, "device": self.device, "vocab": self.vocab,
+                   "what": f"{kind} of {len(request_ids)}"}, _flat_tokens(tokens), what=kind)
+        return w.copy_rows(0, rows, self.vocab) if rows else None
+
+    def prefill(self, request_ids: list[int], input_ids: list[torch.Tensor]) -> torch.Tensor:
+        return self._call(PREFILL, request_ids, list(input_ids), [int(t.numel()) for t in input_ids])
+
+    def decode(self, request_ids: list[int], token_ids: torch.Tensor) -> torch.Tensor:
+        return self._call(DECODE, request_ids, [token_ids], [])
+
+    def remove(self, request_ids: list[int]) -> None:
+        self._call("remove", request_ids, [], [])
+
+    def run_trace(self, trace: list[Op], tokens: list[list[torch.Tensor]], what: str) -> TraceRun:
+        """The whole trace as one timed request. The clock starts when the request (with every
+        token of the trace: the worker sees none before) is sent, and stops once the answer is
+        in and every output has been copied out of the shared buffer into the judge's memory:
+        a worker that answers before its copies land has rows of NaN (the buffer is poisoned
+        first), and nothing it writes afterwards reaches what the judge compares."""
+        ops, flat, rows = [], [], 0
+        for op, drawn in zip(trace, tokens):
+            lengths = [int(t.numel()) for t in drawn] if op.kind == PREFILL else []
+            ops.append({"kind": op.kind, "ids": [int(i) for i in op.request_ids], "lengths": lengths})
+            flat += drawn
+            rows += len(op.request_ids) if op.kind in (PREFILL, DECODE) else 0
+        payload = _flat_tokens(flat)
+        w = self.worker
+        w.output_rows(rows, self.vocab)
+        w.poison_rows(rows, self.vocab)
+        header = {"op": "trace", "engine": self.id, "ops": ops, "device": self.device, "vocab": self.vocab,
+                  "what": what}
+        gc.collect()
+        gc_was = gc.isenabled()
+        gc.disable()   # no collection of the judge's garbage inside its own clock
+        try:
+            start = time.perf_counter()
+            answer = w.request(header, payload, what=what)
+            everything = w.copy_rows(0, rows, self.vocab)
+            seconds = time.perf_counter() - start
+        finally:
+            if gc_was:
+                gc.enable()
+        outputs, at = [], 0
+        for op in trace:
+            if op.kind in (PREFILL, DECODE):
+                n = len(op.request_ids)
+                outputs.append(everything[at:at + n])
+                at += n
+            else:
+                outputs.append(None)
+        inner = answer.get("inner_seconds")
+        peak = answer.get("peak_memory_mb")
+        return TraceRun(seconds, float(inner) if isinstance(inner, (int, float)) and math.isfinite(inner) else math.nan,
+                        float(peak) if isinstance(peak, (int, float)) else 0.0, outputs)

@@ -1,0 +1,200 @@
+"""The worker: the only process that imports a candidate engine (docs/reliability.md).
+
+    python3 -I evaluator/worker.py <channel fd> <jail spec JSON>      (started by evaluator/remote.py)
+
+First it confines itself (evaluator/isolation.py: own uid, no network, limits, death with the
+judge), then it imports torch, says hello with the layers it holds, and serves the judge's
+requests one at a time: load the candidate, create an engine, run one call, run a whole timed
+trace, release an engine. Token ids arrive with each request; logits go into the output buffer
+the judge lent it. Nothing here is trusted by the judge: a candidate can rewrite any of it in
+this process, and all it gains is a worker that answers wrongly, which the judge checks.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # isolated mode (-I) adds no path
+
+from evaluator.isolation import JailSpec, enter  # noqa: E402  (the standard library only)
+
+PREFILL, DECODE, REMOVE = "prefill", "decode", "remove"   # evaluator/traces.py's kinds
+
+
+class Refusal(Exception):
+    """A request the worker answers with an error verdict: (error_kind, message)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class Worker:
+    def __init__(self, sock: socket.socket):
+        import torch
+        from evaluator import channel, common, guards
+        self.torch, self.channel, self.common, self.guards = torch, channel, common, guards
+        self.sock = sock
+        self.module = None
+        self.engines: dict[int, object] = {}
+        self.next_id = 0
+        self.buffer = None
+        self.host = None          # the buffer as an fp32 tensor (pinned where CUDA allows)
+
+    # ---- requests ----
+
+    def load(self, req: dict, _: bytes) -> dict:
+        self.module = self.common.load_engine_module(req["engine"])
+        return {}
+
+    def set_buffer(self, req: dict, _: bytes, fds: list[int]) -> dict:
+        if len(fds) != 1:
+            raise Refusal(self.common.CRASH, "a buffer request must carry one descriptor")
+        torch = self.torch
+        self.host = None
+        if self.buffer is not None:
+            self.buffer.close()
+        self.buffer = self.channel.OutputBuffer(int(req["nbytes"]), fds[0])
+        host = torch.frombuffer(self.buffer.map, dtype=torch.float32)
+        pinned = False
+        if req.get("device") == "cuda" and torch.cuda.is_available():
+            # Registered (page-locked), the copies of a timed trace stay asynchronous.
+            pinned = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * 4, 0) == 0 \
+                and host.is_pinned()
+        self.host = host
+        return {"pinned": pinned}
+
+    def create(self, req: dict, _: bytes) -> dict:
+        if self.module is None:
+            raise Refusal(self.common.CRASH, "create before load")
+        engine = self.common.call_engine("create_engine", self.module.create_engine, req["config"],
+                                         req["weight_dir"], req["device"])
+        self.next_id += 1
+        self.engines[self.next_id] = engine
+        return {"engine": self.next_id}
+
+    def release(self, ids: list[int]) -> None:
+        for i in ids:
+            self.engines.pop(i, None)
+        gc.collect()
+        if self.torch.cuda.is_available():
+            self.torch.cuda.empty_cache()
+
+    def _tokens(self, payload: bytes, device: str):
+        torch = self.torch
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.int64) if payload else torch.empty(0, dtype=torch.int64)
+        return flat.to(device)
+
+    def _bind(self, engine, kind: str, ids: list[int], lengths: list[int], flat, at: int):
+        """(method, args, rows) of one call; prompts are views of the one token tensor."""
+        if kind == PREFILL:
+            prompts = list(flat[at:at + sum(lengths)].split(lengths)) if lengths else []
+            return engine.prefill, (ids, prompts), len(ids), at + sum(lengths)
+        if kind == DECODE:
+            return engine.decode, (ids, flat[at:at + len(ids)]), len(ids), at + len(ids)
+        return engine.remove, (ids,), 0, at
+
+    def _validate(self, out, rows: int, vocab: int, what: str) -> None:
+        torch = self.torch
+        if type(out) is not torch.Tensor:
+            raise Refusal(self.common.WRONG_RESULT, f"{what}: returned {type(out).__name__}, not a plain torch.Tensor")
+        if out.layout != torch.strided or out.device.type == "meta":
+            raise Refusal(self.common.WRONG_RESULT, f"{what}: returned a {out.layout} tensor on {out.device}")
+        if tuple(out.shape) != (rows, vocab):
+            raise Refusal(self.common.WRONG_RESULT, f"{what}: returned shape {tuple(out.shape)}, "
+                                                    f"expected {(rows, vocab)}")
+        if not out.is_floating_point():
+            raise Refusal(self.common.WRONG_RESULT, f"{what}: returned dtype {out.dtype}, expected a floating dtype")
+
+    def call(self, req: dict, payload: bytes) -> dict:
+        """One engine call; its logits into the buffer's first rows (right away: the engine may
+        overwrite a returned view on its next call)."""
+        engine, device, vocab = self.engines[req["engine"]], req["device"], int(req["vocab"])
+        what = req["what"]
+        flat = self._tokens(payload, device)
+        fn, args, rows, _ = self._bind(engine, req["kind"], list(req["ids"]), list(req["lengths"]), flat, 0)
+        self.guards.poison_free_device_memory(device)
+        with self.torch.no_grad():
+            out = self.common.call_engine(what, fn, *args)
+        if rows:
+            self._validate(out, rows, vocab, what)
+            self.host[:rows * vocab].view(rows, vocab).copy_(out.detach())
+        return {}
+
+    def trace(self, req: dict, payload: bytes) -> dict:
+        """Every call of a trace back to back, each output copied into its rows of the buffer
+        as it returns (asynchronously where the buffer is pinned), then one device sync: the
+        official timed region plus those copies. The judge's clock runs around this request."""
+        torch = self.torch
+        engine, device, vocab = self.engines[req["engine"]], req["device"], int(req["vocab"])
+        ops = req["ops"]
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            self.common.synchronize(device)
+            start = time.perf_counter()
+            flat = self._tokens(payload, device)
+            at, row = 0, 0
+            sink = self.host
+            for index, op in enumerate(ops):
+                fn, args, rows, at = self._bind(engine, op["kind"], list(op["ids"]), list(op["lengths"]), flat, at)
+                what = f"{req['what']} call {index + 1} ({op['kind']} of {len(op['ids'])})"
+                out = self.common.call_engine(what, fn, *args)
+                if rows:
+                    self._validate(out, rows, vocab, what)
+                    sink[row * vocab:(row + rows) * vocab].view(rows, vocab).copy_(out.detach(), non_blocking=True)
+                    row += rows
+            self.common.synchronize(device)
+            seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else 0.0
+        return {"inner_seconds": seconds, "peak_memory_mb": peak}
+
+    # ---- the loop ----
+
+    def serve(self) -> None:
+        handlers = {"load": self.load, "create": self.create, "call": self.call, "trace": self.trace}
+        while True:
+            req, payload, fds = self.channel.receive(self.sock, want_fds=True)
+            op = req.get("op")
+            if op == "exit":
+                return
+            try:
+                self.release(req.get("release", []))
+                if op == "buffer":
+                    answer = self.set_buffer(req, payload, fds)
+                elif op in handlers:
+                    answer = handlers[op](req, payload)
+                else:
+                    raise Refusal(self.common.CRASH, f"unknown request {op!r}")
+                self.channel.send(self.sock, {"ok": True, **answer})
+            except Refusal as e:
+                self.channel.send(self.sock, {"ok": False, "kind": e.kind, "error": str(e)})
+            except self.common.EvalFailure as e:
+                self.channel.send(self.sock, {"ok": False, "kind": e.kind, "error": str(e)})
+            except Exception as e:  # noqa: BLE001 - the worker's own failure, reported as a crash
+                self.channel.send(self.sock, {"ok": False, "kind": self.common.CRASH,
+                                              "error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"})
+
+
+def main() -> None:
+    fd, spec = int(sys.argv[1]), JailSpec.from_json(sys.argv[2])
+    held = enter(spec)
+    sock = socket.socket(fileno=fd)
+    worker = Worker(sock)
+    from evaluator import channel
+    channel.send(sock, {"ok": True, "layers": held, "pid": os.getpid(), "uid": os.getuid()})
+    try:
+        worker.serve()
+    except channel.ChannelClosed:
+        pass
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
