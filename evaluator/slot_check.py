@@ -17,8 +17,8 @@ For each slot this module holds
   call, so an output element the kernel forgot to write shows up as NaN;
 * tolerances per compute dtype, in ulps of that dtype.
 
-``check_variant(slot, source, device, seed=None)`` loads a variant (a template file,
-template text, or a module already rendered by ``agent.render.render_slot_module``),
+``check_variant(slot, source, device, seed=None)`` loads a variant (a library file,
+model-written text, or a module already rendered by ``slot_render.render_slot_module``),
 calls its ``<fn>__<variant>`` functions on every case and returns a
 ``SlotCheckResult``. Failure messages name the case, the output, the index of the worst
 element, got/want and the tolerance, so that they can go back to an LLM proposer as is.
@@ -47,6 +47,8 @@ from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from evaluator.slot_render import PRELUDE, library_variant, render_slot_module
 
 SLOT_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "norm": ("rmsnorm", "add_rmsnorm"),
@@ -748,11 +750,11 @@ def import_module_text(text: str, tag: str = "variant"):
 
 def render_source(slot: str, source=None, variant: str | None = None, params: dict | None = None
                   ) -> tuple[str, str, tuple[str, ...]]:
-    """→ (module text, variant name, devices). `source` is None (the variant file on disk),
-    a path (a .py.j2 template or a rendered .py), template text with its header line, or a
-    module already rendered by render_slot_module (it starts with the prelude)."""
-    from agent.render import PRELUDE, render_slot_module
-
+    """→ (module text, variant name, devices). `source` is None (the library's `variant`), a
+    path (a library variant file under templates/kernels/; any other file is read as text), or
+    text: a module already rendered by render_slot_module (it starts with the prelude) or a
+    variant's source with its header line (a model's). Only library files are rendered as
+    templates, with `params`; text goes in verbatim (evaluator/slot_render.py says why)."""
     if source is None:
         if variant is None:
             raise ValueError("give a variant name or its source")
@@ -760,7 +762,8 @@ def render_source(slot: str, source=None, variant: str | None = None, params: di
     else:
         text = str(source)
         if isinstance(source, Path) or ("\n" not in text and len(text) < 4096 and Path(text).is_file()):
-            text = Path(text).read_text()
+            library = library_variant(Path(text))
+            text = render_slot_module(*library, params) if library else Path(text).read_text()
         if not text.startswith(PRELUDE):
             m = _HEADER.search("\n".join(text.splitlines()[:5]))
             if not m:
@@ -781,8 +784,6 @@ def render_source(slot: str, source=None, variant: str | None = None, params: di
 def variant_function(slot: str, variant: str, fn: str, params: dict | None = None,
                      extra_variants: dict | None = None):
     """One function (`<fn>__<variant>`) of a slot's variant, rendered and imported."""
-    from agent.render import render_slot_module
-
     module = import_module_text(render_slot_module(slot, variant, params, extra_variants=extra_variants),
                                 f"{slot}_{variant}")
     return getattr(module, f"{fn}__{variant}")
@@ -936,7 +937,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--slot", required=True, choices=sorted(SLOT_FUNCTIONS))
     ap.add_argument("--variant", help="a file stem in templates/kernels/<slot>/")
-    ap.add_argument("--source", help="a variant template (.py.j2) or rendered module (.py) instead")
+    ap.add_argument("--source", help="a library variant file, a variant's source or a rendered module (.py) instead")
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto")
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh one, printed")
     ap.add_argument("--dtype", default=None, help="comma list of fp32,fp16,bf16 (default by device)")

@@ -226,7 +226,7 @@ class LLMProposer:
         """The LLM needs a passing engine that uses slots to build on."""
         if state.best is None:
             return False
-        return "kernel_includes" in (ENGINES / f"{state.best.plan.engine}.py.j2").read_text()
+        return "kernel_blocks" in (ENGINES / f"{state.best.plan.engine}.py.j2").read_text()
 
     def _stop(self, why: str) -> None:
         self.active = False
