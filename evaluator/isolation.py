@@ -270,8 +270,9 @@ class Jail:
 
     def readable(self, path: str | Path) -> str:
         """A path the worker can read with the same content: `path` itself when it can, else a
-        copy in the jail (a weight folder under a private home, pytest's 0700 temp folders)."""
-        path = Path(path)
+        copy in the jail (a weight folder under a private home, pytest's 0700 temp folders).
+        Always absolute: the worker's working directory is its scratch folder."""
+        path = Path(path).resolve()
         if self.spec.uid is None or self.spec.read_search or _reachable_by_others(path):
             return str(path)
         copy = Path(tempfile.mkdtemp(dir=self.root, prefix="input-"))

@@ -222,6 +222,8 @@ class RemoteEngine:
             rows += len(op.request_ids) if op.kind in (PREFILL, DECODE) else 0
         payload = _flat_tokens(flat)
         w = self.worker
+        if w.pending_release:   # engines freed now, not inside the clock
+            w.request({"op": "release"}, what="release")
         w.output_rows(rows, self.vocab)
         w.poison_rows(rows, self.vocab)
         header = {"op": "trace", "engine": self.id, "ops": ops, "device": self.device, "vocab": self.vocab,

@@ -79,6 +79,8 @@ class Worker:
         return {"engine": self.next_id}
 
     def release(self, ids: list[int]) -> None:
+        if not ids:
+            return
         for i in ids:
             self.engines.pop(i, None)
         gc.collect()
@@ -139,6 +141,7 @@ class Worker:
             self.common.synchronize(device)
             start = time.perf_counter()
             flat = self._tokens(payload, device)
+            tokens_seconds = time.perf_counter() - start
             at, row = 0, 0
             sink = self.host
             for index, op in enumerate(ops):
@@ -152,7 +155,7 @@ class Worker:
             self.common.synchronize(device)
             seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else 0.0
-        return {"inner_seconds": seconds, "peak_memory_mb": peak}
+        return {"inner_seconds": seconds, "tokens_seconds": tokens_seconds, "peak_memory_mb": peak}
 
     # ---- the loop ----
 
@@ -165,7 +168,9 @@ class Worker:
                 return
             try:
                 self.release(req.get("release", []))
-                if op == "buffer":
+                if op == "release":
+                    answer = {}
+                elif op == "buffer":
                     answer = self.set_buffer(req, payload, fds)
                 elif op in handlers:
                     answer = handlers[op](req, payload)

@@ -1,0 +1,90 @@
+"""What the judge/worker split costs: one engine timed in-process and through the worker.
+
+    python3 scripts/gpu_judge_split.py [--engine PATH | --plan NAME] [--rounds 3]
+        [--cases prefill,decode,mixed,decode128,mixed128] [--out DIR]
+
+Why: since the candidate left the judge's process (evaluator/remote.py), a timed run is the
+judge's clock around one request to the worker, every output copied into the judge's memory
+before the clock stops. This prints, per case and side by side in interleaved rounds, the
+median elapsed time of the same engine under the official in-process method
+(evaluator/benchmark_throughput.py) and through the worker (judge's clock; the worker's own
+clock around the same calls), the overhead in %, the % of the physical floor each gives,
+whether the output buffer was pinned, and the worker's isolation layers. Writes split.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
+from evaluator.common import load_config  # noqa: E402
+from evaluator.remote import RemoteModule, Worker  # noqa: E402
+
+CASES = "prefill,decode,mixed,decode128,mixed128"
+CONFIG, WEIGHTS = "target/model_config.json", "target/weights"
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", help="an engine file (default: render --plan)")
+    p.add_argument("--plan", default="lib split linear", help="a name from gpu_engine_check.library_plans")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cases", default=CASES)
+    p.add_argument("--out", default="judge-split-out")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not Path(WEIGHTS, "model.pt").exists():
+        subprocess.run([sys.executable, "scripts/generate_toy_weights.py", "--config", CONFIG,
+                        "--output", f"{WEIGHTS}/model.pt"], check=True, capture_output=True)
+    engine = a.engine
+    if engine is None:
+        from scripts.gpu_engine_check import library_plans, render_to_file
+        engine = str(render_to_file(library_plans()[a.plan], a.plan))
+    config = load_config(CONFIG)
+    cases = [c for c in a.cases.split(",") if c]
+    runs: dict[str, dict[str, list[float]]] = {c: {"inproc": [], "judge": [], "worker": [], "floor": []} for c in cases}
+    layers, pinned = None, None
+    for r in range(a.rounds):
+        local = run_benchmark(engine, config, WEIGHTS, "cuda", cases, warmup=1, repeat=3)
+        with Worker("cuda", log=lambda line: None) as worker:
+            worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
+            remote = run_benchmark(RemoteModule(worker), config, WEIGHTS, "cuda", cases, warmup=1, repeat=3, seed=r + 1)
+            layers, pinned = worker.layers, worker.pinned
+        for lo, re in zip(local, remote):
+            c = runs[lo["case_name"]]
+            c["inproc"].append(lo["elapsed_ms"])
+            c["judge"].append(re["elapsed_ms"])
+            c["worker"].append(statistics.median(re["worker_runs_ms"]))
+            c["floor"].append(lo["floor_ms"])
+        print(f"round {r + 1} done", flush=True)
+    print(layers)
+    print(f"output buffer pinned: {pinned}")
+    print(f"{'case':<10} {'in-process ms':>14} {'judge ms':>9} {'worker ms':>10} {'overhead':>9} "
+          f"{'% floor in-proc':>16} {'% floor judge':>14}")
+    fractions = {"inproc": [], "judge": []}
+    for case, c in runs.items():
+        ip, jd, wk, fl = (statistics.median(c[k]) for k in ("inproc", "judge", "worker", "floor"))
+        fractions["inproc"].append(fl / ip)
+        fractions["judge"].append(fl / jd)
+        print(f"{case:<10} {ip:14.3f} {jd:9.3f} {wk:10.3f} {100 * (jd / ip - 1):8.1f}% "
+              f"{100 * fl / ip:15.1f}% {100 * fl / jd:13.1f}%")
+    print(f"geometric mean % of floor: in-process {100 * geomean(fractions['inproc']):.1f}, "
+          f"through the worker {100 * geomean(fractions['judge']):.1f}")
+    (out / "split.json").write_text(json.dumps({"engine": engine, "layers": layers, "pinned": pinned,
+                                                "runs": runs}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
