@@ -104,8 +104,16 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     device = resolve_device(args.device)
     budget = float(args.budget) if args.budget is not None else DEFAULT_BUDGET[device]
     seed = int(args.seed) if args.seed is not None else random.randrange(SEED_RANGE)
-    return RunConfig(config.resolve(), weights.resolve(), device, budget, args.provider, args.model, seed,
-                     Path(args.workspace).resolve())
+    return RunConfig(_absolute(config, "model config"), _absolute(weights, "weights directory"), device, budget,
+                     args.provider, args.model, seed, _absolute(Path(args.workspace), "workspace"))
+
+
+def _absolute(path: Path, what: str) -> Path:
+    """path.resolve(); a path that cannot be resolved (a symlink loop) is a bad input like any other."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as e:
+        raise SpecError(f"{what} {path} cannot be resolved: {e}") from None
 
 
 def ensure_toy_weights(cfg: RunConfig) -> None:

@@ -6,7 +6,6 @@ before anything is written to the workspace.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -25,6 +24,11 @@ UNSUPPORTED_IF_SET = {
     "mlp_bias": "MLP biases",
 }
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
+# Bounds on integer sizes: far above any real model (hidden 16384, mlp 53248 for the largest
+# LLaMA), low enough that an absurd value (10**100 from a typo or an attack) is refused here,
+# by name, rather than deep inside torch.
+MAX_SIZE = 2**20
+SIZE_LIMITS = {"vocab_size": 2**24, "max_position_embeddings": 2**24}
 
 
 class SpecError(Exception):
@@ -72,15 +76,22 @@ class ModelSpec:
 
 
 def read_config(path: Path) -> dict:
-    if not path.is_file():
-        raise SpecError(f"model config not found: {path}")
+    """The config file as a dict, through the evaluator's careful loader (both sides read a
+    config by the same rules): any unusable file is one SpecError line."""
+    from evaluator.common import ConfigError, load_config
+
     try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpecError(f"model config {path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise SpecError(f"model config {path} must be a JSON object, got {type(config).__name__}")
-    return config
+        return load_config(path)
+    except ConfigError as e:
+        raise SpecError(str(e)) from None
+
+
+def _shown(value: object) -> str:
+    """A config value as an error message may quote it: short, whatever its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
 
 
 def _positive_int(config: dict, key: str, default: int | None = None) -> int:
@@ -88,7 +99,10 @@ def _positive_int(config: dict, key: str, default: int | None = None) -> int:
     if value is None:
         raise SpecError(f"model config is missing required key '{key}'")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise SpecError(f"model config key '{key}' must be a positive integer, got {value!r}")
+        raise SpecError(f"model config key '{key}' must be a positive integer, got {_shown(value)}")
+    limit = SIZE_LIMITS.get(key, MAX_SIZE)
+    if value > limit:
+        raise SpecError(f"model config key '{key}' is {_shown(value)}, above {limit}: not a size this agent takes")
     return value
 
 
@@ -96,19 +110,28 @@ def _positive_float(config: dict, key: str, default: float) -> float:
     value = config.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise SpecError(f"model config key '{key}' must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(
+            _as_float(value)):
+        raise SpecError(f"model config key '{key}' must be a positive number, got {_shown(value)}")
     return float(value)
+
+
+def _as_float(value: int | float) -> float:
+    """float(value), inf for an integer past float's range (float() raises there)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> ModelSpec:
     """Sizes and numerics from the config, with SPEC's defaults, refusing what the reference cannot run."""
     for key, feature in UNSUPPORTED_IF_SET.items():
         if config.get(key) not in (None, False):
-            raise SpecError(f"unsupported feature: {feature} (model config key '{key}' = {config[key]!r})")
+            raise SpecError(f"unsupported feature: {feature} (model config key '{key}' = {_shown(config[key])})")
     act = config.get("hidden_act")
     if act is not None and act not in SUPPORTED_ACTIVATIONS:
-        raise SpecError(f"unsupported feature: activation '{act}' (model config key 'hidden_act'; only SwiGLU/silu)")
+        raise SpecError(f"unsupported feature: activation {_shown(act)} (model config key 'hidden_act'; only SwiGLU/silu)")
     sizes = {k: _positive_int(config, k) for k in REQUIRED_INTS}
     heads = sizes["num_attention_heads"]
     if "head_dim" not in config and sizes["hidden_size"] % heads:

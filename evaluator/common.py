@@ -99,11 +99,46 @@ class ModelDims:
         return 2 * self.kv_heads * self.head_dim * self.layers
 
 
+class ConfigError(ValueError):
+    """A model config file that cannot be used, said in one line that names the file."""
+
+
+MAX_CONFIG_BYTES = 1 << 20   # a model config is a few KiB; a file past this is not one
+
+
 def load_config(config: dict | str | Path) -> dict:
-    """A config dict, from a dict or a JSON path."""
+    """A config dict, from a dict or a JSON file. Every way the file can be unusable (missing, a
+    directory, unreadable, too large, not UTF-8, not JSON, an integer past Python's 4300-digit
+    limit, nested past the recursion limit, not an object) raises ConfigError with one line, so
+    that an entry point can end with that line and exit code 2 rather than a traceback."""
     if isinstance(config, dict):
         return dict(config)
-    return json.loads(Path(config).read_text())
+    path = Path(config)
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"model config not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"model config {path} is a directory, not a JSON file") from None
+    except OSError as e:
+        raise ConfigError(f"model config {path} cannot be read: {e.strerror or e}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"model config {path} is over {MAX_CONFIG_BYTES} bytes; a model config is a few KiB")
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"model config {path} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})"
+                          ) from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model config {path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"model config {path} is nested too deeply to be a model config") from None
+    except ValueError as e:  # an integer literal past the 4300-digit limit of int()
+        raise ConfigError(f"model config {path} cannot be parsed: {str(e).split(';')[0]}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"model config {path} must be a JSON object, got {type(parsed).__name__}")
+    return parsed
 
 
 def resolve_device(device: str) -> str:

@@ -1,0 +1,157 @@
+"""Bad model configs end in one line and exit code 2, never a traceback (issue 20, class 9).
+
+A 5000-digit integer (Python's int() refuses past 4300 digits, from inside json), a 100000-deep
+array (RecursionError), a top level that is not an object, bytes that are not UTF-8, a missing
+file, a directory, a symlink loop, and sizes that parse but no model has: each must stop
+`python3 -m agent` (and `bash run.sh`, which hands over to it) with one line on stderr naming
+the file or the key, exit code 2, and the workspace not even created. The evaluator reads
+configs by the same loader (evaluator.common.load_config, ConfigError).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from agent.spec import SpecError, load_spec
+from evaluator.common import ConfigError, load_config
+from tests.test_spec import REPO, TINY_CONFIG, write_model
+
+GOOD = json.dumps(TINY_CONFIG)
+
+
+def _with(key: str, literal: str) -> str:
+    """The tiny config's JSON with `key` set to a raw JSON literal (a number json.dumps could not write)."""
+    return GOOD.replace(f'"{key}": {json.dumps(TINY_CONFIG[key])}', f'"{key}": {literal}')
+
+
+def _write(text: str | bytes) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return write
+
+
+# Problems with the file itself: the line names the file. (writer, what the line says)
+FILE_PROBLEMS: dict[str, tuple[Callable[[Path], None], str]] = {
+    "5000-digit integer": (_write(_with("hidden_size", "1" + "0" * 4999)), "4300 digits"),
+    "100000-deep JSON": (_write("[" * 100_000 + "]" * 100_000), "nested too deeply"),
+    "top level not an object": (_write("[1, 2, 3]"), "must be a JSON object, got list"),
+    "not UTF-8": (_write(GOOD.encode().replace(b'"model_type"', b'"model_type\xff"')), "not UTF-8"),
+    "not JSON": (_write("{ not json"), "not valid JSON"),
+    "missing file": (lambda path: None, "not found"),
+    "a directory": (lambda path: path.mkdir(), "is a directory"),
+}
+# Values that parse but no model has: the line names the key.
+VALUE_PROBLEMS: dict[str, tuple[str, str]] = {
+    "100-digit hidden_size": (_with("hidden_size", "1" + "0" * 99), "'hidden_size'"),
+    "hidden_size past the bound": (_with("hidden_size", str(2**20 + 1)), "'hidden_size'"),
+    "4000-digit vocab_size": (_with("vocab_size", "9" * 4000), "'vocab_size'"),
+    "400-digit rope_theta": (_with("rope_theta", "1" + "0" * 400), "'rope_theta'"),
+    "rms_norm_eps past float": (_with("rms_norm_eps", "1e400"), "'rms_norm_eps'"),
+}
+MAX_LINE = 300   # a message quotes a value briefly, whatever its size
+
+
+def bad_config(tmp_path: Path, case: str) -> tuple[Path, str]:
+    """(config path, expected text) for a case of either table."""
+    path = tmp_path / "bad config.json"
+    if case in FILE_PROBLEMS:
+        write, expected = FILE_PROBLEMS[case]
+        write(path)
+        return path, expected
+    text, expected = VALUE_PROBLEMS[case]
+    path.write_text(text)
+    return path, expected
+
+
+def assert_one_line(text: str, *wanted: str) -> None:
+    line = text.strip()
+    assert line and "\n" not in line and "Traceback" not in line, text[-2000:]
+    assert len(line) < MAX_LINE, line
+    for w in wanted:
+        assert w in line, line
+
+
+@pytest.mark.parametrize("case", sorted(FILE_PROBLEMS))
+def test_load_config_raises_one_line_naming_the_file(tmp_path, case):
+    path, expected = bad_config(tmp_path, case)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert isinstance(err.value, ValueError)   # callers that caught ValueError still do
+    assert_one_line(str(err.value), expected, str(path))
+
+
+@pytest.mark.parametrize("case", sorted(VALUE_PROBLEMS))
+def test_spec_refuses_sizes_no_model_has_naming_the_key(tmp_path, case):
+    config, weights = write_model(tmp_path / "model")
+    path, expected = bad_config(tmp_path, case)
+    with pytest.raises(SpecError) as err:
+        load_spec(path, weights)
+    assert_one_line(str(err.value), expected)
+
+
+def test_the_largest_real_sizes_pass_the_bounds(tmp_path):
+    from agent.spec import spec_from_config
+    big = {**TINY_CONFIG, "hidden_size": 16384, "intermediate_size": 53248, "head_dim": 128,
+           "num_attention_heads": 128, "num_key_value_heads": 8, "num_hidden_layers": 126,
+           "vocab_size": 262144, "max_position_embeddings": 10_485_760, "rope_theta": 500000.0}
+    assert spec_from_config(big, tmp_path / "c.json", tmp_path).intermediate == 53248
+
+
+def run_agent(tmp_path: Path, config: Path, *launcher: str) -> subprocess.CompletedProcess:
+    _, weights = write_model(tmp_path / "model")
+    command = [*launcher, "--config", str(config), "--weights", str(weights), "--device", "cpu",
+               "--budget", "30", "--workspace", str(tmp_path / "ws")]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHON": sys.executable})
+
+
+@pytest.mark.parametrize("case", sorted(FILE_PROBLEMS) + sorted(VALUE_PROBLEMS))
+def test_agent_ends_with_one_line_and_exit_2(tmp_path, case):
+    config, expected = bad_config(tmp_path, case)
+    done = run_agent(tmp_path, config, sys.executable, "-m", "agent")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert_one_line(done.stderr, "error:", expected)
+    if case in FILE_PROBLEMS:
+        assert str(config) in done.stderr
+    assert not (tmp_path / "ws").exists()   # untouched: not even created
+
+
+def test_symlink_loop_is_a_bad_input(tmp_path):
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(loop)
+    done = run_agent(tmp_path, loop, sys.executable, "-m", "agent")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert_one_line(done.stderr, "error:", str(loop))
+    assert not (tmp_path / "ws").exists()
+
+
+@pytest.mark.parametrize("case", ["5000-digit integer", "100000-deep JSON"])
+def test_run_sh_ends_with_one_line_and_exit_2(tmp_path, case):
+    config, expected = bad_config(tmp_path, case)
+    done = run_agent(tmp_path, config, "bash", str(REPO / "run.sh"))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert_one_line(done.stderr, "error:", expected, str(config))
+    assert not (tmp_path / "ws").exists()
+
+
+@pytest.mark.xfail(reason="evaluator/evaluate.py main() must catch evaluator.common.ConfigError from "
+                          "load_config (print the line, exit 2); that file belongs to the judge rewrite",
+                   strict=False)
+@pytest.mark.parametrize("case", ["5000-digit integer", "100000-deep JSON", "missing file"])
+def test_evaluate_ends_with_one_line_and_exit_2(tmp_path, case):
+    config, expected = bad_config(tmp_path, case)
+    _, weights = write_model(tmp_path / "model")
+    engine = tmp_path / "engine.py"
+    engine.write_text("def create_engine(*args, **kwargs):\n    raise RuntimeError\n")
+    done = subprocess.run([sys.executable, "-m", "evaluator.evaluate", "--engine", str(engine),
+                           "--model-config", str(config), "--weight-dir", str(weights), "--device", "cpu",
+                           "--out", str(tmp_path / "result.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert_one_line(done.stderr, expected, str(config))
