@@ -187,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, seed=previous.seed)  # the interrupted run's stress draw, so verdicts compare
     bench = BENCH[cfg.device]
     settings = JudgeSettings(sys.executable, cfg.config, cfg.weights, cfg.device, cfg.seed, stress="quick",
-                             cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"],
-                             protect=(cfg.workspace,))
+                             cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"])
     state = SearchState(spec=spec, device=cfg.device, hardware=hardware(cfg.device), seconds_left=cfg.budget)
     try:
         return run_search(cfg, spec, state, settings, ws, report, previous, started)

@@ -1,23 +1,19 @@
 """A candidate through the evaluator, in its own process group, under a wall-clock limit.
 
-The evaluator (`python3 -m evaluator.evaluate`, design.md §2) owns the verdict; the judge
-only makes sure it cannot hang the agent or take it down: the child runs in a new session,
-the whole group is killed on timeout, when it prints without end, when it outgrows the memory
-cap, or when the agent itself is interrupted, and a timeout, a crash or a missing verdict
-become an EvalResult like any other failure. Its output goes to files, of which the agent
-reads only a bounded tail and keeps a bounded tail on disk.
-
-The memory cap: on CPU an address-space limit (RLIMIT_AS) set in the child, so an oversized
-allocation fails inside the evaluator as a runtime error; on CUDA the driver reserves far more
-address space than it uses, so there the judge watches the child's resident memory instead
-and kills it past the cap.
+The evaluator (`python3 -m evaluator.evaluate`, design.md §2) owns the verdict and runs the
+candidate in a confined worker of its own (evaluator/isolation.py), capped at `memory_bytes`.
+This module only makes sure the evaluation cannot hang the agent or take it down: the
+evaluator runs in a new session without the agent's API keys, the whole group is killed on
+timeout, when it prints without end, or when the agent itself is interrupted, and a timeout, a
+crash or a missing verdict become an EvalResult like any other failure. The agent is a child
+subreaper: a worker orphaned by a killed evaluator is re-parented to it and killed here.
+Output goes to files, of which the agent reads only a bounded tail and keeps a bounded tail.
 """
 from __future__ import annotations
 
 import ctypes
 import json
 import os
-import resource
 import signal
 import subprocess
 import time
@@ -26,13 +22,15 @@ from pathlib import Path
 
 from agent.providers.base import EvalResult
 from agent.workspace import atomic_write
+from evaluator.isolation import children, kill_new_children, protect_judge
 
 REPO = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1            # prctl option (linux/prctl.h)
 TERM_GRACE_SECONDS = 3.0        # between SIGTERM and SIGKILL of the evaluator's group
 ERROR_TAIL_CHARS = 2000         # how much of stderr goes into a crash's error text
 POLL_SECONDS = 0.2              # how often the judge looks at the running evaluator
-MEMORY_FRACTION = 0.8           # of physical memory: the evaluator's cap (the agent needs the rest)
+MEMORY_FRACTION = 0.8           # of physical memory: the worker's cap (the agent needs the rest)
+SECRET_SUFFIXES = ("_API_KEY", "_TOKEN", "_SECRET")
 OUTPUT_CAP_BYTES = 256 * 2**20  # stdout + stderr of one evaluation; past this it is killed
 KEPT_OUTPUT_BYTES = 2**20       # the tail of each output file kept on disk afterwards
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
@@ -53,8 +51,7 @@ class JudgeSettings:
     cases: str | None = None     # None: the evaluator's default cases
     warmup: int = 1
     repeat: int = 3
-    protect: tuple[Path, ...] = ()   # more paths the candidate may not write (the workspace)
-    memory_bytes: int = field(default_factory=lambda: default_memory_cap())
+    memory_bytes: int = field(default_factory=lambda: default_memory_cap())   # the worker's cap
 
     def for_phase(self, phase: str) -> "JudgeSettings":
         """FULL: these settings. VERIFY: the public sequence and one short timing, the quickest
@@ -67,26 +64,16 @@ class JudgeSettings:
         cmd = [self.python, "-m", "evaluator.evaluate", "--engine", str(engine),
                "--model-config", str(self.model_config), "--weight-dir", str(self.weight_dir),
                "--device", self.device, "--stress", self.stress, "--seed", str(self.seed),
-               "--warmup", str(self.warmup), "--repeat", str(self.repeat), "--out", str(out)]
+               "--warmup", str(self.warmup), "--repeat", str(self.repeat), "--out", str(out),
+               "--memory-gb", f"{self.memory_bytes / 2**30:.6f}"]
         if self.cases:
             cmd += ["--cases", self.cases]
-        for path in self.protect:
-            cmd += ["--protect", str(path)]
         return cmd
 
 
 def default_memory_cap() -> int:
     """MEMORY_FRACTION of this machine's physical memory, in bytes."""
     return int(MEMORY_FRACTION * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-def _child_setup(settings: JudgeSettings):
-    """What the evaluator runs before exec: die with the agent; on CPU, the address-space cap."""
-    def setup() -> None:
-        _die_with_parent()
-        if settings.device == "cpu":
-            resource.setrlimit(resource.RLIMIT_AS, (settings.memory_bytes, settings.memory_bytes))
-    return setup
 
 
 def _die_with_parent() -> None:
@@ -98,13 +85,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _resident_bytes(pid: int) -> int:
-    """The resident memory of a process (Linux /proc), 0 when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+def _evaluator_env() -> dict[str, str]:
+    """The agent's environment without its secrets (the evaluator needs no API key)."""
+    return {k: v for k, v in os.environ.items() if not k.upper().endswith(SECRET_SUFFIXES)}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -159,8 +142,6 @@ def _watch(proc: subprocess.Popen, deadline: float, settings: JudgeSettings, out
         written = sum(p.stat().st_size for p in outputs if p.exists())
         if written > OUTPUT_CAP_BYTES:
             return f"it printed more than {OUTPUT_CAP_BYTES // 2**20} MiB"
-        if settings.device != "cpu" and _resident_bytes(proc.pid) > settings.memory_bytes:
-            return f"it used more than {settings.memory_bytes / 2**30:.1f} GiB of memory (the cap)"
 
 
 def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) -> EvalResult:
@@ -170,16 +151,20 @@ def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) 
     out.unlink(missing_ok=True)
     start = time.monotonic()
     outputs = [out_dir / STDOUT, out_dir / STDERR]
+    protect_judge()
+    before = children()
     with open(outputs[0], "wb") as so, open(outputs[1], "wb") as se:
-        proc = subprocess.Popen(settings.command(engine, out), cwd=REPO, stdin=subprocess.DEVNULL,
-                                stdout=so, stderr=se, start_new_session=True, preexec_fn=_child_setup(settings))
+        proc = subprocess.Popen(settings.command(engine, out), cwd=REPO, stdin=subprocess.DEVNULL, stdout=so,
+                                stderr=se, start_new_session=True, preexec_fn=_die_with_parent, env=_evaluator_env())
         try:
             killed_because = _watch(proc, start + max(timeout, 1.0), settings, outputs)
         except BaseException:
             _kill_group(proc)  # the agent is being interrupted: take the evaluator down with it
+            kill_new_children(before)
             raise
         if killed_because is not None:
             _kill_group(proc)
+    kill_new_children(before)   # a worker whose evaluator was killed
     for path in outputs:
         _keep_tail(path)
     seconds = time.monotonic() - start

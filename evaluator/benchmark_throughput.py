@@ -74,6 +74,7 @@ class TimedRun:
     peak_memory_mb: float
     checks: list[LastOutput] = field(default_factory=list)
     inner_seconds: float | None = None   # the worker's own clock around the same calls
+    moments: list[float] | None = None   # evaluator.remote.TraceRun.moments
 
 
 def _draw_trace(trace: list[Op], gen: torch.Generator, vocab: int, device: str) -> list[list[torch.Tensor]]:
@@ -137,7 +138,8 @@ def remote_timed_run(engine: RemoteEngine, trace: list[Op], tokens: list[list[to
     """A timed run in the worker: every output must be there and finite; with `check`, up to
     TIMED_ROWS_CHECKED rows drawn at random from all of them are kept for the reference."""
     trace_run = engine.run_trace(trace, tokens, f"benchmark case {case}")
-    run = TimedRun(trace_run.seconds, trace_run.peak_memory_mb, inner_seconds=trace_run.inner_seconds)
+    run = TimedRun(trace_run.seconds, trace_run.peak_memory_mb, inner_seconds=trace_run.inner_seconds,
+                   moments=trace_run.moments)
     rows = []
     for index, (op, out) in enumerate(zip(trace, trace_run.outputs)):
         if out is None:
@@ -278,7 +280,9 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
             "floor_ms": floor_s * 1e3,
             "floor_fraction": floor_s / median.seconds,
             "runs_ms": [r.seconds * 1e3 for r in runs],
-            **({"worker_runs_ms": [r.inner_seconds * 1e3 for r in runs]} if median.inner_seconds is not None else {}),
+            **({"worker_runs_ms": [r.inner_seconds * 1e3 for r in runs],
+                "split_ms": [[(b - a) * 1e3 for a, b in zip(r.moments, r.moments[1:])] for r in runs]}
+               if median.inner_seconds is not None else {}),
         })
     verify(checks, config, str(weight_dir), device, tol)
     return results

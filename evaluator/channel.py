@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import select
 import socket
 import struct
 import time
@@ -31,10 +32,10 @@ def send(sock: socket.socket, header: dict, payload: bytes = b"", fds: tuple[int
     try:
         if fds:
             socket.send_fds(sock, [frame], list(fds))
+            if payload:
+                sock.sendall(payload)
         else:
-            sock.sendall(frame)
-        if payload:
-            sock.sendall(payload)
+            sock.sendall(frame + payload)   # one write: one wake-up on the other side
     except OSError as e:
         raise ChannelClosed(f"the channel closed while sending ({e})") from e
 
@@ -58,6 +59,22 @@ def _read_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+def spin_until_readable(sock: socket.socket, deadline: float | None, still_there=lambda: True) -> None:
+    """Busy-wait (no sleep) until `sock` has data. A blocked process woken by the kernel on a
+    GPU host with idle cores in deep sleep states answers 0.2-0.4 ms late (H100 host, measured
+    by scripts/gpu_judge_split.py); the clock around a timed trace must not pay that."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    spins = 0
+    while not poller.poll(0):
+        spins += 1
+        if spins % 4096 == 0:
+            if deadline is not None and time.monotonic() > deadline:
+                raise ChannelClosed("no answer in time")
+            if not still_there():
+                raise ChannelClosed("the other side is gone")
 
 
 def receive(sock: socket.socket, deadline: float | None = None, max_payload: int = MAX_PAYLOAD_BYTES,

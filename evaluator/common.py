@@ -178,13 +178,14 @@ _loaded = 0
 
 
 def load_engine_module(engine: ModuleType | str | Path) -> ModuleType:
-    """The candidate module, from a module or a file path; it must define `create_engine`.
+    """The candidate module, from a module (or a stand-in for one, such as the judge's
+    evaluator.remote.RemoteModule) or a file path; it must define `create_engine`.
 
     Each load gets a fresh module name (registered in sys.modules, which dataclasses and
     triton's source lookup need), so two candidates never share module state.
     """
     global _loaded
-    if isinstance(engine, ModuleType):
+    if not isinstance(engine, (str, Path)):
         module = engine
     else:
         path = Path(engine).resolve()

@@ -33,8 +33,8 @@ if __package__ in (None, ""):  # run as a script: make the `evaluator` package i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
-from evaluator.common import (CRASH, EvalFailure, Tolerance, compute_dtype, harness_parser,  # noqa: E402
-                              load_config, parse_cases, resolve_device)
+from evaluator.common import (CRASH, ConfigError, EvalFailure, Tolerance, compute_dtype,  # noqa: E402
+                              harness_parser, load_config, parse_cases, resolve_device)
 from evaluator.floor import detect_hardware  # noqa: E402
 from evaluator.noise import reference_margin  # noqa: E402
 from evaluator.remote import RemoteModule, Worker  # noqa: E402
@@ -141,7 +141,12 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM (the agent's timeout) unwinds like an interrupt, so the worker's jail is torn down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     cases = parse_cases(a.cases)
-    result = evaluate(a.engine, a.model_config, a.weight_dir, a.device, a.stress, cases, a.warmup, a.repeat,
+    try:
+        config = load_config(a.model_config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    result = evaluate(a.engine, config, a.weight_dir, a.device, a.stress, cases, a.warmup, a.repeat,
                       a.seed, a.bandwidth_gbs, a.peak_tflops,
                       log=lambda line: print(line, file=sys.stderr, flush=True),
                       memory_bytes=int(a.memory_gb * 2**30) if a.memory_gb else None)

@@ -217,3 +217,23 @@ def poison_free_device_memory(device: str) -> None:
         block.fill_(POISON_BYTE)
         taken.append(block)
     del taken
+
+
+# Digest keys are below 2**KEY_BITS and digits are 16 bits, so a row's sum stays below 2**53
+# up to a vocabulary of 2**(53 - 16 - KEY_BITS) = 131072 * 4 (no integer overflow on any device).
+DIGEST_KEY_BITS = 19
+
+
+def digest_key(vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """A fresh [2, vocab] int64 key for output_digest."""
+    return torch.randint(0, 2**DIGEST_KEY_BITS, (2, vocab), generator=gen, dtype=torch.int64)
+
+
+def output_digest(rows: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """A keyed digest of each row's exact fp32 bit patterns: sum over v of key[0, v] * low 16 bits
+    + key[1, v] * high 16 bits. The worker sends these with a timed trace's answer, before the
+    outputs themselves travel (after the clock): it cannot produce them without every bit of every
+    output, and the bits are not linear in anything cheaper (unlike a plain sum of logits, which a
+    cheat could get from the final hidden state and a column sum of lm_head)."""
+    bits = rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return (bits & 0xFFFF) @ key[0] + (bits >> 16) @ key[1]

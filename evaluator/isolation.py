@@ -246,7 +246,7 @@ class Jail:
 
     def __post_init__(self):
         protect_judge()
-        self._children_before = _children()
+        self._children_before = children()
         self.root = Path(tempfile.mkdtemp(prefix="judge-worker-"))
         os.chmod(self.root, 0o755)
         self.home = self.root / "home"
@@ -323,7 +323,7 @@ class Jail:
             self.proc.wait()
         if self.spec.uid is not None:
             _kill_uid(self.spec.uid)
-        _kill_orphans(self._children_before)
+        kill_new_children(self._children_before)
         if self.spec.uid is not None:
             _remove_files_of(self.spec.uid)
         shutil.rmtree(self.root, ignore_errors=True)
@@ -366,16 +366,17 @@ def _kill_uid(uid: int) -> None:
         time.sleep(0.01)
 
 
-def _children() -> set[int]:
+def children() -> set[int]:
+    """Pids of this process's children."""
     me = str(os.getpid())
     return {int(s.split()[0]) for s in _proc_fields("PPid") if s.split()[1] == me}
 
 
-def _kill_orphans(before: set[int]) -> None:
+def kill_new_children(before: set[int]) -> None:
     """Children of the judge that were not there when the jail was made: orphans of the worker,
     re-parented here (the judge is a child subreaper). Killed and reaped."""
     for _ in range(KILL_ROUNDS):
-        orphans = _children() - before
+        orphans = children() - before
         if not orphans:
             return
         for pid in orphans:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import math
+import secrets
 import select
 import socket
 import time
@@ -22,6 +23,7 @@ import torch
 
 from evaluator import channel
 from evaluator.common import CRASH, EngineRaised, EvalFailure, WrongResult
+from evaluator.guards import digest_key, output_digest
 from evaluator.isolation import Jail
 from evaluator.traces import DECODE, PREFILL, Op
 
@@ -47,6 +49,7 @@ class TraceRun:
     inner_seconds: float               # what the worker measured around the same calls (its own claim)
     peak_memory_mb: float              # the worker's claim
     outputs: list[torch.Tensor | None]  # per op: [B, vocab] fp32 (CPU, the judge's copy), None for remove
+    moments: list[float]               # judge sent, worker received/started/ended/answered, judge has the answer
 
 
 class Worker:
@@ -59,7 +62,6 @@ class Worker:
         self._readable: dict[str, str] = {}
         self.pending_release: list[int] = []
         self.buffer: channel.OutputBuffer | None = None
-        self.pinned = False
         ours, theirs = socket.socketpair()
         self.sock = ours
         try:
@@ -94,8 +96,14 @@ class Worker:
         tail = self.jail.log_tail()
         return WorkerDied(f"{what}: the worker {status}" + (f"; its last output:\n{tail}" if tail else ""))
 
-    def _answer(self, deadline: float | None, what: str) -> dict:
-        """Wait for one answer, watching that the worker lives and stays under the memory cap."""
+    def _answer(self, deadline: float | None, what: str, spin: bool = False) -> dict:
+        """Wait for one answer, watching that the worker lives and stays under the memory cap
+        (spinning instead of sleeping inside a timed trace's clock)."""
+        if spin:
+            try:
+                channel.spin_until_readable(self.sock, deadline, lambda: self.proc.poll() is None)
+            except channel.ChannelClosed as e:
+                raise self._died(what, str(e)) from e
         while True:
             wait = WATCH_SECONDS if deadline is None else min(WATCH_SECONDS, deadline - time.monotonic())
             if wait <= 0:
@@ -114,7 +122,8 @@ class Worker:
             raise self._died(what, str(e)) from e
         return header
 
-    def request(self, header: dict, payload: bytes = b"", what: str = "", fds: tuple[int, ...] = ()) -> dict:
+    def request(self, header: dict, payload: bytes = b"", what: str = "", fds: tuple[int, ...] = (),
+                spin: bool = False) -> dict:
         """Send one request, return its answer; a refusal becomes the EvalFailure it names."""
         header = {**header, "release": self.pending_release}
         self.pending_release = []
@@ -122,7 +131,7 @@ class Worker:
             channel.send(self.sock, header, payload, fds)
         except channel.ChannelClosed as e:
             raise self._died(what, str(e)) from e
-        answer = self._answer(None, what)
+        answer = self._answer(None, what, spin)
         if answer.get("ok") is True:
             return answer
         kind, error = str(answer.get("kind", CRASH)), str(answer.get("error", "no reason given"))[:4000]
@@ -145,19 +154,21 @@ class Worker:
             return
         size = max(need, FIRST_BUFFER_BYTES, 2 * (self.buffer.nbytes if self.buffer else 0))
         fresh = channel.OutputBuffer(size)
-        answer = self.request({"op": "buffer", "nbytes": size, "device": self.device}, what="output buffer",
-                              fds=(fresh.fd,))
+        self.request({"op": "buffer", "nbytes": size}, what="output buffer", fds=(fresh.fd,))
         if self.buffer is not None:
             self.buffer.close()
-        self.buffer, self.pinned = fresh, bool(answer.get("pinned"))
+        self.buffer = fresh
 
     def poison_rows(self, rows: int, vocab: int) -> None:
+        """Rows the worker does not write before it answers read as NaN."""
         self.buffer.map[:rows * vocab * 4] = NAN_BYTE * (rows * vocab * 4)
 
-    def copy_rows(self, first: int, rows: int, vocab: int) -> torch.Tensor:
-        """The judge's own fp32 copy of buffer rows [first, first + rows)."""
+    def copy_rows(self, first: int, rows: int, vocab: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The judge's own fp32 copy of buffer rows [first, first + rows) (into `into` if given)."""
         view = torch.frombuffer(self.buffer.map, dtype=torch.float32, count=rows * vocab, offset=first * vocab * 4)
-        return view.view(rows, vocab).clone()
+        if into is None:
+            return view.view(rows, vocab).clone()
+        return into.copy_(view.view(rows, vocab))
 
 
 class RemoteModule:
@@ -210,10 +221,10 @@ class RemoteEngine:
 
     def run_trace(self, trace: list[Op], tokens: list[list[torch.Tensor]], what: str) -> TraceRun:
         """The whole trace as one timed request. The clock starts when the request (with every
-        token of the trace: the worker sees none before) is sent, and stops once the answer is
-        in and every output has been copied out of the shared buffer into the judge's memory:
-        a worker that answers before its copies land has rows of NaN (the buffer is poisoned
-        first), and nothing it writes afterwards reaches what the judge compares."""
+        token of the trace: the worker sees none before) is sent, and stops when its answer is
+        in: a keyed digest of every output row (evaluator.guards.output_digest; the key is fresh
+        per trace). The outputs travel after the clock and must match those digests, so the
+        worker had every bit of every output when it answered."""
         ops, flat, rows = [], [], 0
         for op, drawn in zip(trace, tokens):
             lengths = [int(t.numel()) for t in drawn] if op.kind == PREFILL else []
@@ -222,23 +233,32 @@ class RemoteEngine:
             rows += len(op.request_ids) if op.kind in (PREFILL, DECODE) else 0
         payload = _flat_tokens(flat)
         w = self.worker
-        if w.pending_release:   # engines freed now, not inside the clock
-            w.request({"op": "release"}, what="release")
         w.output_rows(rows, self.vocab)
-        w.poison_rows(rows, self.vocab)
+        key = digest_key(self.vocab, torch.Generator().manual_seed(secrets.randbits(62)))
+        w.request({"op": "arm", "device": self.device, "rows": rows, "vocab": self.vocab},
+                  key.numpy().tobytes(), what=what)   # also frees released engines
         header = {"op": "trace", "engine": self.id, "ops": ops, "device": self.device, "vocab": self.vocab,
                   "what": what}
+        spin = self.device == "cuda"   # on a CPU the judge's spinning would take a core from the engine
         gc.collect()
         gc_was = gc.isenabled()
         gc.disable()   # no collection of the judge's garbage inside its own clock
         try:
             start = time.perf_counter()
-            answer = w.request(header, payload, what=what)
-            everything = w.copy_rows(0, rows, self.vocab)
-            seconds = time.perf_counter() - start
+            answer = w.request(header, payload, what=what, spin=spin)
+            end = time.perf_counter()
         finally:
             if gc_was:
                 gc.enable()
+        seconds = end - start
+        flushed = w.request({"op": "flush", "device": self.device}, what=what)
+        everything = w.copy_rows(0, rows, self.vocab)
+        digests = answer.get("digests")
+        if not (isinstance(digests, list) and len(digests) == rows and all(type(d) is int for d in digests)) \
+                or output_digest(everything, key).tolist() != digests:
+            raise WrongResult(f"{what}: the outputs the worker handed over after the clock are not the ones it "
+                              "vouched for when it answered (digest mismatch)")
+        peak = flushed.get("peak_memory_mb")
         outputs, at = [], 0
         for op in trace:
             if op.kind in (PREFILL, DECODE):
@@ -248,6 +268,7 @@ class RemoteEngine:
             else:
                 outputs.append(None)
         inner = answer.get("inner_seconds")
-        peak = answer.get("peak_memory_mb")
+        theirs = answer.get("moments")
+        theirs = [float(t) for t in theirs] if isinstance(theirs, list) and len(theirs) == 4 else [math.nan] * 4
         return TraceRun(seconds, float(inner) if isinstance(inner, (int, float)) and math.isfinite(inner) else math.nan,
-                        float(peak) if isinstance(peak, (int, float)) else 0.0, outputs)
+                        float(peak) if isinstance(peak, (int, float)) else 0.0, outputs, [start, *theirs, end])

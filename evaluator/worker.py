@@ -44,7 +44,10 @@ class Worker:
         self.engines: dict[int, object] = {}
         self.next_id = 0
         self.buffer = None
-        self.host = None          # the buffer as an fp32 tensor (pinned where CUDA allows)
+        self.host = None          # the buffer as an fp32 tensor
+        self.staging = None       # a timed trace's outputs, on the device
+        self.key = None           # its digest key
+        self.armed = False        # spin for the next request (a timed trace is coming)
 
     # ---- requests ----
 
@@ -55,19 +58,12 @@ class Worker:
     def set_buffer(self, req: dict, _: bytes, fds: list[int]) -> dict:
         if len(fds) != 1:
             raise Refusal(self.common.CRASH, "a buffer request must carry one descriptor")
-        torch = self.torch
         self.host = None
         if self.buffer is not None:
             self.buffer.close()
         self.buffer = self.channel.OutputBuffer(int(req["nbytes"]), fds[0])
-        host = torch.frombuffer(self.buffer.map, dtype=torch.float32)
-        pinned = False
-        if req.get("device") == "cuda" and torch.cuda.is_available():
-            # Registered (page-locked), the copies of a timed trace stay asynchronous.
-            pinned = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * 4, 0) == 0 \
-                and host.is_pinned()
-        self.host = host
-        return {"pinned": pinned}
+        self.host = self.torch.frombuffer(self.buffer.map, dtype=self.torch.float32)
+        return {}
 
     def create(self, req: dict, _: bytes) -> dict:
         if self.module is None:
@@ -128,40 +124,64 @@ class Worker:
             self.host[:rows * vocab].view(rows, vocab).copy_(out.detach())
         return {}
 
-    def trace(self, req: dict, payload: bytes) -> dict:
-        """Every call of a trace back to back, each output copied into its rows of the buffer
-        as it returns (asynchronously where the buffer is pinned), then one device sync: the
-        official timed region plus those copies. The judge's clock runs around this request."""
-        torch = self.torch
-        engine, device, vocab = self.engines[req["engine"]], req["device"], int(req["vocab"])
-        ops = req["ops"]
+    def arm(self, req: dict, payload: bytes) -> dict:
+        """Before a timed trace, outside the judge's clock: the outputs' staging rows and the
+        digest key (payload) on the device, peak memory reset, the device idle; the trace
+        request is then awaited spinning, not asleep."""
+        torch, device = self.torch, req["device"]
+        vocab = int(req["vocab"])
+        self.staging = torch.empty(int(req["rows"]), vocab, dtype=torch.float32, device=device)
+        self.key = torch.frombuffer(bytearray(payload), dtype=torch.int64).view(2, vocab).to(device)
+        self.common.synchronize(device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        self.armed = device == "cuda"
+        return {}
+
+    def trace(self, req: dict, payload: bytes) -> dict:
+        """Every call of a trace back to back, each output copied into its staging rows as it
+        returns, one device sync, then the digest of every row (evaluator.guards.output_digest):
+        the official timed region plus those copies and the digest. The judge's clock runs
+        around this request; the outputs themselves travel afterwards (`flush`)."""
+        received = time.perf_counter()
+        torch = self.torch
+        engine, device, vocab = self.engines[req["engine"]], req["device"], int(req["vocab"])
+        ops, staging = req["ops"], self.staging
         with torch.no_grad():
-            self.common.synchronize(device)
             start = time.perf_counter()
             flat = self._tokens(payload, device)
-            tokens_seconds = time.perf_counter() - start
             at, row = 0, 0
-            sink = self.host
             for index, op in enumerate(ops):
                 fn, args, rows, at = self._bind(engine, op["kind"], list(op["ids"]), list(op["lengths"]), flat, at)
                 what = f"{req['what']} call {index + 1} ({op['kind']} of {len(op['ids'])})"
                 out = self.common.call_engine(what, fn, *args)
                 if rows:
                     self._validate(out, rows, vocab, what)
-                    sink[row * vocab:(row + rows) * vocab].view(rows, vocab).copy_(out.detach(), non_blocking=True)
+                    staging[row:row + rows].copy_(out.detach())
                     row += rows
             self.common.synchronize(device)
+            digests = self.guards.output_digest(staging[:row], self.key).tolist()
             seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else 0.0
-        return {"inner_seconds": seconds, "tokens_seconds": tokens_seconds, "peak_memory_mb": peak}
+        # Moments on the machine-wide monotonic clock, for the judge's overhead breakdown.
+        return {"digests": digests, "inner_seconds": seconds,
+                "moments": [received, start, start + seconds, time.perf_counter()]}
+
+    def flush(self, req: dict, _: bytes) -> dict:
+        """After a timed trace, outside the clock: its outputs into the buffer, its peak memory."""
+        rows, vocab = self.staging.shape
+        self.host[:rows * vocab].view(rows, vocab).copy_(self.staging)
+        cuda = req["device"] == "cuda"
+        return {"peak_memory_mb": self.torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0}
 
     # ---- the loop ----
 
     def serve(self) -> None:
-        handlers = {"load": self.load, "create": self.create, "call": self.call, "trace": self.trace}
+        handlers = {"load": self.load, "create": self.create, "call": self.call, "arm": self.arm,
+                    "trace": self.trace, "flush": self.flush}
         while True:
+            if self.armed:
+                self.armed = False
+                self.channel.spin_until_readable(self.sock, None)
             req, payload, fds = self.channel.receive(self.sock, want_fds=True)
             op = req.get("op")
             if op == "exit":

@@ -9,7 +9,7 @@ before the clock stops. This prints, per case and side by side in interleaved ro
 median elapsed time of the same engine under the official in-process method
 (evaluator/benchmark_throughput.py) and through the worker (judge's clock; the worker's own
 clock around the same calls), the overhead in %, the % of the physical floor each gives,
-whether the output buffer was pinned, and the worker's isolation layers. Writes split.json.
+where the judge's extra time goes, and the worker's isolation layers. Writes split.json.
 """
 from __future__ import annotations
 
@@ -55,22 +55,22 @@ def main() -> None:
     config = load_config(CONFIG)
     cases = [c for c in a.cases.split(",") if c]
     runs: dict[str, dict[str, list[float]]] = {c: {"inproc": [], "judge": [], "worker": [], "floor": []} for c in cases}
-    layers, pinned = None, None
+    layers = None
     for r in range(a.rounds):
         local = run_benchmark(engine, config, WEIGHTS, "cuda", cases, warmup=1, repeat=3)
         with Worker("cuda", log=lambda line: None) as worker:
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
             remote = run_benchmark(RemoteModule(worker), config, WEIGHTS, "cuda", cases, warmup=1, repeat=3, seed=r + 1)
-            layers, pinned = worker.layers, worker.pinned
+            layers = worker.layers
         for lo, re in zip(local, remote):
             c = runs[lo["case_name"]]
             c["inproc"].append(lo["elapsed_ms"])
             c["judge"].append(re["elapsed_ms"])
             c["worker"].append(statistics.median(re["worker_runs_ms"]))
             c["floor"].append(lo["floor_ms"])
+            c.setdefault("split", []).extend(re["split_ms"])
         print(f"round {r + 1} done", flush=True)
     print(layers)
-    print(f"output buffer pinned: {pinned}")
     print(f"{'case':<10} {'in-process ms':>14} {'judge ms':>9} {'worker ms':>10} {'overhead':>9} "
           f"{'% floor in-proc':>16} {'% floor judge':>14}")
     fractions = {"inproc": [], "judge": []}
@@ -80,9 +80,14 @@ def main() -> None:
         fractions["judge"].append(fl / jd)
         print(f"{case:<10} {ip:14.3f} {jd:9.3f} {wk:10.3f} {100 * (jd / ip - 1):8.1f}% "
               f"{100 * fl / ip:15.1f}% {100 * fl / jd:13.1f}%")
+    print("where the judge's extra time goes (median ms): send->worker has it, ->calls start, calls, "
+          "->answer sent, ->judge has answer")
+    for case, c in runs.items():
+        parts = [statistics.median(p[i] for p in c["split"]) for i in range(5)]
+        print(f"{case:<10} " + " ".join(f"{x:8.3f}" for x in parts))
     print(f"geometric mean % of floor: in-process {100 * geomean(fractions['inproc']):.1f}, "
           f"through the worker {100 * geomean(fractions['judge']):.1f}")
-    (out / "split.json").write_text(json.dumps({"engine": engine, "layers": layers, "pinned": pinned,
+    (out / "split.json").write_text(json.dumps({"engine": engine, "layers": layers,
                                                 "runs": runs}, indent=2))
 
 

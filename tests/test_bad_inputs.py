@@ -140,9 +140,6 @@ def test_run_sh_ends_with_one_line_and_exit_2(tmp_path, case):
     assert not (tmp_path / "ws").exists()
 
 
-@pytest.mark.xfail(reason="evaluator/evaluate.py main() must catch evaluator.common.ConfigError from "
-                          "load_config (print the line, exit 2); that file belongs to the judge rewrite",
-                   strict=False)
 @pytest.mark.parametrize("case", ["5000-digit integer", "100000-deep JSON", "missing file"])
 def test_evaluate_ends_with_one_line_and_exit_2(tmp_path, case):
     config, expected = bad_config(tmp_path, case)
