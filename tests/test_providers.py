@@ -5,6 +5,7 @@ judge is faked, so "slower" and "faster" are deterministic on a CPU)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -450,3 +451,39 @@ def test_unit_check_survives_a_crashing_or_hanging_proposal():
     assert not ok and detail.startswith("timeout")
     ok, detail, _ = unit_check("silu_mul", crash, "cpu", 120.0, seed=1)
     assert not ok and ("crash" in detail or "SystemExit" in detail)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the unit check's own uid needs a root agent")
+def test_unit_check_runs_model_code_where_it_cannot_touch_the_agent(tmp_path):
+    """Class 8 of issue 20: the model's variant runs in a jail (own uid, scratch cwd, output
+    read back from a bounded tail): writing into the repository fails, 50 MB of output cost the
+    agent nothing, a daemon it leaves is gone, and the verdict still comes back."""
+    from agent.providers.proposals import REPO, unit_check, variant_template
+    marker = REPO / f"PWNED-{os.getpid()}"
+    late = tmp_path / "late"
+    os.chmod(tmp_path, 0o777)   # the daemon could write here: only being killed stops it
+    code = f'''
+import os, sys, time
+def silu_mul__llm_7(gate_up):
+    try:
+        open({str(marker)!r}, "w").write("x")
+    except OSError:
+        pass
+    if os.fork() == 0:
+        os.setsid()
+        time.sleep(3)
+        open({str(late)!r}, "w").write("still here")
+        os._exit(0)
+    sys.stderr.write("x" * (50 * 2**20))
+    d = gate_up.shape[-1] // 2
+    import torch
+    return torch.nn.functional.silu(gate_up[..., :d]) * gate_up[..., d:]
+'''
+    try:
+        ok, detail, _ = unit_check("silu_mul", variant_template("silu_mul", "llm_7", "cpu", code), "cpu", 300.0, seed=3)
+        assert ok, detail
+        assert not marker.exists()
+        time.sleep(4)
+        assert not late.exists()
+    finally:
+        marker.unlink(missing_ok=True)

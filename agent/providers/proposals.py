@@ -2,8 +2,9 @@
 
 A kernel answer goes through, in order: code extraction, syntax, the static policy
 (agent/policy.py, kernel level), the slot's functions being defined, a no-op check, and the
-slot's unit check against its reference op (evaluator/slot_check.py) in a subprocess with a
-timeout, so that a hanging or crashing proposal cannot take the agent down. A plan answer
+slot's unit check against its reference op (evaluator/slot_check.py) in a confined worker
+(evaluator/unit_worker.py) with a timeout, so that a hanging, crashing or hostile proposal
+cannot take the agent down or touch its files. A plan answer
 is checked against the library's menu. Each verdict's detail is written to be sent back to
 the model as it is.
 """
@@ -14,28 +15,20 @@ import hashlib
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 from agent import policy
 from agent.extract import ExtractError, extract_code, extract_json
 from agent.plan import SLOTS, TEMPLATES, Plan, engine_params, engines, menu
 from agent.providers.base import SearchState
+from evaluator.isolation import Jail
+from evaluator.unit_worker import RESULT_MARK
 
 REPO = TEMPLATES.parent
+UNIT_WORKER = REPO / "evaluator" / "unit_worker.py"
 _HEADER_LINE = re.compile(r"^\s*#\s*slot:.*$", re.MULTILINE)
-# Runs the unit check in a child process and writes its result as JSON.
-_UNIT_CHECK = """
-import json, sys
-from evaluator.slot_check import check_variant
-slot, path, device, seed, out = sys.argv[1:]
-result = check_variant(slot, open(path).read(), device, int(seed))
-open(out, "w").write(json.dumps(result.to_dict(), default=str))
-"""
+RESULT_TAIL_BYTES = 1 << 20   # of the unit check's output read back (it may print without end)
 ERROR_LINES = 12  # of a crashed unit check's stderr, sent back to the model
 
 # Verdicts: PASSED means "passed every check we can make alone"; the rest are rejections.
@@ -116,41 +109,48 @@ def check_kernel_answer(text: str, slot: str, name: str, functions: tuple[str, .
     return Verdict(PASSED, detail, code, template, max_abs_err=err)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def unit_check(slot: str, template: str, device: str, timeout: float, seed: int) -> tuple[bool, str, float | None]:
-    """evaluator.slot_check.check_variant in a child process → (passed, detail, max abs error)."""
-    with tempfile.TemporaryDirectory(prefix="llm-unit-") as tmp:
-        src, out = Path(tmp) / "variant.py.j2", Path(tmp) / "result.json"
+    """evaluator.slot_check.check_variant on model code, in a confined worker of its own
+    (evaluator/unit_worker.py in an evaluator.isolation.Jail: own uid, no network, limits, its
+    output capped, killed whole at the end) → (passed, detail, max abs error). The answer is
+    parsed from the bounded tail of its output; it is advice (the engine holding the variant is
+    judged again by the evaluator), so a variant that forges it gains nothing."""
+    with Jail(device) as jail:
+        src = jail.home / "variant.py"
         src.write_text(template)
-        proc = subprocess.Popen([sys.executable, "-c", _UNIT_CHECK, slot, str(src), device, str(seed), str(out)],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        os.chmod(src, 0o644)
+        proc = jail.spawn([str(UNIT_WORKER), slot, str(src), device, str(seed)], pass_fds=())
         try:
-            _, stderr = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
             return False, f"timeout: the unit check did not finish in {timeout:.0f}s (a hang or far too slow)", None
-        try:
-            result = json.loads(out.read_text())
-        except (OSError, ValueError):
-            tail = "\n".join(stderr.strip().splitlines()[-ERROR_LINES:])
-            return False, f"crash: the unit check process died (exit {proc.returncode}):\n{tail}", None
+        tail = jail.log_tail(RESULT_TAIL_BYTES)
+    result = _unit_result(tail)
+    if result is None:
+        lines = "\n".join(line for line in tail.strip().splitlines() if not line.startswith(RESULT_MARK))
+        lines = "\n".join(lines.splitlines()[-ERROR_LINES:])
+        return False, f"crash: the unit check process died (exit {proc.returncode}):\n{lines}", None
     err = result.get("max_abs_err")
-    err = float(err) if err is not None else None
-    cases = result.get("cases") or []
-    passed_cases = sum(1 for c in cases if c.get("passed"))
+    err = float(err) if isinstance(err, (int, float)) else None
+    cases = result.get("cases") if isinstance(result.get("cases"), list) else []
+    passed_cases = sum(1 for c in cases if isinstance(c, dict) and c.get("passed"))
     head = f"{passed_cases}/{len(cases)} cases passed on {device}, max abs error {err:.3g}" if err is not None else ""
-    if result.get("passed"):
+    if result.get("passed") is True:
         return True, f"{head}; closest to tolerance: {result.get('worst_case')}", err
     reason = result.get("error") or result.get("worst_case") or "failed"
     return False, f"{reason}" + (f"\n({head})" if head and not result.get("error") else ""), err
+
+
+def _unit_result(tail: str) -> dict | None:
+    """The last RESULT_MARK line of the worker's output as a dict, or None."""
+    for line in reversed(tail.splitlines()):
+        if line.startswith(RESULT_MARK):
+            try:
+                value = json.loads(line[len(RESULT_MARK):])
+            except (ValueError, RecursionError):
+                return None
+            return value if isinstance(value, dict) else None
+    return None
 
 
 def check_plan_answer(text: str, state: SearchState, llm_variants: dict[tuple[str, str], str]) -> Verdict:
