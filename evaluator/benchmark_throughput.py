@@ -74,6 +74,7 @@ class TimedRun:
     peak_memory_mb: float
     checks: list[LastOutput] = field(default_factory=list)
     inner_seconds: float | None = None   # the worker's own clock around the same calls
+    raw_seconds: float | None = None     # the judge's clock before the round trip is subtracted
     moments: list[float] | None = None   # evaluator.remote.TraceRun.moments
 
 
@@ -139,7 +140,7 @@ def remote_timed_run(engine: RemoteEngine, trace: list[Op], tokens: list[list[to
     TIMED_ROWS_CHECKED rows drawn at random from all of them are kept for the reference."""
     trace_run = engine.run_trace(trace, tokens, f"benchmark case {case}")
     run = TimedRun(trace_run.seconds, trace_run.peak_memory_mb, inner_seconds=trace_run.inner_seconds,
-                   moments=trace_run.moments)
+                   raw_seconds=trace_run.raw_seconds, moments=trace_run.moments)
     rows = []
     for index, (op, out) in enumerate(zip(trace, trace_run.outputs)):
         if out is None:
@@ -281,6 +282,7 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
             "floor_fraction": floor_s / median.seconds,
             "runs_ms": [r.seconds * 1e3 for r in runs],
             **({"worker_runs_ms": [r.inner_seconds * 1e3 for r in runs],
+                "judge_clock_ms": [r.raw_seconds * 1e3 for r in runs],
                 "split_ms": [[(b - a) * 1e3 for a, b in zip(r.moments, r.moments[1:])] for r in runs]}
                if median.inner_seconds is not None else {}),
         })

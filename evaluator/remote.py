@@ -28,6 +28,7 @@ from evaluator.isolation import Jail
 from evaluator.traces import DECODE, PREFILL, Op
 
 WORKER_SCRIPT = Path(__file__).resolve().parent / "worker.py"
+ROUND_TRIPS = 31               # empty timed traces whose median is the channel's round trip
 HELLO_SECONDS = 120.0          # the worker's start: its confinement and `import torch`
 WATCH_SECONDS = 0.2            # how often a wait looks at the worker's health
 MESSAGE_SECONDS = 60.0         # for the rest of a message once its first byte arrived
@@ -45,7 +46,8 @@ class WorkerDied(EvalFailure):
 class TraceRun:
     """One timed trace as the judge saw it."""
 
-    seconds: float                     # the judge's clock: request sent → answer received and outputs copied
+    seconds: float                     # the judge's clock (request sent → answer in) less the channel's round trip
+    raw_seconds: float                 # the judge's clock as it read
     inner_seconds: float               # what the worker measured around the same calls (its own claim)
     peak_memory_mb: float              # the worker's claim
     outputs: list[torch.Tensor | None]  # per op: [B, vocab] fp32 (CPU, the judge's copy), None for remove
@@ -68,9 +70,12 @@ class Worker:
             self.proc = self.jail.spawn([str(WORKER_SCRIPT), str(theirs.fileno())], pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
-        hello = self._answer(time.monotonic() + HELLO_SECONDS, "starting the worker")
+        hello, _ = self._answer(time.monotonic() + HELLO_SECONDS, "starting the worker")
         self.layers = self.jail.layers(list(hello.get("layers", [])))
         log(self.layers)
+        self.round_trip = 0.0
+        self.round_trip = self._measure_round_trip()
+        log(f"the channel's round trip, subtracted from every timed run: {self.round_trip * 1e6:.0f} us")
 
     def __enter__(self) -> "Worker":
         return self
@@ -96,7 +101,8 @@ class Worker:
         tail = self.jail.log_tail()
         return WorkerDied(f"{what}: the worker {status}" + (f"; its last output:\n{tail}" if tail else ""))
 
-    def _answer(self, deadline: float | None, what: str, spin: bool = False) -> dict:
+    def _answer(self, deadline: float | None, what: str, spin: bool = False,
+                max_payload: int = 0) -> tuple[dict, bytes]:
         """Wait for one answer, watching that the worker lives and stays under the memory cap
         (spinning instead of sleeping inside a timed trace's clock)."""
         if spin:
@@ -117,29 +123,46 @@ class Worker:
                     and self.jail.resident_bytes() > self.memory_bytes:
                 raise self._died(what, f"used more than {self.memory_bytes / 2**30:.1f} GiB of memory (the cap)")
         try:
-            header, _, _ = channel.receive(self.sock, time.monotonic() + MESSAGE_SECONDS, max_payload=0)
+            header, payload, _ = channel.receive(self.sock, time.monotonic() + MESSAGE_SECONDS, max_payload)
         except channel.ChannelClosed as e:
             raise self._died(what, str(e)) from e
-        return header
+        return header, payload
 
-    def request(self, header: dict, payload: bytes = b"", what: str = "", fds: tuple[int, ...] = (),
-                spin: bool = False) -> dict:
+    def request(self, header: dict, payload: bytes = b"", what: str = "", fds: tuple[int, ...] = ()) -> dict:
         """Send one request, return its answer; a refusal becomes the EvalFailure it names."""
+        return self.exchange(header, payload, what, fds)[0]
+
+    def exchange(self, header: dict, payload: bytes = b"", what: str = "", fds: tuple[int, ...] = (),
+                 spin: bool = False, max_payload: int = 0) -> tuple[dict, bytes]:
+        """`request`, with the answer's payload (at most `max_payload` bytes)."""
         header = {**header, "release": self.pending_release}
         self.pending_release = []
         try:
             channel.send(self.sock, header, payload, fds)
         except channel.ChannelClosed as e:
             raise self._died(what, str(e)) from e
-        answer = self._answer(None, what, spin)
+        answer, data = self._answer(None, what, spin, max_payload)
         if answer.get("ok") is True:
-            return answer
+            return answer, data
         kind, error = str(answer.get("kind", CRASH)), str(answer.get("error", "no reason given"))[:4000]
         if kind == "wrong_result":
             raise WrongResult(error)
         if kind in ("compile_error", "runtime_error"):
             raise EngineRaised(error, kind)
         raise WorkerDied(f"{what}: {error}")
+
+    def _measure_round_trip(self) -> float:
+        """The median judge's clock of an empty timed trace, measured exactly as a real one
+        (arm, then the timed request, spinning on CUDA), before any candidate is imported: what
+        the split itself costs a timed run, which the candidate cannot inflate."""
+        times = []
+        for _ in range(ROUND_TRIPS):
+            self.request({"op": "arm", "engine": 0, "ops": [], "device": self.device, "vocab": 1, "rows": 0,
+                          "what": "round trip"}, bytes(16), what="round trip")
+            start = time.perf_counter()
+            self.exchange({"op": "trace"}, what="round trip", spin=self.device == "cuda")
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
 
     def readable(self, path: str | Path) -> str:
         key = str(path)
@@ -235,27 +258,25 @@ class RemoteEngine:
         w = self.worker
         w.output_rows(rows, self.vocab)
         key = digest_key(self.vocab, torch.Generator().manual_seed(secrets.randbits(62)))
-        w.request({"op": "arm", "device": self.device, "rows": rows, "vocab": self.vocab},
-                  key.numpy().tobytes(), what=what)   # also frees released engines
-        header = {"op": "trace", "engine": self.id, "ops": ops, "device": self.device, "vocab": self.vocab,
-                  "what": what}
+        # The trace's shape goes before the clock (also freeing released engines); only its tokens,
+        # the secret part, go with the timed request.
+        w.request({"op": "arm", "engine": self.id, "ops": ops, "device": self.device, "vocab": self.vocab,
+                   "rows": rows, "what": what}, key.numpy().tobytes(), what=what)
         spin = self.device == "cuda"   # on a CPU the judge's spinning would take a core from the engine
         gc.collect()
         gc_was = gc.isenabled()
         gc.disable()   # no collection of the judge's garbage inside its own clock
         try:
             start = time.perf_counter()
-            answer = w.request(header, payload, what=what, spin=spin)
+            answer, digests = w.exchange({"op": "trace"}, payload, what=what, spin=spin, max_payload=8 * rows)
             end = time.perf_counter()
         finally:
             if gc_was:
                 gc.enable()
-        seconds = end - start
+        seconds = max(end - start - w.round_trip, 0.0)
         flushed = w.request({"op": "flush", "device": self.device}, what=what)
         everything = w.copy_rows(0, rows, self.vocab)
-        digests = answer.get("digests")
-        if not (isinstance(digests, list) and len(digests) == rows and all(type(d) is int for d in digests)) \
-                or output_digest(everything, key).tolist() != digests:
+        if len(digests) != 8 * rows or output_digest(everything, key).numpy().tobytes() != digests:
             raise WrongResult(f"{what}: the outputs the worker handed over after the clock are not the ones it "
                               "vouched for when it answered (digest mismatch)")
         peak = flushed.get("peak_memory_mb")
@@ -270,5 +291,5 @@ class RemoteEngine:
         inner = answer.get("inner_seconds")
         theirs = answer.get("moments")
         theirs = [float(t) for t in theirs] if isinstance(theirs, list) and len(theirs) == 4 else [math.nan] * 4
-        return TraceRun(seconds, float(inner) if isinstance(inner, (int, float)) and math.isfinite(inner) else math.nan,
+        return TraceRun(seconds, end - start, float(inner) if isinstance(inner, (int, float)) and math.isfinite(inner) else math.nan,
                         float(peak) if isinstance(peak, (int, float)) else 0.0, outputs, [start, *theirs, end])

@@ -47,6 +47,7 @@ class Worker:
         self.host = None          # the buffer as an fp32 tensor
         self.staging = None       # a timed trace's outputs, on the device
         self.key = None           # its digest key
+        self.trace_request = None  # its shape, from the arm request
         self.armed = False        # spin for the next request (a timed trace is coming)
 
     # ---- requests ----
@@ -125,27 +126,29 @@ class Worker:
         return {}
 
     def arm(self, req: dict, payload: bytes) -> dict:
-        """Before a timed trace, outside the judge's clock: the outputs' staging rows and the
-        digest key (payload) on the device, peak memory reset, the device idle; the trace
-        request is then awaited spinning, not asleep."""
+        """Before a timed trace, outside the judge's clock: its shape (engine, ops), the outputs'
+        staging rows and the digest key (payload) on the device, peak memory reset, the device
+        idle; the timed request (the tokens) is then awaited spinning, not asleep."""
         torch, device = self.torch, req["device"]
         vocab = int(req["vocab"])
         self.staging = torch.empty(int(req["rows"]), vocab, dtype=torch.float32, device=device)
         self.key = torch.frombuffer(bytearray(payload), dtype=torch.int64).view(2, vocab).to(device)
+        self.trace_request = req   # the trace's shape now, its tokens with the timed request
         self.common.synchronize(device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self.armed = device == "cuda"
         return {}
 
-    def trace(self, req: dict, payload: bytes) -> dict:
+    def trace(self, _: dict, payload: bytes) -> tuple[dict, bytes]:
         """Every call of a trace back to back, each output copied into its staging rows as it
         returns, one device sync, then the digest of every row (evaluator.guards.output_digest):
         the official timed region plus those copies and the digest. The judge's clock runs
-        around this request; the outputs themselves travel afterwards (`flush`)."""
+        around this request; the digests are its answer's payload, the outputs travel afterwards
+        (`flush`)."""
         received = time.perf_counter()
-        torch = self.torch
-        engine, device, vocab = self.engines[req["engine"]], req["device"], int(req["vocab"])
+        torch, req = self.torch, self.trace_request
+        engine, device, vocab = self.engines.get(req["engine"]), req["device"], int(req["vocab"])
         ops, staging = req["ops"], self.staging
         with torch.no_grad():
             start = time.perf_counter()
@@ -160,11 +163,10 @@ class Worker:
                     staging[row:row + rows].copy_(out.detach())
                     row += rows
             self.common.synchronize(device)
-            digests = self.guards.output_digest(staging[:row], self.key).tolist()
+            digests = self.guards.output_digest(staging[:row], self.key).cpu().numpy().tobytes()
             seconds = time.perf_counter() - start
         # Moments on the machine-wide monotonic clock, for the judge's overhead breakdown.
-        return {"digests": digests, "inner_seconds": seconds,
-                "moments": [received, start, start + seconds, time.perf_counter()]}
+        return {"inner_seconds": seconds, "moments": [received, start, start + seconds, time.perf_counter()]}, digests
 
     def flush(self, req: dict, _: bytes) -> dict:
         """After a timed trace, outside the clock: its outputs into the buffer, its peak memory."""
@@ -196,7 +198,8 @@ class Worker:
                     answer = handlers[op](req, payload)
                 else:
                     raise Refusal(self.common.CRASH, f"unknown request {op!r}")
-                self.channel.send(self.sock, {"ok": True, **answer})
+                answer, data = answer if isinstance(answer, tuple) else (answer, b"")
+                self.channel.send(self.sock, {"ok": True, **answer}, data)
             except Refusal as e:
                 self.channel.send(self.sock, {"ok": False, "kind": e.kind, "error": str(e)})
             except self.common.EvalFailure as e:

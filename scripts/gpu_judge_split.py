@@ -7,8 +7,9 @@ Why: since the candidate left the judge's process (evaluator/remote.py), a timed
 judge's clock around one request to the worker, every output copied into the judge's memory
 before the clock stops. This prints, per case and side by side in interleaved rounds, the
 median elapsed time of the same engine under the official in-process method
-(evaluator/benchmark_throughput.py) and through the worker (judge's clock; the worker's own
-clock around the same calls), the overhead in %, the % of the physical floor each gives,
+(evaluator/benchmark_throughput.py) and through the worker (the judge's clock less the channel's
+round trip, as the agent scores it; the clock as read; the worker's own clock around the same
+calls), the overhead in %, the % of the physical floor each gives,
 where the judge's extra time goes, and the worker's isolation layers. Writes split.json.
 """
 from __future__ import annotations
@@ -54,31 +55,34 @@ def main() -> None:
         engine = str(render_to_file(library_plans()[a.plan], a.plan))
     config = load_config(CONFIG)
     cases = [c for c in a.cases.split(",") if c]
-    runs: dict[str, dict[str, list[float]]] = {c: {"inproc": [], "judge": [], "worker": [], "floor": []} for c in cases}
-    layers = None
+    runs: dict[str, dict[str, list[float]]] = {
+        c: {"inproc": [], "judge": [], "raw": [], "worker": [], "floor": []} for c in cases}
+    layers, round_trip = None, None
     for r in range(a.rounds):
         local = run_benchmark(engine, config, WEIGHTS, "cuda", cases, warmup=1, repeat=3)
         with Worker("cuda", log=lambda line: None) as worker:
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
             remote = run_benchmark(RemoteModule(worker), config, WEIGHTS, "cuda", cases, warmup=1, repeat=3, seed=r + 1)
-            layers = worker.layers
+            layers, round_trip = worker.layers, worker.round_trip
         for lo, re in zip(local, remote):
             c = runs[lo["case_name"]]
             c["inproc"].append(lo["elapsed_ms"])
             c["judge"].append(re["elapsed_ms"])
+            c["raw"].append(statistics.median(re["judge_clock_ms"]))
             c["worker"].append(statistics.median(re["worker_runs_ms"]))
             c["floor"].append(lo["floor_ms"])
             c.setdefault("split", []).extend(re["split_ms"])
         print(f"round {r + 1} done", flush=True)
     print(layers)
-    print(f"{'case':<10} {'in-process ms':>14} {'judge ms':>9} {'worker ms':>10} {'overhead':>9} "
+    print(f"the channel's round trip (subtracted): {round_trip * 1e3:.3f} ms")
+    print(f"{'case':<10} {'in-process ms':>14} {'judge ms':>9} {'clock ms':>9} {'worker ms':>10} {'overhead':>9} "
           f"{'% floor in-proc':>16} {'% floor judge':>14}")
     fractions = {"inproc": [], "judge": []}
     for case, c in runs.items():
-        ip, jd, wk, fl = (statistics.median(c[k]) for k in ("inproc", "judge", "worker", "floor"))
+        ip, jd, raw, wk, fl = (statistics.median(c[k]) for k in ("inproc", "judge", "raw", "worker", "floor"))
         fractions["inproc"].append(fl / ip)
         fractions["judge"].append(fl / jd)
-        print(f"{case:<10} {ip:14.3f} {jd:9.3f} {wk:10.3f} {100 * (jd / ip - 1):8.1f}% "
+        print(f"{case:<10} {ip:14.3f} {jd:9.3f} {raw:9.3f} {wk:10.3f} {100 * (jd / ip - 1):8.1f}% "
               f"{100 * fl / ip:15.1f}% {100 * fl / jd:13.1f}%")
     print("where the judge's extra time goes (median ms): send->worker has it, ->calls start, calls, "
           "->answer sent, ->judge has answer")
