@@ -353,17 +353,38 @@ def _torch_is_cpu_build() -> bool:
 
 
 def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of `uid` until none is left (a fork loop may race a few rounds)."""
+    """SIGKILL every process of `uid`: a child that takes the uid sends kill(-1), which the
+    kernel delivers to all of them at once (a fork loop cannot outrun it, unlike a kill per pid
+    found in /proc); repeated until /proc shows none."""
     for _ in range(KILL_ROUNDS):
-        pids = [int(s.split()[0]) for s in _proc_fields("Uid") if int(s.split()[1]) == uid]
-        if not pids:
+        if not _live_processes_of(uid):
             return
-        for pid in pids:
+        pid = os.fork()
+        if pid == 0:   # only system calls here: the judge has threads
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+                os.kill(-1, signal.SIGKILL)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
         time.sleep(0.01)
+
+
+def _live_processes_of(uid: int) -> list[int]:
+    """Pids of `uid`'s processes that are not zombies (a zombie is dead; its parent reaps it)."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
+            out.append(int(entry.name))
+    return out
 
 
 def children() -> set[int]:
