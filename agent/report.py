@@ -100,6 +100,7 @@ class Reporter:
         self.entries: list[Entry] = []
         self.meta: dict = {}
         self.best_line = "none yet"
+        self.isolation: str | None = None   # the last worker-isolation line shown
         self.seconds_left: Callable[[], float] = lambda: 0.0
         self._log = open(self.root / RESULTS_LOG, "a", buffering=1)
         self._live = None
@@ -148,6 +149,9 @@ class Reporter:
         self.line(f"#{entry.index:03d} {describe(c.plan)}  [{c.origin}] {c.note}")
 
     def verdict(self, entry: Entry, result: EvalResult, label: str = "") -> None:
+        if result.isolation and result.isolation != self.isolation:   # once, and again if it changes
+            self.isolation = result.isolation
+            self.line(f"     {result.isolation}")
         self.line(f"     {label + ': ' if label else ''}{verdict_line(result)}")
 
     def accepted(self, entry: Entry, result: EvalResult) -> None:

@@ -49,6 +49,7 @@ class EvalResult:
     benchmark: list[dict] = field(default_factory=list)
     score: float | None = None
     reference_margin: float | None = None   # the judge's own margin against fp32 (evaluator/noise.py)
+    isolation: str | None = None     # the worker's layers, as the evaluator logged them
     seconds: float = 0.0
 
     @property
