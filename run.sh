@@ -23,8 +23,16 @@ if ! command -v "$PY" >/dev/null 2>&1; then
   exit 2
 fi
 if ! has_torch "$PY"; then
-  echo "run.sh: $PY has no torch; installing it (pip install torch)" >&2
-  "$PY" -m pip install --quiet torch >&2 || { echo "error: could not install torch for $PY" >&2; exit 2; }
+  if command -v nvidia-smi >/dev/null 2>&1 || [ -e /dev/nvidia0 ]; then
+    echo "run.sh: $PY has no torch; installing it with CUDA (pip install torch: several GB)" >&2
+    "$PY" -m pip install --quiet torch >&2 || { echo "error: could not install torch for $PY" >&2; exit 2; }
+  else
+    # No NVIDIA GPU here: the CPU build (about 200 MB) instead of the default CUDA one (several GB).
+    echo "run.sh: $PY has no torch and this machine no NVIDIA GPU; installing torch's CPU build" >&2
+    "$PY" -m pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu >&2 \
+      || "$PY" -m pip install --quiet "torch==2.13.0" >&2 \
+      || { echo "error: could not install torch for $PY" >&2; exit 2; }
+  fi
 fi
 
 # Requirements whose module cannot be imported: install only those. A failed install (no network)
