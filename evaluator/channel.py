@@ -126,6 +126,6 @@ class OutputBuffer:
     def close(self) -> None:
         try:
             self.map.close()
-        except BufferError:  # a tensor still views it (the worker's pinned mapping): the OS frees it at exit
+        except BufferError:  # a tensor still views it: the mapping goes when that tensor does
             pass
         os.close(self.fd)
