@@ -1,0 +1,56 @@
+"""Attacks on the split judge that only a GPU can mount (skipped without CUDA; docs/reliability.md
+records their GPU runs). The engine is the recompute engine with its decode edited."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evaluator.evaluate import evaluate
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DECODE = "        return self._logits_for(request_ids)\n\n    def remove"
+
+# After returning its logits, the engine keeps writing zeros into them from a side stream (as a
+# CUDA graph replayed after the call would): what the judge compares was copied before.
+WRITES_AFTER_RETURN = """        out = self._logits_for(request_ids)
+        side = getattr(self, "side", None) or torch.cuda.Stream()
+        self.side = side
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)
+            out.zero_()
+        return out
+
+    def remove"""
+
+# Returns before its logits exist: they are computed on a side stream it never waits for, after
+# a delay, so the judge's copy (on the current stream) reads the placeholder.
+RETURNS_EARLY = """        side = getattr(self, "side", None) or torch.cuda.Stream()
+        self.side = side
+        out = torch.zeros(len(request_ids), self.w["lm_head.weight"].shape[0], device=self.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)
+            out.copy_(self._logits_for(request_ids))
+        return out
+
+    def remove"""
+
+
+def judged(recompute_source: str, edit: str, tmp_path, tiny_model) -> dict:
+    assert DECODE in recompute_source
+    path = tmp_path / "engine.py"
+    path.write_text(recompute_source.replace(DECODE, edit))
+    return evaluate(path, tiny_model.config, tiny_model.weight_dir, "cuda", stress="off", cases=["decode"],
+                    warmup=0, repeat=1)
+
+
+def test_writes_after_the_call_returned_are_harmless(recompute_source, tmp_path, tiny_model):
+    r = judged(recompute_source, WRITES_AFTER_RETURN, tmp_path, tiny_model)
+    assert r["status"] == "passed", r["error"]
+
+
+def test_logits_still_being_computed_when_the_call_returns_are_caught(recompute_source, tmp_path, tiny_model):
+    r = judged(recompute_source, RETURNS_EARLY, tmp_path, tiny_model)
+    assert (r["status"], r["error_kind"]) == ("failed", "wrong_result"), r["error"]
