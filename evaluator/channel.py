@@ -9,6 +9,7 @@ the judge copies what it needs out of it into its own memory before looking at i
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -118,8 +119,10 @@ class OutputBuffer:
     def __init__(self, nbytes: int, fd: int | None = None):
         self.nbytes = nbytes
         if fd is None:
-            fd = os.memfd_create("judge-outputs", 0)
+            fd = os.memfd_create("judge-outputs", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
             os.ftruncate(fd, nbytes)
+            # Its size fixed for good: a worker that shrank it would crash the judge (SIGBUS) on read.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         self.fd = fd
         self.map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 

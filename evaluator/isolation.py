@@ -40,6 +40,7 @@ import signal
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -53,12 +54,15 @@ PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 2
 PR_CAP_AMBIENT_RAISE = 2
 CAP_DAC_READ_SEARCH, CAP_LAST = 2, 40
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
-CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
+CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWIPC, CLONE_NEWNS = 0x40000000, 0x10000000, 0x08000000, 0x00020000
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 
 FILE_SIZE_LIMIT = 512 * 2**20     # bytes one file of the worker may reach
 PROCESS_LIMIT = 2048              # processes and threads of the worker's uid
 UID_RANGE = (3_000_000, 2**31 - 2)  # fresh uids are drawn here: far above any account's
-SHARED_TEMP = ("/tmp", "/var/tmp", "/dev/shm")   # where a uid can leave files outside its scratch
+# Where a uid can leave files outside its scratch: the usual world-writable folders (and such
+# folders one level down); `_world_writable()` adds any other found two levels from the root.
+SHARED_TEMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue", "/var/crash")
 # What of the judge's environment the worker may see (everything else is dropped).
 ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
             "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES",
@@ -145,7 +149,7 @@ class JailSpec:
     judge_pid: int
     uid: int | None = None
     groups: tuple[int, ...] = ()
-    read_search: bool = False           # keep CAP_DAC_READ_SEARCH (see the module docstring)
+    reach: tuple[str, ...] = ()         # paths behind folders others cannot enter (see _mount_view)
     address_space: int | None = None    # RLIMIT_AS in bytes, or None
     file_size: int = FILE_SIZE_LIMIT
     processes: int = PROCESS_LIMIT
@@ -156,7 +160,7 @@ class JailSpec:
     @staticmethod
     def from_json(text: str) -> "JailSpec":
         data = json.loads(text)
-        data["groups"] = tuple(data["groups"])
+        data["groups"], data["reach"] = tuple(data["groups"]), tuple(data["reach"])
         return JailSpec(**data)
 
 
@@ -178,6 +182,41 @@ def _set_capabilities(keep: int | None) -> None:
         raise OSError(ctypes.get_errno(), "raising the ambient capability failed")
 
 
+def _blocked_ancestors(path: Path) -> list[Path]:
+    """The folders on the way to `path` (itself included) that others may not search."""
+    return [p for p in [*reversed(path.parents), path] if p.is_dir() and not os.stat(p).st_mode & stat.S_IXOTH]
+
+
+def _mount_view(paths: tuple[str, ...]) -> bool:
+    """In a mount namespace of its own, make `paths` reachable for any uid without opening
+    anything else: each folder on the way that others may not enter (a /root of mode 0700) is
+    covered by an empty tmpfs of mode 0755 into which only the next folder on the way is bound
+    back. The worker then sees /root holding .pyenv and nothing more. False where the kernel
+    refuses (no CAP_SYS_ADMIN)."""
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        return False
+    if _libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return False
+    wanted = [Path(p) for p in paths]
+    blocked = sorted({b for p in wanted for b in _blocked_ancestors(p)}, key=lambda b: len(b.parts))
+    for folder in blocked:
+        keep = sorted({folder / p.relative_to(folder).parts[0] for p in wanted
+                       if folder in p.parents and p != folder})
+        saved = [(child, os.open(child, os.O_PATH)) for child in keep]
+        if _libc.mount(b"tmpfs", os.fsencode(folder), b"tmpfs", 0, b"mode=0755,size=64k") != 0:
+            return False
+        for child, fd in saved:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                child.mkdir()
+            else:
+                child.touch()
+            ok = _libc.mount(os.fsencode(f"/proc/self/fd/{fd}"), os.fsencode(child), None, MS_BIND | MS_REC, None)
+            os.close(fd)
+            if ok != 0:
+                return False
+    return True
+
+
 def enter(spec: JailSpec) -> list[str]:
     """Confine the calling process (the worker, at its start). Returns the layers it holds; a
     required layer that fails raises (the worker then exits and the judge says why)."""
@@ -189,11 +228,17 @@ def enter(spec: JailSpec) -> list[str]:
         held.append(f"address space {spec.address_space / 2**30:.1f} GiB")
     held.append(f"file size {spec.file_size // 2**20} MiB")
     root = os.geteuid() == 0
-    flags = CLONE_NEWNET if root else CLONE_NEWUSER | CLONE_NEWNET
+    flags = CLONE_NEWNET | CLONE_NEWIPC if root else CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWIPC
     if _libc.unshare(flags) == 0:
         held.append("no network (own network namespace)")
+        held.append("own System V IPC")
+    keep = None
+    if spec.reach:
+        if _mount_view(spec.reach):
+            held.append("own view of the private folders on the way to Python (nothing else of them)")
+        else:   # no mount namespace here: read like root to reach Python, still write as itself
+            keep = CAP_DAC_READ_SEARCH
     if spec.uid is not None:
-        keep = CAP_DAC_READ_SEARCH if spec.read_search else None
         for cap in range(CAP_LAST + 1):
             if cap != keep:
                 _prctl(PR_CAPBSET_DROP, cap)
@@ -251,12 +296,18 @@ class Jail:
         os.chmod(self.root, 0o755)
         self.home = self.root / "home"
         (self.home / "tmp").mkdir(parents=True)
-        self.log_path = self.home / "worker.log"
+        # The judge's own file (in the judge's folder): the worker writes it only through the
+        # descriptor it inherits, and cannot swap it for a link, a pipe or another file.
+        self.log_path = self.root / "worker.log"
         uid = _fresh_uid() if os.geteuid() == 0 else None
-        needs = (Path(sys.executable), Path(os.__file__).parent, Path(_torch_dir()), REPO_ROOT / "evaluator")
-        read_search = uid is not None and not all(_reachable_by_others(p) for p in needs)
+        paths = sysconfig.get_paths()
+        needs = [Path(sys.executable).resolve().parent, Path(os.__file__).resolve().parent,
+                 Path(_torch_dir()).resolve().parent, Path(paths["include"]), REPO_ROOT / "evaluator"]
+        needs += [Path(sysconfig.get_config_var("LIBDIR"))] if sysconfig.get_config_var("LIBDIR") else []
+        reach = tuple(sorted({str(p) for p in needs if not _reachable_by_others(p)})) if uid is not None else ()
         cap = self.memory_bytes if self.device == "cpu" and _torch_is_cpu_build() else None
-        self.spec = JailSpec(os.getpid(), uid, tuple(_device_groups()) if uid is not None else (), read_search, cap)
+        groups = tuple(_device_groups()) if uid is not None else ()
+        self.spec = JailSpec(os.getpid(), uid, groups, reach, cap)
         if uid is not None:
             for path in (self.home, self.home / "tmp"):
                 os.chown(path, uid, uid)
@@ -273,7 +324,7 @@ class Jail:
         copy in the jail (a weight folder under a private home, pytest's 0700 temp folders).
         Always absolute: the worker's working directory is its scratch folder."""
         path = Path(path).resolve()
-        if self.spec.uid is None or self.spec.read_search or _reachable_by_others(path):
+        if self.spec.uid is None or _reachable_by_others(path):
             return str(path)
         copy = Path(tempfile.mkdtemp(dir=self.root, prefix="input-"))
         os.chmod(copy, 0o755)
@@ -289,29 +340,41 @@ class Jail:
     def spawn(self, argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
         """Start the worker: `python -I <argv...> <spec>`, its output to worker.log."""
         with open(self.log_path, "wb") as log:
-            if self.spec.uid is not None:
-                os.chown(self.log_path, self.spec.uid, self.spec.uid)
             self.proc = subprocess.Popen([sys.executable, "-I", *argv, self.spec.to_json()], cwd=self.home,
                                          env=_clean_env(self.home), stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, pass_fds=pass_fds, start_new_session=True)
         return self.proc
 
     def log_tail(self, limit: int = 3000) -> str:
+        """The last `limit` bytes of the worker's output (a regular file of the judge's, opened
+        without following links or blocking, whatever the worker did)."""
         try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(f.seek(0, os.SEEK_END) - limit, 0))
-                return f.read().decode(errors="replace").strip()
+            fd = os.open(self.log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return ""
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return ""
+            f.seek(max(f.seek(0, os.SEEK_END) - limit, 0))
+            return f.read(limit).decode(errors="replace").strip()
 
     def resident_bytes(self) -> int:
+        """Resident memory of the worker and everything it started (every process of its uid,
+        or its session when it shares the judge's uid): children count against the cap too."""
         if self.proc is None:
             return 0
-        try:
-            with open(f"/proc/{self.proc.pid}/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            return 0
+        if self.spec.uid is not None:
+            pids = _live_processes_of(self.spec.uid)
+        else:
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _session_of(int(p)) == self.proc.pid]
+        total = 0
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, ValueError, IndexError):
+                continue
+        return total
 
     def close(self) -> None:
         """Kill everything the worker started, remove everything its uid wrote."""
@@ -339,6 +402,13 @@ class Jail:
             missing.append("address-space cap (not with CUDA: resident memory watched instead)")
         text = "worker isolation: " + ", ".join(held)
         return text + (f"; missing: {', '.join(missing)}" if missing else "")
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 def _torch_dir() -> str:
@@ -431,5 +501,29 @@ def _remove_files_of(uid: int) -> None:
                         pass
             elif depth and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH:
                 sweep(e.path, depth - 1)
-    for folder in SHARED_TEMP:
+    for folder in SHARED_TEMP + _world_writable():
         sweep(folder, 1)
+
+
+def _world_writable() -> tuple[str, ...]:
+    """World-writable folders within two levels of the root, beyond SHARED_TEMP (/proc and /sys
+    skipped): anywhere else a uid could leave a file."""
+    found = []
+    for top in os.scandir("/"):
+        if top.name in ("proc", "sys") or not top.is_dir(follow_symlinks=False):
+            continue
+        for entry in [top, *_subfolders(top.path)]:
+            try:
+                mode = entry.stat(follow_symlinks=False).st_mode
+            except OSError:
+                continue
+            if stat.S_ISDIR(mode) and mode & stat.S_IWOTH and entry.path not in SHARED_TEMP:
+                found.append(entry.path)
+    return tuple(found)
+
+
+def _subfolders(path: str) -> list[os.DirEntry]:
+    try:
+        return [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []

@@ -116,7 +116,7 @@ def unit_check(slot: str, template: str, device: str, timeout: float, seed: int)
     parsed from the bounded tail of its output; it is advice (the engine holding the variant is
     judged again by the evaluator), so a variant that forges it gains nothing."""
     with Jail(device) as jail:
-        src = jail.home / "variant.py"
+        src = jail.root / "variant.py"   # the agent's folder: readable by the worker, not replaceable
         src.write_text(template)
         os.chmod(src, 0o644)
         proc = jail.spawn([str(UNIT_WORKER), slot, str(src), device, str(seed)], pass_fds=())
