@@ -6,16 +6,18 @@ it over a socket (evaluator/channel.py). The jail stacks layers; each says what 
 - **Own uid** (when the judge runs as root): a fresh uid no process or file uses. The worker
   cannot write the repository, the workspace, the weights, site-packages or the verdict (all
   owned by root), cannot signal, ptrace or read the memory of the judge or the agent, and all
-  it leaves behind is findable by its uid. It keeps one capability, CAP_DAC_READ_SEARCH, only
-  where the Python it runs or its packages lie under a folder others cannot enter (a pyenv in
-  /root): it then reads what root can read, and still writes only what its uid owns. Every
-  other capability is dropped from its bounding set.
-- **No network**: a network namespace of its own (as root; otherwise inside a user namespace
-  where the kernel allows one).
+  it leaves behind is findable by its uid. Every capability is dropped from its bounding set.
+- **Its own view of private folders**: where Python or its packages lie under a folder others
+  cannot enter (a pyenv in /root), a mount namespace covers that folder with an empty tmpfs
+  into which only the way to Python is bound back (/root then holds .pyenv and nothing else).
+  Where the kernel refuses a mount namespace, the worker keeps CAP_DAC_READ_SEARCH instead
+  (it then reads what root can read, and still writes only what its uid owns).
+- **No network, no shared System V IPC**: network and IPC namespaces of its own (as root;
+  otherwise inside a user namespace where the kernel allows one).
 - **No new privileges** (PR_SET_NO_NEW_PRIVS): no setuid binary gives anything back.
 - **Limits** (rlimits): file size, core dumps, processes of its uid, and on CPU with a CPU build
-  of torch its address space (the memory cap; the CUDA build reserves too much address space to
-  run under one, so there the judge watches resident memory instead).
+  of torch its address space; and always the judge watches the resident memory of every
+  process of its uid (its children count too) against the memory cap.
 - **Private scratch**: its own HOME, TMPDIR and compiler caches in a folder made for it, its
   working directory there, a clean environment (no LD_PRELOAD, no PYTHON* variables, no API
   keys), Python in isolated mode, no descriptor but the channel's.
@@ -399,7 +401,7 @@ class Jail:
         if not any(h.startswith("no network") for h in held):
             missing.append("network namespace (refused by this kernel or container)")
         if self.memory_bytes and self.spec.address_space is None:
-            missing.append("address-space cap (not with CUDA: resident memory watched instead)")
+            missing.append("address-space cap (not with a CUDA build of torch: resident memory watched)")
         text = "worker isolation: " + ", ".join(held)
         return text + (f"; missing: {', '.join(missing)}" if missing else "")
 

@@ -119,8 +119,7 @@ class Worker:
                 break
             if self.proc.poll() is not None:
                 raise self._died(what, "exited")
-            if self.memory_bytes and self.jail.spec.address_space is None \
-                    and self.jail.resident_bytes() > self.memory_bytes:
+            if self.memory_bytes and self.jail.resident_bytes() > self.memory_bytes:
                 raise self._died(what, f"used more than {self.memory_bytes / 2**30:.1f} GiB of memory (the cap)")
         try:
             header, payload, _ = channel.receive(self.sock, time.monotonic() + MESSAGE_SECONDS, max_payload)
