@@ -24,15 +24,16 @@ WRITES_AFTER_RETURN = """        out = self._logits_for(request_ids)
 
     def remove"""
 
-# Returns before its logits exist: they are computed on a side stream it never waits for, after
-# a delay, so the judge's copy (on the current stream) reads the placeholder.
-RETURNS_EARLY = """        side = getattr(self, "side", None) or torch.cuda.Stream()
+# Returns before its logits are in place: they land in the returned tensor from a side stream it
+# never waits for, after a delay, so the copy the worker makes on the current stream reads zeros.
+RETURNS_EARLY = """        real = self._logits_for(request_ids)
+        side = getattr(self, "side", None) or torch.cuda.Stream()
         self.side = side
-        out = torch.zeros(len(request_ids), self.w["lm_head.weight"].shape[0], device=self.device)
+        out = torch.zeros_like(real)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            torch.cuda._sleep(2_000_000)
-            out.copy_(self._logits_for(request_ids))
+            torch.cuda._sleep(20_000_000)
+            out.copy_(real)
         return out
 
     def remove"""
