@@ -11,16 +11,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 DECODE = "        return self._logits_for(request_ids)\n\n    def remove"
 
-# After returning its logits, the engine keeps writing zeros into them from a side stream (as a
-# CUDA graph replayed after the call would): what the judge compares was copied before.
-WRITES_AFTER_RETURN = """        out = self._logits_for(request_ids)
-        side = getattr(self, "side", None) or torch.cuda.Stream()
+# Each call first overwrites, from a side stream, the logits it returned on the previous call (as
+# a CUDA graph replayed after its call returned would): the judge already holds its own copy.
+WRITES_AFTER_RETURN = """        side = getattr(self, "side", None) or torch.cuda.Stream()
         self.side = side
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(2_000_000)
-            out.zero_()
-        return out
+        if getattr(self, "last", None) is not None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.last.fill_(float("nan"))
+            torch.cuda.current_stream().wait_stream(side)
+        self.last = self._logits_for(request_ids)
+        return self.last
 
     def remove"""
 
