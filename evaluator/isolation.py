@@ -428,9 +428,9 @@ def _kill_uid(uid: int) -> None:
     """SIGKILL every process of `uid`: a child that takes the uid sends kill(-1), which the
     kernel delivers to all of them at once (a fork loop cannot outrun it, unlike a kill per pid
     found in /proc); repeated until /proc shows none."""
-    for _ in range(KILL_ROUNDS):
-        if not _live_processes_of(uid):
-            return
+    for round_ in range(KILL_ROUNDS):
+        if round_ and not _live_processes_of(uid):   # the first kill(-1) goes unconditionally: a
+            return                                   # pid-hopping process may be between pids now
         pid = os.fork()
         if pid == 0:   # only system calls here: the judge has threads
             try:

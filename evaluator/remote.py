@@ -14,6 +14,7 @@ import math
 import secrets
 import select
 import socket
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ WORKER_SCRIPT = Path(__file__).resolve().parent / "worker.py"
 ROUND_TRIPS = 31               # empty timed traces whose median is the channel's round trip
 HELLO_SECONDS = 120.0          # the worker's start: its confinement and `import torch`
 WATCH_SECONDS = 0.2            # how often a wait looks at the worker's health
-MESSAGE_SECONDS = 60.0         # for the rest of a message once its first byte arrived
+MESSAGE_SECONDS = 60.0
+EXIT_GRACE_SECONDS = 2.0       # for a worker whose channel closed to show its exit code         # for the rest of a message once its first byte arrived
 FIRST_BUFFER_BYTES = 1 << 22
 NAN_BYTE = b"\xff"             # 0xFFFFFFFF is a NaN as fp32: rows the worker never wrote show
 
@@ -96,7 +98,10 @@ class Worker:
     # ---- requests ----
 
     def _died(self, what: str, why: str) -> WorkerDied:
-        code = self.proc.poll()
+        try:
+            code = self.proc.wait(timeout=EXIT_GRACE_SECONDS)   # a closed channel: it is exiting
+        except subprocess.TimeoutExpired:
+            code = None
         status = f"exited with code {code}" if code is not None else why
         tail = self.jail.log_tail()
         return WorkerDied(f"{what}: the worker {status}" + (f"; its last output:\n{tail}" if tail else ""))
