@@ -66,12 +66,17 @@ def test_a_raising_engine_is_a_runtime_error(recompute_source, write_engine, tin
     assert "decode exploded" in r["error"]
 
 
-def test_patching_the_timer_is_caught(recompute_source, write_engine, tiny_model, monkeypatch):
-    monkeypatch.setattr(time, "perf_counter", time.perf_counter)  # restored after the test
+def test_patching_the_timer_in_the_worker_is_harmless(recompute_source, write_engine, tiny_model):
+    """time.perf_counter = lambda: 0.0 in the candidate patches the worker's clock only: the worker
+    reports 0 ms for its own run, the judge's clock (elapsed_ms) is real."""
+    before = time.perf_counter
     r = evaluate(write_engine(broken_source("patches_timer", recompute_source)), tiny_model.config,
                  tiny_model.weight_dir, "cpu", stress="off", cases=["prefill"], warmup=0, repeat=1)
-    assert (r["status"], r["stage"], r["error_kind"]) == ("failed", "import", "wrong_result")
-    assert "perf_counter was replaced" in r["error"]
+    assert time.perf_counter is before   # the judge's own is untouched
+    assert (r["status"], r["stage"]) == ("passed", "done"), r["error"]
+    (bench,) = r["benchmark"]
+    assert bench["worker_runs_ms"] == [0.0]          # the patch took effect where the engine runs
+    assert bench["elapsed_ms"] > 0.1 and bench["judge_clock_ms"][0] > 0.1
 
 
 def test_score_is_the_geometric_mean_of_floor_fractions():

@@ -1,23 +1,24 @@
 """The evaluator's run-time guards, each against an engine that cheats in the way it catches
-(issue #6; docs/reliability.md lists them). The engines are the recompute engine with one
-edit (tests/fixtures/broken_engines.py), so each is right except for its trick."""
+(issue #6; docs/reliability.md lists them), and the judge's worker containing the escapes the
+in-process sandbox used to refuse (issue 20; tests/test_judge_attacks.py has the rest). The
+engines are the recompute engine with one edit (tests/fixtures/broken_engines.py), so each is
+right except for its trick."""
 from __future__ import annotations
 
+import os
 import random
-import re
-import tempfile
 import time
 
 import pytest
 import torch
 
 from evaluator import benchmark_throughput, session
-from evaluator.common import CRASH, WRONG_RESULT, WrongResult, load_engine_module, make_generator
+from evaluator.common import COMPILE_ERROR, CRASH, REPO_ROOT, WRONG_RESULT, WrongResult, load_engine_module, \
+    make_generator
 from evaluator.evaluate import evaluate
 from evaluator.floor import Hardware
 from evaluator.guards import poison_free_device_memory
 from evaluator.reference_model import ReferenceModel
-from evaluator.sandbox import Sandbox
 from evaluator.session import CheckedSession
 from evaluator.test_correctness import run_public_sequence
 from evaluator.traces import QUICK, rerun_scenario
@@ -79,48 +80,61 @@ def test_public_sequence_guards(name, message, recompute_source, write_engine, t
                             tiny_model.weight_dir, "cpu")
 
 
-def test_patching_the_evaluator_is_caught(recompute_source, write_engine, tiny_model, monkeypatch):
-    monkeypatch.setattr(session, "compare", session.compare)  # restored after the test, whatever the engine does
-    result = quick_evaluate(write_engine(broken_source("patches_evaluator", recompute_source)), tiny_model)
-    assert (result["status"], result["error_kind"]) == ("failed", WRONG_RESULT)
-    assert "session.compare was replaced (at import): the candidate patched the evaluator" in result["error"]
+def test_patching_the_evaluator_in_the_worker_does_not_save_a_wrong_engine(recompute_source, write_engine,
+                                                                           tiny_model):
+    """`patches_evaluator` makes evaluator.session.compare always agree, in the worker: the judge
+    compares in its own process, and a wrong engine (logits doubled) still fails."""
+    wrong = recompute_source.replace("for rid in request_ids])", "for rid in request_ids]) * 2")
+    result = quick_evaluate(write_engine(broken_source("patches_evaluator", wrong)), tiny_model)
+    assert (result["status"], result["stage"], result["error_kind"]) == ("failed", "public", WRONG_RESULT)
+    assert "outputs differ from the reference" in result["error"]
 
 
-@pytest.mark.parametrize("name,message", [
-    ("edits_evaluator", r"tried writing .*/evaluator/guards\.py"),
-    ("opens_socket", r"tried network access \(socket\."),
-    ("runs_subprocess", r"tried starting a process \(subprocess\.Popen"),
-])
-def test_sandbox_refuses_escapes_at_run_time(name, message, recompute_source, write_engine, tiny_model):
-    result = quick_evaluate(write_engine(broken_source(name, recompute_source)), tiny_model)
-    assert (result["status"], result["stage"], result["error_kind"]) == ("failed", "import", WRONG_RESULT)
-    assert re.search(message, result["error"]), result["error"]
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the worker's own uid (the layer under test) needs root")
 
 
-def test_sandbox_lets_a_correct_engine_through_and_switches_off_after(recompute_engine_path, tiny_model, tmp_path):
-    assert quick_evaluate(recompute_engine_path, tiny_model)["status"] == "passed"
-    (tmp_path / "after.txt").write_text("the evaluator's caller may write again")
+@needs_root
+def test_the_worker_cannot_write_the_evaluators_files(recompute_source, write_engine, tiny_model):
+    """`edits_evaluator` opens evaluator/guards.py for appending at import: refused by the operating
+    system (the worker's own uid), so the import fails."""
+    guards = REPO_ROOT / "evaluator" / "guards.py"
+    before = guards.read_bytes()
+    result = quick_evaluate(write_engine(broken_source("edits_evaluator", recompute_source)), tiny_model)
+    assert (result["status"], result["stage"], result["error_kind"]) == ("failed", "import", COMPILE_ERROR)
+    assert "PermissionError" in result["error"] and guards.read_bytes() == before
 
 
-def test_sandbox_keeps_the_temporary_folder_writable_unless_it_holds_a_protected_one(tmp_path, monkeypatch):
-    repo, temp = tmp_path / "repo", tmp_path / "repo" / "tmp"
-    workspace = temp / "workspace"
-    workspace.mkdir(parents=True)
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    with Sandbox([repo, workspace], "cpu") as sandbox:
-        (temp / "weights.pt").write_text("the stress suite's own file")
-        with pytest.raises(PermissionError):
-            (workspace / "result.json").write_text("forged")
-        with pytest.raises(PermissionError):
-            (repo / "evaluator.py").write_text("edited")
-        with pytest.raises(WrongResult, match="tried writing"):
-            sandbox.check("in the test")
+def test_the_worker_has_no_network(recompute_source, write_engine, tiny_model):
+    """`opens_socket` connects to 127.0.0.1 at import: in the worker's own network namespace there is
+    no interface up, not even loopback."""
+    result = quick_evaluate(write_engine(broken_source("opens_socket", recompute_source)), tiny_model)
+    if "no network" not in (result["isolation"] or ""):
+        pytest.skip("this machine gives the worker no network namespace")
+    assert (result["status"], result["stage"], result["error_kind"]) == ("failed", "import", COMPILE_ERROR)
+    assert "Network is unreachable" in result["error"]
+
+
+@needs_root
+def test_a_subprocess_of_the_worker_is_confined_with_it(recompute_source, write_engine, tiny_model):
+    """`runs_subprocess` starts `true` at import: harmless, it runs under the worker's uid and limits
+    (tests/test_judge_attacks.py shows what such processes cannot do, and that none outlives it)."""
+    result = quick_evaluate(write_engine(broken_source("runs_subprocess", recompute_source)), tiny_model)
+    assert result["status"] == "passed", result["error"]
+
+
+def test_a_correct_engine_passes_in_the_worker_and_the_verdict_names_its_layers(recompute_engine_path, tiny_model):
+    result = quick_evaluate(recompute_engine_path, tiny_model)
+    assert result["status"] == "passed", result["error"]
+    layers = result["isolation"]
+    assert layers.startswith("worker isolation: ") and "no new privileges" in layers and "file size" in layers
+    assert ("own uid" in layers) == (os.geteuid() == 0)
 
 
 def test_leaving_the_interpreter_is_a_crash_verdict(recompute_source, write_engine, tiny_model):
+    """exit(0) in prefill ends the worker (SystemExit): the judge records a crash."""
     result = quick_evaluate(write_engine(broken_source("exits_interpreter", recompute_source)), tiny_model)
-    assert (result["status"], result["error_kind"]) == ("failed", CRASH)
-    assert "SystemExit" in result["error"]
+    assert (result["status"], result["stage"], result["error_kind"]) == ("failed", "public", CRASH)
+    assert "the worker" in result["error"]
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

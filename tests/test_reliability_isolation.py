@@ -1,10 +1,12 @@
-"""Isolation (issue #6): a candidate that hangs, crashes, exits, floods its output, grabs memory,
-forges its verdict or faults the GPU costs only itself. Each goes through the real judge and
-the real evaluator on a tiny model (docs/reliability.md lists them)."""
+"""Isolation (issues #6, 20): a candidate that hangs, crashes, exits, floods its output, grabs
+memory, forges its verdict or faults the GPU costs only itself. Each goes through the real judge
+(agent/judge.py) and the real evaluator, whose confined worker runs the candidate, on a tiny
+model (docs/reliability.md lists them; tests/test_judge_attacks.py attacks the worker's walls)."""
 from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,13 +15,16 @@ import torch
 
 from agent import judge as judge_mod
 from agent.judge import JudgeSettings, judge
+from evaluator import isolation, remote
+from evaluator.common import EvalFailure
 
 from tests.fixtures.broken_engines import broken_source
 
 # The quickest verdict the evaluator gives: the public sequence and one short timing.
 QUICK = {"stress": "off", "cases": "prefill", "warmup": 0, "repeat": 1}
 HANG_TIMEOUT_SECONDS = 8.0      # start-up and the public sequence fit in it; the hang does not end
-SMALL_CAP = 2 * 2**30           # below the 4 GiB hogs_memory asks for
+SMALL_CAP = 2**30               # below the 1.5 GiB hogs_memory holds
+FILE_SIZE_LIMIT_MIB = isolation.FILE_SIZE_LIMIT // 2**20
 
 
 @pytest.fixture(autouse=True)
@@ -47,67 +52,99 @@ def test_a_hang_is_killed_at_its_timeout(recompute_source, tmp_path, tiny_model)
     assert HANG_TIMEOUT_SECONDS <= elapsed < HANG_TIMEOUT_SECONDS + 3
 
 
-@pytest.mark.parametrize("name,message", [
-    ("segfaults", "evaluator exited -11 without a verdict"),
-    ("exits_at_once", "evaluator exited 0 without a verdict"),
-])
-def test_a_dying_evaluator_is_a_crash(name, message, recompute_source, tmp_path, tiny_model):
+@pytest.mark.parametrize("name", ["segfaults", "exits_at_once"])
+def test_a_dying_worker_is_a_crash_verdict(name, recompute_source, tmp_path, tiny_model):
+    """The candidate's process dies (SIGSEGV, os._exit): the evaluator, a process of its own, writes
+    the crash verdict (with the exit code when the worker was reaped before its channel's end was
+    seen)."""
     result = judge_fault(name, recompute_source, tmp_path, tiny_model)
-    assert (result.status, result.error_kind) == ("failed", "crash")
-    assert message in result.error
+    assert (result.status, result.stage, result.error_kind) == ("failed", "public", "crash")
+    assert "the worker" in result.error
     assert json.loads((tmp_path / "out" / "result.json").read_text())["error_kind"] == "crash"
 
 
+def _writes_the_verdict(source: str, out: Path) -> str:
+    """An escape from tests/fixtures/broken_engines.py aimed at `out` (the worker's command line has
+    no --out to read it from)."""
+    return source.replace('"--out" in sys.argv', "True").replace('sys.argv[sys.argv.index("--out") + 1]', repr(str(out)))
+
+
 def test_a_forged_verdict_is_not_believed(recompute_source, tmp_path, tiny_model):
-    result = judge_fault("forges_verdict", recompute_source, tmp_path, tiny_model)
-    assert (result.status, result.error_kind) == ("failed", "crash")
-    assert "without a verdict" in result.error  # the forgery was refused, then the candidate left
+    """`forges_verdict` writes a passing result.json, then os._exit(0): the write is refused (the
+    worker's own uid) or overwritten, and the judge's verdict is the crash."""
+    out = tmp_path / "out" / "result.json"
+    engine = tmp_path / "engine.py"
+    engine.write_text(_writes_the_verdict(broken_source("forges_verdict", recompute_source), out))
+    result = judge(engine, out.parent, 60.0, settings(tiny_model))
+    assert (result.status, result.stage, result.error_kind) == ("failed", "import", "crash")
+    assert "the worker" in result.error
+    assert json.loads(out.read_text())["status"] == "failed"
 
 
 def test_no_candidate_code_runs_after_the_verdict(recompute_source, tmp_path, tiny_model):
-    """An atexit handler would run after the sandbox is off; the evaluator leaves without them."""
+    """An atexit handler writing a passing verdict never runs: the worker leaves with os._exit, or is
+    killed."""
+    out = tmp_path / "out" / "result.json"
     wrong = recompute_source.replace("for rid in request_ids])", "for rid in request_ids]) * 2")
     engine = tmp_path / "engine.py"
-    engine.write_text(broken_source("forges_verdict_at_exit", wrong))
-    result = judge(engine, tmp_path / "out", 60.0, settings(tiny_model))
+    engine.write_text(_writes_the_verdict(broken_source("forges_verdict_at_exit", wrong), out))
+    result = judge(engine, out.parent, 60.0, settings(tiny_model))
     assert (result.status, result.error_kind) == ("failed", "wrong_result")
-    assert json.loads((tmp_path / "out" / "result.json").read_text())["status"] == "failed"
+    assert json.loads(out.read_text())["status"] == "failed"
 
 
 def test_fifty_megabytes_of_output_cost_nothing(recompute_source, tmp_path, tiny_model):
+    """The worker's output goes to its own log, of which the judge reads a tail only on a crash."""
     result = judge_fault("prints_50mb", recompute_source, tmp_path, tiny_model)
     assert result.passed, result.error
-    kept = (tmp_path / "out" / "stdout.txt").read_text()
-    assert kept.startswith("[judge: the first") and len(kept) < judge_mod.KEPT_OUTPUT_BYTES + 100
+    for name in ("stdout.txt", "stderr.txt"):
+        assert (tmp_path / "out" / name).stat().st_size < 100_000
 
 
-def test_endless_output_is_killed_at_the_cap(recompute_source, tmp_path, tiny_model, monkeypatch):
-    monkeypatch.setattr(judge_mod, "OUTPUT_CAP_BYTES", 16 * 2**20)
+def test_endless_output_is_stopped_at_the_file_size_limit(recompute_source, tmp_path, tiny_model):
+    """1 MB prints without end: the worker's log reaches its file-size limit and the next print
+    fails inside the engine (runtime_error); the log goes with the worker's folder."""
+    jails = set(Path(tempfile.gettempdir()).glob("judge-worker-*"))
     result = judge_fault("prints_forever", recompute_source, tmp_path, tiny_model)
-    assert (result.status, result.error_kind) == ("failed", "crash")
-    assert "printed more than 16 MiB" in result.error
-    assert (tmp_path / "out" / "stdout.txt").stat().st_size < judge_mod.KEPT_OUTPUT_BYTES + 100
+    assert (result.status, result.stage, result.error_kind) == ("failed", "public", "runtime_error")
+    assert "File too large" in result.error
+    assert f"file size {FILE_SIZE_LIMIT_MIB} MiB" in result.isolation
+    for name in ("stdout.txt", "stderr.txt"):
+        assert (tmp_path / "out" / name).stat().st_size < 100_000
+    assert set(Path(tempfile.gettempdir()).glob("judge-worker-*")) <= jails
 
 
-def test_memory_cap_on_cpu_turns_a_huge_allocation_into_a_runtime_error(recompute_source, tmp_path, tiny_model):
+def test_memory_cap_fails_a_huge_allocation_naming_the_cap(recompute_source, tmp_path, tiny_model):
+    """hogs_memory holds 1.5 GiB under a 1 GiB cap: with a CPU build of torch the address-space limit
+    refuses the allocation (runtime_error, the limit named in the verdict's layers); with a CUDA
+    build the judge watches resident memory and kills the worker (crash, the cap named). The same
+    engine passes with the cap out of reach."""
     capped = judge_fault("hogs_memory", recompute_source, tmp_path / "capped", tiny_model, memory_bytes=SMALL_CAP)
-    assert (capped.status, capped.error_kind) == ("failed", "runtime_error")
-    assert "can't allocate memory" in capped.error
+    assert capped.status == "failed" and capped.error_kind in ("runtime_error", "crash"), capped.error
+    if capped.error_kind == "runtime_error":
+        assert "can't allocate memory" in capped.error and "address space 1.0 GiB" in capped.isolation
+    else:
+        assert "more than 1.0 GiB of memory (the cap)" in capped.error
     uncapped = judge_fault("hogs_memory", recompute_source, tmp_path / "uncapped", tiny_model,
-                           memory_bytes=2**45)  # the same engine passes when the cap is out of reach
+                           memory_bytes=2**45)
     assert uncapped.passed, uncapped.error
 
 
-def test_resident_memory_watch_kills_an_evaluator_past_the_cap(tmp_path, tiny_model):
-    """The CUDA path (no address-space limit there), driven by a stand-in evaluator on the CPU."""
-    script = tmp_path / "fake_python"
-    script.write_text(f"#!{sys.executable}\nimport time\nhog = bytearray(512 * 2**20)\ntime.sleep(30)\n")
-    script.chmod(0o755)
+HOLDS_RESIDENT_MEMORY = "import time\nhog = b'x' * (3 << 29)\ntime.sleep(30)\ndef create_engine(*args):\n    pass\n"
+
+
+def test_resident_memory_watch_kills_a_worker_past_the_cap(tmp_path, monkeypatch):
+    """The CUDA build's path (no address-space limit there; forced here on a CPU build): a worker whose
+    resident memory passes the cap is killed while the judge waits for its answer."""
+    monkeypatch.setattr(isolation, "_torch_is_cpu_build", lambda: False)
+    engine = tmp_path / "engine.py"
+    engine.write_text(HOLDS_RESIDENT_MEMORY)
     start = time.monotonic()
-    result = judge(tmp_path / "engine.py", tmp_path / "out", 30.0,
-                   JudgeSettings(str(script), tmp_path / "c.json", tmp_path, "cuda", 0, memory_bytes=256 * 2**20))
-    assert (result.status, result.error_kind) == ("failed", "crash")
-    assert "more than 0.2 GiB of memory" in result.error and time.monotonic() - start < 15
+    with remote.Worker("cpu", memory_bytes=2**30) as worker:
+        assert worker.jail.spec.address_space is None
+        with pytest.raises(EvalFailure, match=r"more than 1\.0 GiB of memory \(the cap\)") as failure:
+            worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
+    assert failure.value.kind == "crash" and time.monotonic() - start < 20
 
 
 ILLEGAL_ADDRESS_KERNEL = '''
