@@ -3,6 +3,15 @@ the recompute engine with the attack written into it, judged by `evaluator.evalu
 process, or through its command line where the attack aims at the judge's own process). Each
 shows the attack caught (the right error_kind) or harmless (the side effect did not happen).
 
+Issue 20's classes: 2 alias bypass, 3 verdict forgery, 4 patching the judge, 5 files on disk,
+6 processes, 7 benchmark gaming, 9 threads outside `threading` and files left in /tmp are here
+(sections numbered so); 1 template injection is tests/test_template_injection.py, 8 the slot unit
+check tests/test_providers.py, and 9's bad configs (5000-digit integer, 100000-deep JSON: one
+line, exit 2) tests/test_bad_inputs.py::test_evaluate_ends_with_one_line_and_exit_2. The
+"Done when" variants (/proc/<ppid>/mem, inherited descriptors, LD_PRELOAD and env tricks, writes
+through mmap) and what the attacks found besides follow them; the GPU ones (writes after the call
+returned, logits still being computed on a side stream) are tests/test_judge_attacks_gpu.py.
+
 Attacks that report what they saw raise at the end with `OUTCOMES{json}END`, which the verdict
 carries back (`outcomes`): proof that each attempt ran, and what stopped it. Paths reach the
 engine by text substitution (`@NAME@` becomes a Python literal). Where a successful attack would
@@ -15,7 +24,6 @@ import hashlib
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import site
@@ -29,7 +37,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from evaluator import benchmark_throughput, isolation
 from evaluator.common import REPO_ROOT, load_engine_module
@@ -42,10 +49,12 @@ from tests.conftest import SINGLE_THREAD_ENV, make_model_dir
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the worker's own uid (the layer under test) needs root")
-QUICK = {"device": "cpu", "stress": "off", "cases": ["prefill"], "warmup": 0, "repeat": 1}
+# The quickest verdict: the public sequence and one short timing, the floor's hardware given (its
+# measurement on a CPU costs most of a second per judgement).
+QUICK = {"device": "cpu", "stress": "off", "cases": ["prefill"], "warmup": 0, "repeat": 1, "bandwidth_gbs": 100.0,
+         "peak_tflops": 1.0}
 HW = Hardware("test", 3000.0, 790.0, "flags")
 CLI_TIMEOUT = 120           # a verdict comes well within this, whatever the worker does to its parent
-DAEMON_GRACE = 3.0          # how long a test waits for a daemon's late write
 
 # ---- building attacking engines ----
 
@@ -446,23 +455,6 @@ _daemon()
 '''
 
 
-@needs_root
-def test_a_double_forked_daemon_does_not_outlive_the_verdict(recompute_source, write_engine, tiny_model, canary):
-    """A daemon (fork, setsid, fork) that keeps writing a file: after the verdict no process of the
-    worker's uid is left, and the file is gone and stays gone."""
-    mark = canary(Path("/tmp"))
-    engine = write_engine(attacking_engine(recompute_source, at_import=DAEMON, mark=mark))
-    result = evaluate(engine, tiny_model.config, tiny_model.weight_dir, **QUICK)
-    uid = worker_uid(result)
-    try:
-        assert result["status"] == "passed", result["error"]   # harmless: the engine itself is right
-        assert live_pids_of_uid(uid) == []
-        time.sleep(DAEMON_GRACE)
-        assert not mark.exists()
-    finally:
-        kill_uid(uid)
-
-
 HOPPER = '''
 import os, sys, time
 go, mark, worker = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -499,7 +491,7 @@ while time.monotonic() - born < 60:
             pass
     time.sleep(0.1)
 '''
-HOP_SECONDS = 4.0   # longer than the sweep (kill_new_children reaping the trail of zombies: 1.5 s here)
+HOP_SECONDS = 3.0   # longer than the old sweep (kill_new_children reaping the trail of zombies: 1.5 s here)
 # The daemon starts hopping when the last timed run is over: the worker's channel.receive, patched,
 # leaves a flag when the judge asks for that run's outputs ("flush"; one timed run in these
 # settings), shortly before the judge kills the worker and sweeps.
@@ -530,7 +522,8 @@ def _hopper():
         torch.os.setsid()
         if torch.os.fork() == 0:
             import sys
-            torch.os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", @CODE@, _GO, @MARK@, str(worker)])
+            torch.os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", @CODE@, _GO, @HOPPER_MARK@,
+                                            str(worker)])
     finally:
         torch.os._exit(0)
 
@@ -540,20 +533,22 @@ _hopper()
 
 
 @needs_root
-def test_a_pid_hopping_daemon_does_not_outlive_the_verdict(recompute_source, write_engine, tiny_model, canary):
-    """A daemon that, from the last timed run on, forks a child and exits (a new pid every millisecond,
-    as fast as it can from the worker's death until 4 s later), then keeps writing a file (before
-    the fix, isolation._kill_uid looked in /proc before its first kill(-1) and the scan missed it): no process of the worker's uid must be left, the file
-    must never appear."""
-    mark = canary(Path("/tmp"))
+def test_daemons_do_not_outlive_the_verdict(recompute_source, write_engine, tiny_model, canary):
+    """Two daemons, each writing its file again and again once free: one double-forked into a session
+    of its own; one that from the last timed run on forks a child and exits (a new pid every
+    millisecond, as fast as it can from the worker's death until 3 s later). After the verdict no
+    process of the worker's uid is left and neither file ever appears. (The pid hopper got past a
+    sweep that looked in /proc before its first kill(-1) about half the time.)"""
+    mark, hopper_mark = canary(Path("/tmp")), canary(Path("/tmp"))
     code = HOPPER.replace("HOP_SECONDS", repr(HOP_SECONDS))
-    engine = write_engine(attacking_engine(recompute_source, at_import=PID_HOPPER, mark=mark, code=code))
+    engine = write_engine(attacking_engine(recompute_source, at_import=DAEMON + PID_HOPPER, mark=mark,
+                                           hopper_mark=hopper_mark, code=code))
     result = evaluate(engine, tiny_model.config, tiny_model.weight_dir, **QUICK)
     uid = worker_uid(result)
     try:
-        assert result["status"] == "passed", result["error"]
-        time.sleep(HOP_SECONDS + 1.0)   # the daemon writes within 0.1 s of settling
-        assert not mark.exists() and live_pids_of_uid(uid) == []
+        assert result["status"] == "passed", result["error"]   # harmless: the engine itself is right
+        time.sleep(HOP_SECONDS + 0.5)   # each daemon writes within 0.1 s of being free
+        assert live_pids_of_uid(uid) == [] and not mark.exists() and not hopper_mark.exists()
     finally:
         kill_uid(uid)
 
@@ -698,11 +693,11 @@ def test_outputs_written_by_a_thread_after_the_call_returned_are_not_what_is_jud
     assert "decode" in result["error"] and "outputs differ from the reference" in result["error"]
     spoils = write_engine(attacking_engine(recompute_source, at_import=LATE_WRITER.replace("RETURN_ZEROS", "False")),
                           "spoils")
-    result = evaluate(spoils, tiny_model.config, tiny_model.weight_dir, **{**QUICK, "cases": ["decode"]})
+    result = evaluate(spoils, tiny_model.config, tiny_model.weight_dir, **QUICK)
     assert result["status"] == "passed", result["error"]
 
 
-# ---- the worker's answer itself forged ----
+# ---- 7. the worker's answer to a timed trace forged ----
 
 FORGES_DIGESTS = '''
 import evaluator.guards
@@ -803,7 +798,7 @@ def test_the_worker_cannot_reach_the_judges_memory_environment_or_descriptors(re
     assert sha256(repo_file) == before
 
 
-# ---- output floods and files left behind ----
+# ---- 9. output floods and files left behind ----
 
 FLOODS = '''
 import sys
@@ -859,14 +854,15 @@ def test_output_floods_and_files_left_in_temporary_folders_cost_the_judge_nothin
     assert (result["status"], result["stage"], result["error_kind"]) == ("failed", "import", "crash")
     assert "exited with code 3" in result["error"] and len(result["error"]) < 10_000
     seen = outcomes(result)
-    assert [seen[k] for k in ("tmp", "var tmp", "dev shm", "tmp folder")] == ["done", "done", "done", "done: (None, None)"]
+    written = [seen[k] for k in ("tmp", "var tmp", "dev shm", "tmp folder")]
+    assert written == ["done", "done", "done", "done: (None, None)"], seen
     assert "File too large" in seen["1 GiB file in /tmp"]
     assert "file size 512 MiB" in result["isolation"]
     assert memory["after_kib"] - memory["before_kib"] < JUDGE_MEMORY_SLACK_KIB, memory
     assert not any(path.exists() for path in files.values()), files
 
 
-# ---- holes found by these attacks (fixed unless marked xfail; the reason says what the fix is) ----
+# ---- holes these attacks found: each fixed in evaluator/, except where marked xfail (the reason says how) ----
 
 @pytest.fixture
 def secret_file(tmp_path) -> tuple[Path, str]:
@@ -1003,15 +999,25 @@ for _path in @LEFT@.split("\\n"):
 
 
 @needs_root
-def test_files_left_in_any_world_writable_folder_are_removed(recompute_source, write_engine, tiny_model, canary):
+def test_files_and_sysv_memory_left_behind_are_removed(recompute_source, write_engine, tiny_model, canary):
     """A file written at import into every world-writable folder within two levels of the root
-    (/tmp, /var/tmp, /dev/shm, /run/lock...): all gone after the verdict."""
+    (/tmp, /var/tmp, /dev/shm, /run/lock...), and a SysV shared memory segment (IPC_PRIVATE, which
+    outlives its creator: kernel.shm_rmid_forced is 0): all gone after the verdict."""
     left = [canary(folder) for folder in _world_writable_folders()]
-    engine = write_engine(attacking_engine(recompute_source, at_import=LEAVES_FILES + "_report()\n",
+    engine = write_engine(attacking_engine(recompute_source, at_import=SYSV_SEGMENT + LEAVES_FILES + "_report()\n",
                                            left="\n".join(map(str, left))))
     result = evaluate(engine, tiny_model.config, tiny_model.weight_dir, **QUICK)
-    assert outcomes(result) == {str(path): "done" for path in left}   # each was written
-    assert [path for path in left if path.exists()] == []
+    uid = worker_uid(result)
+    seen = outcomes(result)
+    segments = _segments_of(uid)
+    try:
+        assert seen.pop("segment") >= 0   # made
+        assert seen == {str(path): "done" for path in left}   # each file written
+        assert [path for path in left if path.exists()] == [] and segments == []
+    finally:
+        import ctypes
+        for shmid in segments:
+            ctypes.CDLL(None).shmctl(shmid, 0, None)   # IPC_RMID
 
 
 @needs_root
@@ -1037,7 +1043,7 @@ SYSV_SEGMENT = '''
 import ctypes
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_SEGMENT = _libc.shmget(0, 1 << 20, 0o1000 | 0o600)   # IPC_PRIVATE, IPC_CREAT: outlives its creator
+_OUTCOMES["segment"] = _libc.shmget(0, 1 << 20, 0o1000 | 0o600)   # IPC_PRIVATE, IPC_CREAT: outlives its creator
 '''
 
 
@@ -1047,22 +1053,6 @@ def _segments_of(uid: int) -> list[int]:
     with open("/proc/sysvipc/shm") as f:
         rows = [line.split() for line in f.readlines()[1:]]
     return [int(r[1]) for r in rows if len(r) > 7 and int(r[7]) == uid]
-
-
-@needs_root
-def test_sysv_shared_memory_does_not_outlive_the_worker(recompute_source, write_engine, tiny_model):
-    """A 1 MiB SysV segment created at import (IPC_PRIVATE): none of the worker's uid may be left."""
-    result = evaluate(write_engine(attacking_engine(recompute_source, at_import=SYSV_SEGMENT)),
-                      tiny_model.config, tiny_model.weight_dir, **QUICK)
-    uid = worker_uid(result)
-    left = _segments_of(uid)
-    try:
-        assert result["status"] == "passed", result["error"]
-        assert left == []
-    finally:
-        import ctypes
-        for shmid in left:
-            ctypes.CDLL(None).shmctl(shmid, 0, None)   # IPC_RMID
 
 
 CHILDREN_HOLD_MEMORY = '''
@@ -1121,17 +1111,14 @@ evaluator.channel.send = _send
 _FRAME = "evaluator.channel.FRAME.pack"
 GARBLED_ANSWERS = {
     "100000-deep JSON": f'sock.sendall({_FRAME}(200000, 0) + b"[" * 100000 + b"]" * 100000); return',
-    "5000-digit integer": f'body = b\'{{"ok": true, "n": \' + b"9" * 5000 + b"}}"\n'
-                          f'    sock.sendall({_FRAME}(len(body), 0) + body); return',
-    "2 GiB header": f"sock.sendall({_FRAME}(2**31, 0)); return",
     "1 GiB payload": f'sock.sendall({_FRAME}(2, 2**30) + b"{{}}"); return',
 }
 
 
 @pytest.mark.parametrize("garbage", sorted(GARBLED_ANSWERS))
 def test_a_garbled_answer_from_the_worker_is_a_crash_verdict(garbage, recompute_source, write_engine, tiny_model):
-    """The worker answers the judge with a frame no judge should parse (deep nesting, a 5000-digit
-    integer, a header or payload past the channel's limits): one crash verdict, no traceback."""
+    """The worker answers the judge with a frame no judge should parse (nesting past the recursion
+    limit, a payload past the channel's limits): one crash verdict, no traceback."""
     sends = GARBLED_ANSWERS[garbage]
     engine = write_engine(attacking_engine(recompute_source, at_import=SENDS_ON_THE_CHANNEL.replace("SENDS", sends)))
     result = evaluate(engine, tiny_model.config, tiny_model.weight_dir, **QUICK)
@@ -1139,7 +1126,11 @@ def test_a_garbled_answer_from_the_worker_is_a_crash_verdict(garbage, recompute_
     assert "Traceback" not in result["error"] and len(result["error"]) < 5000
 
 
-SENDS_DESCRIPTORS = '''
+# Every answer carries 8 descriptors; the answer to a timed trace comes 50 ms late.
+SENDS_DESCRIPTORS_AND_DAWDLES = '''
+    if "inner_seconds" in header:
+        import time
+        time.sleep(0.05)
     if header.get("ok"):
         body = json.dumps(header).encode()
         _fd = torch.os.open("/dev/null", torch.os.O_RDONLY)
@@ -1151,27 +1142,17 @@ SENDS_DESCRIPTORS = '''
 '''
 
 
-def test_descriptors_sent_by_the_worker_do_not_land_in_the_judge(recompute_source, write_engine, tiny_model):
-    """Every answer carries 8 descriptors (SCM_RIGHTS): the judge reads no ancillary data, the kernel
-    drops them, and the judge holds no more descriptors after the verdict than before."""
+def test_a_worker_rewriting_how_it_answers_gains_nothing(recompute_source, write_engine, tiny_model):
+    """The worker's sender replaced: descriptors (SCM_RIGHTS) ride on every answer, and timed answers
+    are held back 50 ms. The judge reads no ancillary data (the kernel drops them: it holds no more
+    descriptors after the verdict than before); its clock counts the delay (the round trip it
+    subtracts was measured before the candidate was imported, so no candidate can inflate it)."""
     engine = write_engine(attacking_engine(recompute_source, at_import=SENDS_ON_THE_CHANNEL.replace(
-        "    SENDS\n", SENDS_DESCRIPTORS)))
+        "    SENDS\n", SENDS_DESCRIPTORS_AND_DAWDLES)))
     before = sorted(os.listdir("/proc/self/fd"))
     result = evaluate(engine, tiny_model.config, tiny_model.weight_dir, **QUICK)
     assert result["status"] == "passed", result["error"]
     assert sorted(os.listdir("/proc/self/fd")) == before
-
-
-SLOW_TIMED_ANSWER = "if 'inner_seconds' in header:\n        import time\n        time.sleep(0.05)"
-
-
-def test_a_worker_slowing_its_answers_slows_only_its_own_time(recompute_source, write_engine, tiny_model):
-    """The worker holds back its timed answers by 50 ms: the judge's clock counts them (the round trip
-    it subtracts was measured before the candidate was imported, so no candidate can inflate it)."""
-    engine = write_engine(attacking_engine(recompute_source, at_import=SENDS_ON_THE_CHANNEL.replace(
-        "SENDS", SLOW_TIMED_ANSWER)))
-    result = evaluate(engine, tiny_model.config, tiny_model.weight_dir, **QUICK)
-    assert result["status"] == "passed", result["error"]
     assert result["benchmark"][0]["elapsed_ms"] >= 50
 
 

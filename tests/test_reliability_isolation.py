@@ -66,7 +66,8 @@ def test_a_dying_worker_is_a_crash_verdict(name, recompute_source, tmp_path, tin
 def _writes_the_verdict(source: str, out: Path) -> str:
     """An escape from tests/fixtures/broken_engines.py aimed at `out` (the worker's command line has
     no --out to read it from)."""
-    return source.replace('"--out" in sys.argv', "True").replace('sys.argv[sys.argv.index("--out") + 1]', repr(str(out)))
+    return source.replace('"--out" in sys.argv', "True").replace('sys.argv[sys.argv.index("--out") + 1]',
+                                                               repr(str(out)))
 
 
 def test_a_forged_verdict_is_not_believed(recompute_source, tmp_path, tiny_model):
