@@ -102,7 +102,7 @@ def _reachable_by_others(path: Path) -> bool:
 def _fresh_uid() -> int:
     """A uid no account, process or file in the shared temporary folders uses."""
     import pwd
-    used = {int(s.split()[1]) for s in _proc_fields("Uid") if s}
+    used = {int(f["Uid"].split()[0]) for _, f in _processes() if "Uid" in f}
     while True:
         uid = random.SystemRandom().randrange(*UID_RANGE)
         try:
@@ -114,21 +114,16 @@ def _fresh_uid() -> int:
             return uid
 
 
-def _proc_fields(name: str) -> list[str]:
-    """The value of one /proc/<pid>/status field for every process, with the pid first."""
-    out = []
+def _processes():
+    """(pid, its /proc/<pid>/status fields) for every process that can still be read."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/status") as f:
-                for line in f:
-                    if line.startswith(name + ":"):
-                        out.append(f"{entry.name} {line.split(':', 1)[1].strip()}")
-                        break
+                yield int(entry.name), dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:
             continue
-    return out
 
 
 def _device_groups() -> list[int]:
@@ -445,24 +440,14 @@ def _kill_uid(uid: int) -> None:
 
 def _live_processes_of(uid: int) -> list[int]:
     """Pids of `uid`'s processes that are not zombies (a zombie is dead; its parent reaps it)."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        if int(fields.get("Uid", "-1").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
-            out.append(int(entry.name))
-    return out
+    return [pid for pid, f in _processes()
+            if int(f.get("Uid", "-1").split()[0]) == uid and not f.get("State", "").strip().startswith("Z")]
 
 
 def children() -> set[int]:
     """Pids of this process's children."""
-    me = str(os.getpid())
-    return {int(s.split()[0]) for s in _proc_fields("PPid") if s.split()[1] == me}
+    me = os.getpid()
+    return {pid for pid, f in _processes() if f.get("PPid", "").strip() == str(me)}
 
 
 def kill_new_children(before: set[int]) -> None:

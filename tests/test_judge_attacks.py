@@ -125,7 +125,7 @@ def worker_uid(result: dict) -> int:
 
 
 def pids_of_uid(uid: int) -> list[int]:
-    return [int(s.split()[0]) for s in isolation._proc_fields("Uid") if int(s.split()[1]) == uid]
+    return [pid for pid, f in isolation._processes() if int(f.get("Uid", "-1").split()[0]) == uid]
 
 
 def live_pids_of_uid(uid: int) -> list[int]:
