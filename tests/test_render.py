@@ -114,3 +114,22 @@ def test_fit_shared_memory_trims_stages_then_key_tiles_to_the_gpu():
     assert fit(64, 3, 64, 1024, 2) == (16, 1)                   # 196 KiB: two halvings
     prelude["MAX_SHARED_MEMORY"] = 1
     assert fit(64, 3, 64, 128, 2) == (16, 1)
+
+
+def test_the_paged_engines_part_files_are_used_and_are_not_engines():
+    """templates/engine/paged/ holds the paged engine's parts (macros its entry imports): none
+    is listed as an engine, each is imported by the entry, and each of its macros is called
+    (no dead part); the params stay readable in the entry's header."""
+    import re
+    entry = plan_module.ENGINES / "paged.py.j2"
+    text = entry.read_text()
+    parts = sorted((plan_module.ENGINES / "paged").glob("*.py.j2"))
+    assert parts and not {p.name.removesuffix(".py.j2") for p in parts} & set(plan_module.engines())
+    assert plan_module.engine_params("paged")
+    for part in parts:
+        alias = re.search(rf'{{% import "engine/paged/{part.name}" as (\w+)', text)
+        assert alias, f"{part.name} is not imported by {entry.name}"
+        body = part.read_text()
+        for name in re.findall(r"{% macro (\w+)\(", body):
+            called = f"{{{{ {alias.group(1)}.{name}() }}}}" in text or re.search(rf"{{{{ *{name}\(", body)
+            assert called, f"{part.name}: macro {name} is never called"
