@@ -1,6 +1,6 @@
 """Check and time rendered paged engines on a GPU in one go (one device call).
 
-    python3 scripts/gpu_engine_check.py [--plans auto|JSON] [--cases prefill,decode,...]
+    python3 -m scripts.gpu engines [--plans auto|library|JSON] [--only NAMES] [--cases prefill,decode,...]
         [--warmup 1] [--repeat 3] [--out DIR]
 
 For every plan: render templates/engine/paged.py.j2, check it against the SPEC §3 reference
@@ -10,7 +10,7 @@ evaluator.evaluate on it (public sequence, stress suite, SPEC §5 benchmark with
 timed even when stress fails, marked unverified), profile a prefill and decode steps (host
 enqueue vs total, top kernels), and measure bf16 noise (engine and bf16 reference vs fp32). Prints a table; writes results.json under --out.
 
-`--plans auto`: the all-torch plan; the torch plan with a graph-safe torch decode (gathers the
+`--plans library`: the named plans of scripts.gpu.common.library_plans. `--plans auto`: the all-torch plan; the torch plan with a graph-safe torch decode (gathers the
 whole block table, so the CUDA-graph path runs before any Triton variant exists); every CUDA
 variant on disk alone; one CUDA variant of every slot together (Triton ones first) with graphs
 on and off.
@@ -20,27 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from agent.plan import SLOTS, Plan, menu  # noqa: E402
-from agent.render import render_engine  # noqa: E402
-from evaluator.common import Tolerance, load_config, make_generator  # noqa: E402
-from evaluator.reference_model import ReferenceModel  # noqa: E402
-from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
-from evaluator.evaluate import evaluate  # noqa: E402
-from evaluator.session import CheckedSession  # noqa: E402
-from evaluator.traces import QUICK, STRESS_SCENARIOS, public_sequence  # noqa: E402
-from evaluator.weights import random_weights  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-PUBLIC_CASES = "prefill,decode,mixed,decode128,mixed128"
+from agent.plan import SLOTS, Plan, menu
+from evaluator.benchmark_throughput import run_benchmark
+from evaluator.common import Tolerance, load_config, load_engine_module, make_generator
+from evaluator.evaluate import evaluate
+from evaluator.reference_model import ReferenceModel
+from evaluator.session import CheckedSession
+from evaluator.traces import QUICK, STRESS_SCENARIOS, public_sequence
+from evaluator.weights import random_weights, save_weights
+from scripts.gpu.common import PUBLIC_CASES, PUBLIC_CONFIG, ROOT, library_plans, out_dir, render_to_file
 
 # A graph-safe stand-in for decode_attention: the torch math over the block table's full width
 # (ignores max_context), so the engine's CUDA-graph path can be exercised with torch slots only.
@@ -50,11 +44,6 @@ def decode_attention__torch_full(q, k_cache, v_cache, block_table, context_lens,
                                    block_table.shape[1] * block_size, block_size, scale)
 '''
 EXTRA = {("decode_attention", "torch_full"): TORCH_FULL_DECODE}
-
-
-def write_weights(weights, weight_dir: Path):
-    weight_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(weights, weight_dir / "model.pt")
 
 
 def auto_plans() -> dict[str, Plan]:
@@ -75,36 +64,6 @@ def auto_plans() -> dict[str, Plan]:
         plans["all-cuda eager"] = Plan("paged", combined, {"decode_graphs": False})
         plans["all-cuda bs32"] = Plan("paged", combined, {"block_size": 32})
     return plans
-
-
-def library_plans() -> dict[str, Plan]:
-    """The plan the builtin search jumps to (agent.search.PREFERRED), its split-decode form (the
-    same plan since PREFERRED chose triton_split, sixth session; the name stays for the scripts),
-    both with the linear slot's Triton variant, and that variant with programmatic dependent
-    launch on (plan param pdl)."""
-    from agent.search import PREFERRED
-    lib = {**{s: "torch" for s in SLOTS}, **PREFERRED}
-    split = {**lib, "decode_attention": "triton_split"}
-    linear = {**lib, "linear": "triton"}
-    return {"lib": Plan("paged", lib), "lib split": Plan("paged", split),
-            "lib split linear": Plan("paged", {**split, "linear": "triton"}),
-            "lib linear": Plan("paged", linear), "lib linear pdl": Plan("paged", linear, {"pdl": True})}
-
-
-def render_to_file(plan: Plan, tag: str) -> Path:
-    """Triton compiles only functions defined in a file."""
-    path = Path(tempfile.mkdtemp()) / f"engine_{abs(hash(tag))}.py"
-    path.write_text(render_engine(plan, EXTRA))
-    return path
-
-
-def load(path: Path):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def check(module, cfg: dict, weights: dict, weight_dir: str, device: str) -> dict:
@@ -205,22 +164,24 @@ def main(argv=None) -> int:
     ap.add_argument("--noise", default="torch,all-cuda", help="plans whose bf16 noise is measured")
     ap.add_argument("--check-on", default="public-fp16,gqa-bf16", help="configs the non-timed plans are checked on")
     ap.add_argument("--bench", default="all-cuda,all-cuda bs32", help="plans that are also evaluated and timed")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=out_dir(""), help="where results.json goes ($OUT when set)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the checks (no timing)")
     a = ap.parse_args(argv)
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
 
     named = {"auto": auto_plans, "library": library_plans}
     plans = named[a.plans]() if a.plans in named else {k: Plan.from_dict(v) for k, v in json.loads(a.plans).items()}
     if a.only:
         plans = {k: v for k, v in plans.items() if k in a.only.split(",")}
-    public = load_config(ROOT / "target/model_config.json")
+    public = load_config(ROOT / PUBLIC_CONFIG)
     gqa = {**public, "torch_dtype": "bfloat16", "num_attention_heads": 8, "num_key_value_heads": 2,
            "head_dim": 80, "num_hidden_layers": 4}
     tmp = Path(tempfile.mkdtemp())
     setups = {}
     for name, cfg, kw in (("public-fp16", public, {}), ("gqa-bf16", gqa, {"norm_spread": 0.5})):
         weights = random_weights(cfg, seed=0, **kw)
-        write_weights(weights, tmp / name)
+        save_weights(weights, tmp / name / "model.pt")
         setups[name] = (cfg, weights, str(tmp / name))
 
     if a.device == "cuda":
@@ -231,8 +192,8 @@ def main(argv=None) -> int:
     for pname, plan in plans.items():
         res = results[pname] = {"plan": plan.to_dict()}
         try:
-            path = render_to_file(plan, pname)
-            module = load(path)
+            path = render_to_file(plan, pname, EXTRA)
+            module = load_engine_module(path)
             for sname, (cfg, weights, wdir) in setups.items():
                 if sname not in a.check_on.split(",") and pname not in bench:
                     continue
@@ -266,7 +227,6 @@ def main(argv=None) -> int:
             res["error"] = f"{type(e).__name__}: {e}"
             print(f"[{pname}] ERROR {res['error']}", flush=True)
         if a.out:   # after every plan, so a run cut short still leaves what it measured
-            Path(a.out).mkdir(parents=True, exist_ok=True)
             (Path(a.out) / "results.json").write_text(json.dumps(results, indent=1))
 
     cases = a.cases.split(",")
@@ -290,5 +250,3 @@ def main(argv=None) -> int:
     return 0 if all("error" not in r for r in results.values()) else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())

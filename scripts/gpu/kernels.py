@@ -1,9 +1,11 @@
-#!/usr/bin/env python3
-"""Everything the kernel library needs from one device call: the GPU tests, then each variant of
-each slot timed at the shapes of the public config and of a 1B GQA config, then a small sweep of
-the attention kernels' tiling params. Prints a short table last; full logs go to $OUT.
+"""Every CUDA variant of every slot: the GPU kernel tests, timings at two shapes, a tiling sweep.
 
-    python3 scripts/gpu_kernel_check.py [--no-tests] [--no-bench] [--no-sweep] [--test-timeout 360]
+One device call: the GPU tests, then each variant of each slot timed at the shapes of the public
+config and of a 1B GQA config, then a sweep of the attention and linear kernels' tiling params.
+Prints a short table last; full logs go to --out ($OUT when set).
+
+    python3 -m scripts.gpu kernels [--no-tests] [--no-bench] [--no-sweep] [--test-timeout 360]
+        [-k EXPR] [--slots linear,...] [--out DIR]
 
 Times are medians over CUDA-graph replays (triton.testing.do_bench_cudagraph: what the kernel
 costs inside the engine's captured decode step) and, for reference, eager medians
@@ -14,21 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from agent.plan import menu  # noqa: E402
-from evaluator import slot_check  # noqa: E402
-
-OUT = Path(os.environ.get("OUT", "/tmp/gpu_kernel_check"))
+from agent.plan import menu
+from evaluator import slot_check
+from scripts.gpu.common import ROOT, out_dir
 
 # The shapes to time: the public config and a 1B-class GQA config (Llama-3.2-1B-like).
 CONFIGS = {
@@ -47,9 +44,9 @@ def env_line() -> str:
             f"CUDA {torch.version.cuda}")
 
 
-def run_tests(timeout: int, select: str = "") -> str:
-    """pytest on the kernel tests; returns the summary lines (full log under $OUT)."""
-    log = OUT / "pytest.log"
+def run_tests(out: Path, timeout: int, select: str = "") -> str:
+    """pytest on the kernel tests; returns the summary lines (full log in out/pytest.log)."""
+    log = out / "pytest.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "--tb=line", "-p", "no:cacheprovider",
            "tests/test_kernels_gpu.py", "tests/test_slot_check.py"] + (["-k", select] if select else [])
     t0 = time.time()
@@ -262,8 +259,8 @@ def sweep_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
@@ -271,29 +268,28 @@ def main() -> int:
     ap.add_argument("-k", dest="select", default="", help="pytest -k expression for the tests")
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--slots", default="", help="comma list: bench and sweep only these slots (default: all)")
-    args = ap.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
+    ap.add_argument("--out", default=out_dir("/tmp/gpu_kernels"), help="logs and tables ($OUT when set)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     print(env_line(), flush=True)
     summary = [env_line()]
     if not args.no_tests:
-        summary.append(run_tests(args.test_timeout, args.select))
+        summary.append(run_tests(out, args.test_timeout, args.select))
         print(summary[-1], flush=True)
     dtype = slot_check.DTYPE_NAMES[args.dtype]
     slots = {s for s in args.slots.split(",") if s}
     if not args.no_bench:
         rows = run_bench(dtype, slots)
-        (OUT / "timings.json").write_text(json.dumps(rows, indent=1))
+        (out / "timings.json").write_text(json.dumps(rows, indent=1))
         summary.append(table(rows))
     if not args.no_sweep:
         rows = run_sweep(dtype, slots)
-        (OUT / "sweep.json").write_text(json.dumps(rows, indent=1))
+        (out / "sweep.json").write_text(json.dumps(rows, indent=1))
         summary.append(sweep_table(rows))
     text = "\n\n".join(summary)
-    (OUT / "summary.md").write_text(text)
+    (out / "summary.md").write_text(text)
     print("\n=========== SUMMARY ===========\n" + text)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """What the judge/worker split costs: one engine timed in-process and through the worker.
 
-    python3 scripts/gpu_judge_split.py [--engine PATH | --plan NAME] [--rounds 3]
+    python3 -m scripts.gpu judge-split [--engine PATH | --plan NAME] [--rounds 3]
         [--cases prefill,decode,mixed,decode128,mixed128] [--out DIR]
 
 Why: since the candidate left the judge's process (evaluator/remote.py), a timed run is the
@@ -16,53 +16,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
-from evaluator.common import load_config  # noqa: E402
-from evaluator.remote import RemoteModule, Worker  # noqa: E402
-
-CASES = "prefill,decode,mixed,decode128,mixed128"
-CONFIG, WEIGHTS = "target/model_config.json", "target/weights"
+from evaluator.benchmark_throughput import run_benchmark
+from evaluator.common import load_config
+from evaluator.remote import RemoteModule, Worker
+from scripts.gpu.common import (FINAL_PLAN, PUBLIC_CASES, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights, geomean,
+                                library_plans, out_dir, render_to_file)
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", help="an engine file (default: render --plan)")
-    p.add_argument("--plan", default="lib split linear", help="a name from gpu_engine_check.library_plans")
+    p.add_argument("--plan", default=FINAL_PLAN, help="a name from scripts.gpu.common.library_plans")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--cases", default=CASES)
-    p.add_argument("--out", default="judge-split-out")
-    a = p.parse_args()
+    p.add_argument("--cases", default=PUBLIC_CASES)
+    p.add_argument("--out", default=out_dir("judge-split-out"))
+    a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not Path(WEIGHTS, "model.pt").exists():
-        subprocess.run([sys.executable, "scripts/generate_toy_weights.py", "--config", CONFIG,
-                        "--output", f"{WEIGHTS}/model.pt"], check=True, capture_output=True)
-    engine = a.engine
-    if engine is None:
-        from scripts.gpu_engine_check import library_plans, render_to_file
-        engine = str(render_to_file(library_plans()[a.plan], a.plan))
-    config = load_config(CONFIG)
+    ensure_toy_weights()
+    engine = a.engine or str(render_to_file(library_plans()[a.plan], a.plan))
+    config = load_config(PUBLIC_CONFIG)
     cases = [c for c in a.cases.split(",") if c]
     runs: dict[str, dict[str, list[float]]] = {
         c: {"inproc": [], "judge": [], "raw": [], "worker": [], "floor": []} for c in cases}
     layers, round_trip = None, None
     for r in range(a.rounds):
-        local = run_benchmark(engine, config, WEIGHTS, "cuda", cases, warmup=1, repeat=3)
+        local = run_benchmark(engine, config, PUBLIC_WEIGHTS, "cuda", cases, warmup=1, repeat=3)
         with Worker("cuda", log=lambda line: None) as worker:
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
-            remote = run_benchmark(RemoteModule(worker), config, WEIGHTS, "cuda", cases, warmup=1, repeat=3, seed=r + 1)
+            remote = run_benchmark(RemoteModule(worker), config, PUBLIC_WEIGHTS, "cuda", cases, warmup=1, repeat=3, seed=r + 1)
             layers, round_trip = worker.layers, worker.round_trip
         for lo, re in zip(local, remote):
             c = runs[lo["case_name"]]
@@ -94,6 +79,3 @@ def main() -> None:
     (out / "split.json").write_text(json.dumps({"engine": engine, "layers": layers,
                                                 "runs": runs}, indent=2))
 
-
-if __name__ == "__main__":
-    main()

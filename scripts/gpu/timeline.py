@@ -1,7 +1,7 @@
 """Kernel by kernel, where one decode step and one prefill pass of a warm engine go on the GPU.
 
-    python3 scripts/gpu_step_timeline.py [--engine PATH | --plan NAME --params JSON] [--batch 8]
-        [--prompt 32] [--prefill 4x128] [--out DIR]
+    python3 -m scripts.gpu timeline [--engine PATH | --plan NAME --params JSON [--params JSON ...]]
+        [--batch 8] [--prompt 32] [--prefill 4x128] [--out DIR]
 
 Why: the benchmark says how long a step takes, not whether the time is in kernel bodies or in
 the gaps between them (launch latency inside a CUDA graph). This builds one engine, prefills
@@ -18,8 +18,11 @@ the end of its kernels, for a warm engine's decode step and prefill, and for the
 a fresh engine (what the benchmark's prefill case times), whose host functions it then lists
 by their own time under cProfile (another fresh engine).
 
-The engine is --engine, else --plan (one of scripts/gpu_engine_check.library_plans; default
-"lib split linear", run.sh's usual final plan) with --params added to its params.
+The engine is --engine, else --plan (one of scripts.gpu.common.library_plans; default
+"lib split linear", run.sh's usual final plan) with --params added to its params. Several --params
+(e.g. `--params '{}' --params '{"pdl": true}'`) profile each set in a child process of its own
+(cut at PLAN_TIMEOUT_S), full output in --out/planN.txt, and print each one's spans, whole calls,
+fresh-engine host functions and heaviest kernels side by side.
 """
 from __future__ import annotations
 
@@ -27,26 +30,30 @@ import argparse
 import cProfile
 import json
 import pstats
+import re
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from agent.plan import Plan
 from evaluator.common import load_config, load_engine_module
-from scripts.gpu_engine_check import library_plans, render_to_file
-from scripts.gpu_profile import GPU_CATS
+from scripts.gpu.common import (FINAL_PLAN, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights, library_plans,
+                                out_dir, render_to_file, run)
+from scripts.gpu.profile_run import GPU_CATS
 
 DECODE_STEPS = 5
 IDLE_S = 0.002
 CALL_REPEATS = 7
 HOST_PROFILE_ROWS = 15
+PLAN_TIMEOUT_S = 240
+# The lines of each child's output printed side by side when several --params run (regex, lines after it).
+HIGHLIGHTS = ((r"^(plan:|== )", 0), (r"^== whole calls", 3), (r"^== a fresh engine", 12), (r"^-- decode", 8),
+              (r"^-- prefill", 8))
 
 
 def engine_path(engine: str | None, plan: str, params: str) -> Path:
@@ -142,20 +149,57 @@ def report_call_times(module, engine, config, weight_dir, ids, tokens, prompts) 
     return {name: {"host_us": host, "wall_us": wall} for name, (host, wall) in out.items()}
 
 
-def main() -> None:
+def highlights(text: str) -> list[str]:
+    """The HIGHLIGHTS lines of one child's output."""
+    lines, out = text.splitlines(), []
+    for pattern, after in HIGHLIGHTS:
+        for i, line in enumerate(lines):
+            if re.search(pattern, line):
+                out += lines[i:i + 1 + after]
+    return out
+
+
+def each_params(a: argparse.Namespace, argv: list[str]) -> int:
+    """Every --params set in a child of its own, then the highlights of each."""
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ensure_toy_weights(a.model_config, a.weight_dir)
+    keep, skip = [], False
+    for arg in argv:    # the child gets every argument but --params and --out
+        if skip:
+            skip = False
+        elif arg in ("--params", "--out"):
+            skip = True
+        elif not arg.startswith(("--params=", "--out=")):
+            keep.append(arg)
+    for i, params in enumerate(a.params, 1):
+        log = out / f"plan{i}.txt"
+        code = run([sys.executable, "-m", "scripts.gpu", "timeline", *keep, "--params", params,
+                    "--out", str(out / f"plan{i}")], log, timeout=PLAN_TIMEOUT_S)
+        print(f"plan{i} {params}: exit {code}")
+        print("\n".join(highlights(log.read_text())), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", help="an engine file (default: --plan rendered)")
-    p.add_argument("--plan", default="lib split linear", help="a plan of gpu_engine_check.library_plans")
-    p.add_argument("--params", default="{}", help="JSON params added to --plan's, e.g. '{\"pdl\": true}'")
-    p.add_argument("--model-config", default="target/model_config.json")
-    p.add_argument("--weight-dir", default="target/weights")
+    p.add_argument("--plan", default=FINAL_PLAN, help="a plan of scripts.gpu.common.library_plans")
+    p.add_argument("--params", action="append", help="JSON params added to --plan's, e.g. '{\"pdl\": true}'; "
+                   "repeat it to profile several sets (default: none added)")
+    p.add_argument("--model-config", default=PUBLIC_CONFIG)
+    p.add_argument("--weight-dir", default=PUBLIC_WEIGHTS)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--prefill", default="4x128", help="prompts x tokens of the profiled prefill call")
-    p.add_argument("--out", default="timeline-out")
-    a = p.parse_args()
+    p.add_argument("--out", default=out_dir("timeline-out"))
+    argv = sys.argv[1:] if argv is None else argv
+    a = p.parse_args(argv)
+    if a.params and len(a.params) > 1:
+        return each_params(a, argv)
+    ensure_toy_weights(a.model_config, a.weight_dir)
     config = load_config(a.model_config)
-    module = load_engine_module(engine_path(a.engine, a.plan, a.params))
+    module = load_engine_module(engine_path(a.engine, a.plan, (a.params or ["{}"])[0]))
     engine = module.create_engine(config, a.weight_dir, "cuda")
     vocab = int(config["vocab_size"])
     gen = torch.Generator().manual_seed(0)
@@ -187,7 +231,4 @@ def main() -> None:
            "prefill": report(f"prefill {a.prefill}", bursts[-1])}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "timeline.json").write_text(json.dumps(out, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """The linear slot's tilings timed as the engine runs them: weights cold in L2.
 
-    OUT=... python3 scripts/gpu_linear_sweep.py [--configs public,1B] [--quick] [--rows N] [--add-norm]
+    python3 -m scripts.gpu linear-sweep [--configs public,1B] [--quick] [--rows N] [--add-norm] [--out DIR]
 
 --rows N times the projections at N rows instead of the config's decode batch; above the
 kernel's WIDE_ROWS (a prefill) it sweeps the wide tilings of QKV + RoPE and gate/up + SwiGLU, the
@@ -9,10 +8,10 @@ two functions an engine runs at that size, against cuBLAS plus the rope_cache or
 --add-norm times only o_proj and down with their residual add and norm (linear_add_norm, a split-K
 GEMM and its reduction) over a small split grid, at any --rows: can prefill-sized passes use it?
 
-Why: gpu_kernel_check.py replays one call on one weight matrix, which then sits in L2 (50 MiB on
+Why: the kernels subcommand replays one call on one weight matrix, which then sits in L2 (50 MiB on
 an H100) from the second replay on. In a decode step every projection reads a weight nobody read
 since the previous step, ~230 MB ago, so it comes from HBM: the engine's timeline
-(scripts/gpu_step_timeline.py) showed QKV at 4.3 us and gate/up at 6.6 us where the warm sweep
+(the timeline subcommand) showed QKV at 4.3 us and gate/up at 6.6 us where the warm sweep
 said 3.1 and 4.3. A weight read from HBM is bound by the bytes each SM keeps in flight (stages x
 BLOCK_K x BLOCK_N), which a warm sweep does not see.
 
@@ -21,7 +20,7 @@ runs the function once on every copy in turn (as the layers of a step do), and t
 is a replay's time over the copies (median of REPLAYS, CUDA events). Every tiling is checked
 against the slot's reference op first. cuBLAS (plus the norm or SwiGLU kernel the engine would
 run after it) is timed the same way, as the baseline. Prints a table per problem, best first, and
-writes $OUT/linear_sweep.json.
+writes linear_sweep.json under --out ($OUT when set).
 """
 from __future__ import annotations
 
@@ -29,20 +28,15 @@ import argparse
 import itertools
 import json
 import math
-import os
 import statistics
-import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch
 
 from evaluator import slot_check
-from scripts.gpu_kernel_check import unfused_linear
+from scripts.gpu.common import out_dir
+from scripts.gpu.kernels import unfused_linear
 
-OUT = Path(os.environ.get("OUT", "/tmp/gpu_linear_sweep"))
 COLD_BYTES = 200 << 20      # weight copies per problem: at least this much, 4x an H100's L2
 REPLAYS = 20
 WIDE_ROWS = 64              # the linear slot's triton variant takes its wide tiling above this (WIDE_ROWS__triton)
@@ -132,15 +126,17 @@ def max_err(fn: str, got, kwargs: dict) -> float:
     return max((g.float() - w.float()).abs().max().item() for g, w in pairs)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="public,1B")
     ap.add_argument("--quick", action="store_true", help="a smaller grid")
     ap.add_argument("--rows", type=int, default=0, help="rows a call (default: each config's decode batch)")
     ap.add_argument("--add-norm", action="store_true", help="only o_proj and down + residual add + norm")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=out_dir("/tmp/gpu_linear_sweep"), help="where linear_sweep.json goes")
+    args = ap.parse_args(argv)
     wide = args.rows > WIDE_ROWS and not args.add_norm
-    OUT.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     rows = []
     for name in args.configs.split(","):
@@ -164,9 +160,6 @@ def main() -> int:
             for r in results[:8] + [r for r in results[8:] if r["params"] in ("default", "cuBLAS")]:
                 print(f"  {r['us']:7.2f}  err {r['err']:.2g}  {json.dumps(r['params'])}", flush=True)
             rows.append({"problem": label, "results": results})
-    (OUT / "linear_sweep.json").write_text(json.dumps(rows, indent=1))
+    (out / "linear_sweep.json").write_text(json.dumps(rows, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
