@@ -1,8 +1,9 @@
 """One device call: one plan re-judged without the search (public sequence, full stress, benchmark).
 
-    python3 -m scripts.gpu plan-check --plan '{...}' [--seed N] [--stress-seconds 200] [--out DIR]
+    python3 -m scripts.gpu plan-check --plan '{...}'|NAME [--seed N] [--stress-seconds 200] [--out DIR]
 
-Renders the plan (a plan dict as JSON, e.g. results.json's best plan), runs the public sequence,
+Renders the plan (a plan dict as JSON, e.g. results.json's best plan, or a name of
+scripts.gpu.common.library_plans such as "lib split linear"), runs the public sequence,
 the full stress suite (--seed replays a failure the agent's run or a previous check printed; cut at
 --stress-seconds) and the five benchmark cases with their geometric mean of % of floor. Outputs
 under --out ($OUT when set). Device tool: carry [".whl"].
@@ -16,21 +17,32 @@ from pathlib import Path
 
 from agent.plan import Plan
 from agent.render import render_engine
-from scripts.gpu.common import (PUBLIC_CASES, bench_rows, ensure_toy_weights, harness, out_dir, prelude,
-                                print_floor_table, run)
+from scripts.gpu.common import (PUBLIC_CASES, bench_rows, ensure_toy_weights, harness, library_plans, out_dir,
+                                prelude, print_floor_table, run)
+
+
+def parse_plan(text: str) -> Plan:
+    """A library plan's name, else a plan dict as JSON; ValueError names what is wrong."""
+    named = library_plans()
+    if text in named:
+        return named[text]
+    try:
+        return Plan.from_dict(json.loads(text))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--plan is neither a plan name ({', '.join(named)}) nor a plan dict: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--plan", required=True, help="a plan dict as JSON")
+    p.add_argument("--plan", required=True, help="a plan dict as JSON, or a library plan's name")
     p.add_argument("--seed", type=int, help="the stress suite's seed (default: drawn)")
     p.add_argument("--stress-seconds", type=int, default=200)
     p.add_argument("--out", default=out_dir("/tmp/gpu_plan_check"))
     a = p.parse_args(argv)
     try:
-        plan = Plan.from_dict(json.loads(a.plan))
-    except (ValueError, KeyError, TypeError) as e:
-        p.error(f"--plan is not a plan dict: {e}")
+        plan = parse_plan(a.plan)
+    except ValueError as e:
+        p.error(str(e))
     out = Path(a.out)
     prelude(out)
     ensure_toy_weights()
