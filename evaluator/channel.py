@@ -65,7 +65,7 @@ def _read_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
 def spin_until_readable(sock: socket.socket, deadline: float | None, still_there=lambda: True) -> None:
     """Busy-wait (no sleep) until `sock` has data. A blocked process woken by the kernel on a
     GPU host with idle cores in deep sleep states answers 0.2-0.4 ms late (H100 host, measured
-    by scripts/gpu_judge_split.py); the clock around a timed trace must not pay that."""
+    by python3 -m scripts.gpu judge-split); the clock around a timed trace must not pay that."""
     poller = select.poll()
     poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
     spins = 0
