@@ -1,0 +1,76 @@
+"""The GPU tool (`python3 -m scripts.gpu`) on a machine without a GPU: every subcommand's --help
+runs, the docs list each subcommand with the line its module opens with, and scripts/ stays small."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from evaluator.weights import random_weights
+from scripts.gpu.__main__ import SUBCOMMANDS, main, summary
+from scripts.gpu.common import ensure_toy_weights
+from scripts.gpu.plan_check import parse_plan
+from tests.conftest import TINY_CONFIG
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_SCRIPTS_ENTRIES = 8
+
+
+@pytest.mark.parametrize("name", list(SUBCOMMANDS))
+def test_every_subcommand_help_runs_without_a_gpu(name, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([name, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: python3 -m scripts.gpu {name}")
+    assert summary(name) in " ".join(text.split())   # argparse rewraps the description
+
+
+def test_the_tool_lists_every_subcommand_and_refuses_an_unknown_one(capsys):
+    assert main(["--help"]) == 0
+    listing = capsys.readouterr().out
+    assert all(re.search(rf"^  {re.escape(name)} +\S", listing, re.M) for name in SUBCOMMANDS)
+    assert main(["no-such-subcommand"]) == 2
+    assert "unknown subcommand 'no-such-subcommand'" in capsys.readouterr().err
+
+
+def test_it_runs_as_a_module_from_the_repository_root():
+    done = subprocess.run([sys.executable, "-m", "scripts.gpu", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "judge-split" in done.stdout
+
+
+def test_docs_list_each_subcommand_with_its_one_line():
+    doc = (REPO / "docs/evaluator.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \| (.+?) \|$", doc, re.M))
+    assert {name: rows.get(name) for name in SUBCOMMANDS} == {name: summary(name) for name in SUBCOMMANDS}
+
+
+def test_scripts_folder_stays_small():
+    entries = [p.name for p in (REPO / "scripts").iterdir() if p.name != "__pycache__"]
+    assert len(entries) <= MAX_SCRIPTS_ENTRIES, sorted(entries)
+
+
+def test_plan_check_takes_a_library_plan_name_or_a_plan_dict():
+    assert parse_plan("lib split linear").slots["linear"] == "triton"
+    assert parse_plan('{"engine": "recompute"}').engine == "recompute"
+    with pytest.raises(ValueError, match="neither a plan name"):
+        parse_plan('{"slots": {}}')
+
+
+def test_toy_weights_are_made_once_with_the_seeded_toy_init(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    path = ensure_toy_weights(str(config), str(tmp_path / "w"))
+    expected = random_weights(TINY_CONFIG)
+    got = torch.load(path)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())
+    stamp = path.stat().st_mtime_ns
+    ensure_toy_weights(str(config), str(tmp_path / "w"))
+    assert path.stat().st_mtime_ns == stamp    # present: left alone
