@@ -45,7 +45,8 @@ BENCH = {"cpu": {"warmup": 0, "repeat": 1, "cases": "prefill,decode,mixed"},
 DEVICES = ("auto", "cuda", "cpu")
 SEED_RANGE = 1_000_000
 ENV = {"config": "MODEL_CONFIG", "weights": "WEIGHT_DIR", "device": "DEVICE", "budget": "BUDGET",
-       "provider": "PROVIDER", "model": "LLM_MODEL", "seed": "SEED", "workspace": "AGENT_WORKSPACE"}  # not WORKSPACE: CI servers set it
+       "provider": "PROVIDER", "model": "LLM_MODEL", "seed": "SEED", "workspace": "AGENT_WORKSPACE",
+       "max_candidates": "MAX_CANDIDATES"}  # not WORKSPACE: CI servers set it
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class RunConfig:
     model: str | None    # the LLM to ask; None: the provider's default
     seed: int
     workspace: Path
+    max_candidates: int | None = None   # stop after this many judged; None: the budget decides
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -83,6 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "drawn fresh and logged, so inputs differ between runs]")
     p.add_argument("--workspace", default=env("workspace", str(REPO / "workspace")),
                    help=f"output folder [{ENV['workspace']}; default workspace/]")
+    p.add_argument("--max-candidates", type=int, default=env("max_candidates"),
+                   help=f"stop once this many candidates are judged, the conservative engine included "
+                        f"[{ENV['max_candidates']}; default: no limit, the budget decides]")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in the workspace (same config, weights and device): "
                         "candidates already judged are not judged again, the best so far is kept")
@@ -93,6 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"{ENV[name]}={getattr(args, name)!r}: choose from {', '.join(choices)}")
     if args.budget is not None and not float(args.budget) > 0:
         p.error(f"--budget must be a positive number of seconds, got {args.budget}")
+    if args.max_candidates is not None and not int(args.max_candidates) >= 1:
+        p.error(f"--max-candidates must be at least 1, got {args.max_candidates}")
     return args
 
 
@@ -105,7 +112,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     budget = float(args.budget) if args.budget is not None else DEFAULT_BUDGET[device]
     seed = int(args.seed) if args.seed is not None else random.randrange(SEED_RANGE)
     return RunConfig(_absolute(config, "model config"), _absolute(weights, "weights directory"), device, budget,
-                     args.provider, args.model, seed, _absolute(Path(args.workspace), "workspace"))
+                     args.provider, args.model, seed, _absolute(Path(args.workspace), "workspace"),
+                     int(args.max_candidates) if args.max_candidates is not None else None)
 
 
 def _absolute(path: Path, what: str) -> Path:
@@ -241,7 +249,7 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
     try:
         loop.run(state, proposer, lambda engine, out, timeout, phase: judge(engine, out, timeout,
                                                                              settings.for_phase(phase)),
-                 ws, report, cfg.budget, started)
+                 ws, report, cfg.budget, started, cfg.max_candidates)
     except (KeyboardInterrupt, SystemExit):
         interrupted = True
         report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")

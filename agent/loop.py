@@ -38,9 +38,9 @@ def conservative_candidate() -> Candidate:
 
 
 def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, report: Reporter,
-        budget: float, started: float | None = None) -> None:
-    """Judge candidates until the proposer runs dry or the budget (seconds from `started`, a
-    time.monotonic() reading; default now) cannot fit another evaluation. A state that already
+        budget: float, started: float | None = None, max_candidates: int | None = None) -> None:
+    """Judge candidates until the proposer runs dry, `max_candidates` are judged, or the budget
+    (seconds from `started`, a time.monotonic() reading; default now) cannot fit another evaluation. A state that already
     has a history (a resumed run, agent/resume.py) goes on from it: the conservative engine,
     always its first entry, is not judged again."""
     deadline = (time.monotonic() if started is None else started) + budget
@@ -49,6 +49,9 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     state.seconds_left = left()
     candidate = next_candidate(proposer, state, report) if state.history else conservative_candidate()
     while candidate is not None:
+        if max_candidates is not None and len(state.history) >= max_candidates:
+            report.line(f"{len(state.history)} candidates judged, the most asked for (--max-candidates); stopping")
+            break
         if state.history and left() < expected_seconds(state):
             report.line(f"budget: {left():.0f}s left, not enough for another evaluation; stopping")
             break

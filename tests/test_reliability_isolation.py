@@ -23,6 +23,7 @@ from tests.fixtures.broken_engines import broken_source
 # The quickest verdict the evaluator gives: the public sequence and one short timing.
 QUICK = {"stress": "off", "cases": "prefill", "warmup": 0, "repeat": 1}
 HANG_TIMEOUT_SECONDS = 8.0      # start-up and the public sequence fit in it; the hang does not end
+KILL_SLACK_SECONDS = 15.0       # killing and sweeping the worker, on a loaded machine
 SMALL_CAP = 2**30               # below the 1.5 GiB hogs_memory holds
 FILE_SIZE_LIMIT_MIB = isolation.FILE_SIZE_LIMIT // 2**20
 
@@ -49,7 +50,7 @@ def test_a_hang_is_killed_at_its_timeout(recompute_source, tmp_path, tiny_model)
     result = judge_fault("hangs", recompute_source, tmp_path, tiny_model, timeout=HANG_TIMEOUT_SECONDS)
     elapsed = time.monotonic() - start
     assert (result.status, result.error_kind) == ("failed", "timeout")
-    assert HANG_TIMEOUT_SECONDS <= elapsed < HANG_TIMEOUT_SECONDS + 3
+    assert HANG_TIMEOUT_SECONDS <= elapsed < HANG_TIMEOUT_SECONDS + KILL_SLACK_SECONDS
 
 
 @pytest.mark.parametrize("name", ["segfaults", "exits_at_once"])
@@ -131,7 +132,7 @@ def test_memory_cap_fails_a_huge_allocation_naming_the_cap(recompute_source, tmp
     assert uncapped.passed, uncapped.error
 
 
-HOLDS_RESIDENT_MEMORY = "import time\nhog = b'x' * (3 << 29)\ntime.sleep(30)\ndef create_engine(*args):\n    pass\n"
+HOLDS_RESIDENT_MEMORY = "import time\nhog = b'x' * (3 << 29)\ntime.sleep(600)\ndef create_engine(*args):\n    pass\n"
 
 
 def test_resident_memory_watch_kills_a_worker_past_the_cap(tmp_path, monkeypatch):
@@ -145,7 +146,7 @@ def test_resident_memory_watch_kills_a_worker_past_the_cap(tmp_path, monkeypatch
         assert worker.jail.spec.address_space is None
         with pytest.raises(EvalFailure, match=r"more than 1\.0 GiB of memory \(the cap\)") as failure:
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
-    assert failure.value.kind == "crash" and time.monotonic() - start < 20
+    assert failure.value.kind == "crash" and time.monotonic() - start < 300   # killed, not waited out
 
 
 ILLEGAL_ADDRESS_KERNEL = '''

@@ -20,8 +20,13 @@ from tests.test_spec import REPO, TINY_CONFIG, write_model
 # decode step), small enough that every evaluation takes seconds.
 SMALL_CONFIG = {**TINY_CONFIG, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
                 "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024}
-BUDGET_SECONDS = 100        # the conservative engine (verified, timed) and the KV-cache engine, under load
-WAIT_SECONDS = 120          # for the first engine of the interrupted run
+# Generous on purpose: no verdict here may depend on how fast (or how loaded) the machine is. The
+# interrupted run is stopped once its first engine is in; the re-run stops after its second
+# candidate (--max-candidates), so neither waits for the budget. (That the budget holds is
+# test_reliability_runs.py's business.)
+BUDGET_SECONDS = 900
+WAIT_SECONDS = 600          # for the first engine of the interrupted run; reached only on failure
+RERUN_CANDIDATES = 2        # the conservative engine and the KV-cache engine
 
 
 def run_sh(tmp_path: Path, *args: str, **popen) -> subprocess.Popen:
@@ -87,14 +92,12 @@ def test_interrupt_then_rerun(tmp_path):
     time.sleep(1)
     assert not evaluators_running(tmp_path / "ws"), "the evaluator outlived the interrupted agent"
 
-    # 2. Re-run to the end of the budget.
-    start = time.monotonic()
-    proc = run_sh(tmp_path, "--budget", str(BUDGET_SECONDS))
+    # 2. Re-run (from scratch: no --resume) until its second candidate is judged.
+    proc = run_sh(tmp_path, "--budget", str(BUDGET_SECONDS), "--max-candidates", str(RERUN_CANDIDATES))
     out, err = proc.communicate(timeout=BUDGET_SECONDS * 2)
-    elapsed = time.monotonic() - start
     text = log.read_text()
     assert proc.returncode == 0, text + err[-2000:]
-    assert elapsed < BUDGET_SECONDS * 1.1 + 15, f"run took {elapsed:.0f}s for a {BUDGET_SECONDS}s budget"
+    assert f"{RERUN_CANDIDATES} candidates judged, the most asked for" in text, text
     assert public_check(tmp_path)["status"] == "passed"
     results = json.loads((tmp_path / "ws" / "results.json").read_text())
     first, *rest = results["candidates"]

@@ -101,7 +101,7 @@ def test_judge_kills_a_hanging_evaluator_and_its_children(tmp_path, monkeypatch)
     monkeypatch.setattr(judge_mod, "TERM_GRACE_SECONDS", 0.5)
     start = time.monotonic()
     result = judge(tmp_path / "engine.py", tmp_path, 2.0, fake_evaluator(tmp_path, "hangs"))
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30   # killed after its 2 s, not after the 60 s it sleeps
     assert (result.status, result.error_kind) == ("failed", "timeout")
     assert json.loads((tmp_path / "result.json").read_text())["error_kind"] == "timeout"
     time.sleep(0.2)
