@@ -37,9 +37,9 @@ class SpyEngine:
         return self.engine.remove(ids)
 
 
-def make_service(engine: Path, weights: Path, **settings) -> tuple[Service, SpyEngine]:
-    """A started-or-not service (the caller starts it) whose engine is spied on."""
-    model = load_model(resolve_source(engine, weights, None), "cpu")
+def make_service(engine: Path, weights: Path, max_context: int | None = None, **settings) -> tuple[Service, SpyEngine]:
+    """A service (not started: the caller starts it) whose engine is spied on."""
+    model = load_model(resolve_source(engine, weights, None), "cpu", max_context)
     spy = model.engine = SpyEngine(model.engine)
     return Service(model, ServeSettings(**settings)), spy
 

@@ -9,6 +9,7 @@ import random
 
 import httpx
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from agent.plan import Plan
@@ -20,6 +21,7 @@ from serve.tokenizer import ByteTokenizer
 from tests.serve_helpers import engine_idle, greedy_direct, make_service
 
 GREEDY = SamplingParams(temperature=0.0)
+SERVED_CONTEXT = 96   # --max-context of the shared server: keeps the recompute engine's requests short
 ASCII = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,!?0123456789"
 
 
@@ -30,9 +32,20 @@ def paged_engine_path(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread for the module (conftest's `single_thread`, module-wide): the
+    scheduler thread's tiny steps are per-op overhead, and on a busy 2-core machine a second
+    spinning OpenMP thread makes each of them up to 100x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_large, recompute_engine_path):
-    service, spy = make_service(recompute_engine_path, tiny_model_large.weight_dir, max_batch=8)
+    service, spy = make_service(recompute_engine_path, tiny_model_large.weight_dir, SERVED_CONTEXT, max_batch=8)
     service.start()
     yield service, spy, TestClient(create_app(service))
     service.stop()
@@ -56,7 +69,7 @@ def sse_events(text: str) -> list:
 
 @pytest.mark.parametrize("engine,concurrency", [("recompute", 1), ("recompute", 8), ("paged", 1)])
 def test_greedy_equals_engine_driven_directly(engine, concurrency, tiny_model_large, recompute_engine_path,
-                                              paged_engine_path, test_seed, single_thread):
+                                              paged_engine_path, test_seed):
     """Requests of different lengths arriving at different times, batched by the scheduler,
     give exactly the tokens the engine gives each alone (the recompute engine's rows do not
     depend on the batch; the paged engine's CPU GEMMs round by batch shape, so it is checked
@@ -64,12 +77,12 @@ def test_greedy_equals_engine_driven_directly(engine, concurrency, tiny_model_la
     path = recompute_engine_path if engine == "recompute" else paged_engine_path
     rng = random.Random(test_seed)
     prompts = [random_text(rng, rng.randrange(1, 40)) for _ in range(8)]
-    steps = [rng.randrange(1, 12) for _ in prompts]
-    service, _ = make_service(path, tiny_model_large.weight_dir, max_batch=concurrency)
+    steps = [rng.randrange(4, 16) for _ in prompts]
+    service, spy = make_service(path, tiny_model_large.weight_dir, max_batch=concurrency)
     service.start()
 
     async def one(client, i):
-        await asyncio.sleep(0.01 * i)
+        await asyncio.sleep(0.003 * i)
         r = await client.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": steps[i],
                                                        "temperature": 0})
         assert r.status_code == 200, r.text
@@ -84,6 +97,8 @@ def test_greedy_equals_engine_driven_directly(engine, concurrency, tiny_model_la
         answers = asyncio.run(run())
     finally:
         service.stop()
+    widest = max(len(ids) for kind, ids in spy.calls if kind == "decode")
+    assert widest == 1 if concurrency == 1 else widest > 1, "the requests were not batched"
     tok = ByteTokenizer()
     expected = greedy_direct(path, tiny_model_large.config_path, tiny_model_large.weight_dir,
                              [(tok.encode(p, True), n) for p, n in zip(prompts, steps)])
@@ -94,7 +109,7 @@ def test_greedy_equals_engine_driven_directly(engine, concurrency, tiny_model_la
                                    "total_tokens": len(prompt.encode()) + n}
 
 
-def test_scheduler_tokens_equal_engine(tiny_model_large, recompute_engine_path, test_seed, single_thread):
+def test_scheduler_tokens_equal_engine(tiny_model_large, recompute_engine_path, test_seed):
     """The scheduler alone, token ids compared: 8 requests, staggered, ids reused as they finish."""
     rng = random.Random(test_seed + 1)
     jobs = [([rng.randrange(256) for _ in range(rng.randrange(1, 30))], rng.randrange(1, 10)) for _ in range(8)]
@@ -185,15 +200,15 @@ def test_seeded_sampling_ignores_the_batch(served, test_seed):
 
 def test_stop_string_cuts_output(served):
     _, spy, client = served
-    full = complete(client, prompt="The", max_tokens=24, temperature=0)["choices"][0]["text"]
+    full = complete(client, prompt="The", max_tokens=16, temperature=0)["choices"][0]["text"]
     clean = [i for i in range(2, len(full) - 2) if "\ufffd" not in full[i:i + 2]]
     if not clean:
         pytest.skip("the greedy text has no clean two-character piece to stop at")
     stop = full[clean[0]:clean[0] + 2]
-    cut = complete(client, prompt="The", max_tokens=24, temperature=0, stop=[stop, "\u2603never"])
+    cut = complete(client, prompt="The", max_tokens=16, temperature=0, stop=[stop, "\u2603never"])
     assert cut["choices"][0]["text"] == full[:full.index(stop)]
     assert cut["choices"][0]["finish_reason"] == "stop"
-    streamed = client.post("/v1/completions", json={"prompt": "The", "max_tokens": 24, "temperature": 0,
+    streamed = client.post("/v1/completions", json={"prompt": "The", "max_tokens": 16, "temperature": 0,
                                                     "stop": stop, "stream": True})
     chunks = [e["choices"][0] for e in sse_events(streamed.text)]
     assert "".join(c["text"] for c in chunks) == full[:full.index(stop)]
@@ -210,8 +225,8 @@ BAD = [
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "x" * 4096}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": SERVED_CONTEXT}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x" * SERVED_CONTEXT}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
