@@ -10,8 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from serve.model import DEFAULT_ENGINE, ModelError, load_model, resolve_source
-from serve.service import ServeSettings
+from serve.model import DEFAULT_ENGINE, load_model, resolve_source
+from serve.settings import ServeSettings
 
 EXIT_BAD_INPUT = 2
 

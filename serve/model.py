@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evaluator.common import ConfigError, load_config, load_engine_module
 from serve.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_ENGINE = Path("workspace/engine.py")
@@ -94,7 +93,7 @@ class LoadedModel:
 
 
 def load_model(source: ModelSource, device: str, max_context: int | None = None) -> LoadedModel:
-    from evaluator.common import resolve_device
+    from evaluator.common import ConfigError, load_config, load_engine_module, resolve_device  # torch
 
     try:
         config = load_config(source.config)

@@ -9,27 +9,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from serve.detokenizer import Detokenizer
 from serve.model import LoadedModel
 from serve.protocol import ApiError, ChatRequest, CompletionRequest, SamplingFields
 from serve.sampler import SamplingParams
+from serve.settings import ServeSettings
 from serve.scheduler import FINISH_STOP, GenerationRequest, Output, QueueFull, Scheduler, Sequence
 from serve.tokenizer import ChatTemplateError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; chat: the context left
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    max_batch: int = 64
-    max_queue: int = 1024            # waiting requests before 503
-    max_prefill_tokens: int = 8192   # prompt tokens admitted in one step (at least one prompt)
-    max_body_bytes: int = 8 << 20    # request bodies above: 413
-    retry_after_s: int = 1           # the Retry-After of a 503
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)   # defaults, e.g. enable_thinking
 
 
 @dataclass(frozen=True)

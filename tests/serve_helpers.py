@@ -10,7 +10,8 @@ import torch
 
 from evaluator.common import load_engine_module
 from serve.model import load_model, resolve_source
-from serve.service import ServeSettings, Service
+from serve.service import Service
+from serve.settings import ServeSettings
 
 
 class SpyEngine:
