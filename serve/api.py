@@ -111,7 +111,8 @@ def create_app(service: Service) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [{"id": service.name, "object": "model", "created": 0,
                                             "owned_by": "inference-agent",
-                                            "max_model_len": service.model.max_context}]}
+                                            "max_model_len": service.model.max_context,
+                                            "vocab_size": service.model.vocab_size}]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -52,6 +52,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    ignore_eos: bool = False               # vLLM's: generate max_tokens whatever (benchmarks)
 
     @field_validator("n")
     @classmethod

@@ -30,6 +30,7 @@ class Job:
     max_tokens: int
     params: SamplingParams
     stops: list[str]
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,13 +97,14 @@ class Service:
                            f"Please reduce the length of the {what} or max_tokens.",
                            "max_tokens" if room >= 1 else what, code="context_length_exceeded")
         params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed)
-        return Job(ids, max_tokens, params, req.stop_strings())
+        return Job(ids, max_tokens, params, req.stop_strings(), req.ignore_eos)
 
     # ---- running ----
 
     def submit(self, job: Job) -> Running:
         """Queue `job` (503 when the queue is full); iterate the result for its text."""
-        request = GenerationRequest(job.prompt_ids, job.max_tokens, job.params, self.model.tokenizer.eos_ids)
+        eos = frozenset() if job.ignore_eos else self.model.tokenizer.eos_ids
+        request = GenerationRequest(job.prompt_ids, job.max_tokens, job.params, eos)
         try:
             seq, outputs = self.scheduler.submit(request)
         except QueueFull as e:
@@ -140,7 +142,7 @@ class Running:
                 if finish is not None:
                     yield Delta(text + self.detok.finish(), finish, tokens)
                     return
-                if text:
+                if text or tokens == 1:   # the first token always: clients see time to first token
                     yield Delta(text, None, tokens)
         finally:
             self.cancel()

@@ -1,7 +1,8 @@
-"""`python -m serve` as a user starts it: a real socket, /health, a completion through the
-official `openai` client, then terminated; bad inputs end with one line and exit code 2."""
+"""`python -m serve` as a user starts it: a real socket, /health, completions through the
+official `openai` client, the benchmark client against it, then terminated; bad inputs end with one line and exit code 2."""
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_starts_answers_and_stops(tiny_model, recompute_engine_path):
+def test_serve_starts_answers_and_stops(tiny_model, recompute_engine_path, tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "serve", "--engine", str(recompute_engine_path),
                              "--weights", str(tiny_model.weight_dir), "--port", str(port), "--device", "cpu",
@@ -46,6 +47,14 @@ def test_serve_starts_answers_and_stops(tiny_model, recompute_engine_path):
         assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
         stream = client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0, stream=True)
         assert [c.choices[0].finish_reason for c in stream][-1] == "length"
+        out = tmp_path / "bench.json"
+        bench = subprocess.run([sys.executable, "-m", "serve.bench", "--url", base, "--concurrency", "1,3",
+                                "--requests", "3", "--warmup", "1", "--input-len", "16", "--output-len", "6",
+                                "--classes", "short", "--out", str(out)], capture_output=True, text=True, timeout=120)
+        assert bench.returncode == 0, bench.stderr
+        report = json.loads(out.read_text())
+        assert [r["output_tokens"] for r in report["levels"]] == [18, 18]   # ignore_eos: every token counted
+        assert report["classes"]["short"]["clipped"] and report["classes"]["short"]["input_len"] == 32
     finally:
         proc.terminate()
         proc.wait(timeout=30)
