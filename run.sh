@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Write, verify and tune workspace/engine.py for a model:   bash run.sh [flags]   (bash run.sh --help)
+# Serve the engine it wrote (OpenAI-compatible API):        bash run.sh serve [flags]
 #
 # This script only gets Python ready: it finds an interpreter with torch ($PYTHON overrides),
 # installs whatever requirements.txt lists that is missing (and nothing else), then hands over
@@ -58,4 +59,9 @@ if [ -n "$missing" ]; then
     || echo "run.sh: warning: could not install: $(echo $missing)" >&2
 fi
 
+# `bash run.sh serve [flags]`: the OpenAI-compatible server for the engine a run wrote (docs/serving.md).
+if [ "${1:-}" = "serve" ]; then
+  shift
+  exec "$PY" -m serve "$@"
+fi
 exec "$PY" -m agent "$@"

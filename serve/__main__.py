@@ -1,0 +1,80 @@
+"""`python -m serve` (`bash run.sh serve`): an OpenAI-compatible server for an engine the agent wrote.
+
+Exit codes: 2 for bad flags or inputs that cannot be served (one line on stderr); otherwise
+the server runs until interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from serve.model import DEFAULT_ENGINE, load_model, resolve_source
+from serve.settings import ServeSettings
+
+EXIT_BAD_INPUT = 2
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = ServeSettings()
+    p = argparse.ArgumentParser(prog="bash run.sh serve", description=__doc__.splitlines()[0])
+    p.add_argument("--engine", type=Path, default=None, help=f"engine file [default {DEFAULT_ENGINE}]")
+    p.add_argument("--weights", type=Path, default=None,
+                   help="weights folder [default: the one the run that wrote the engine used, from results.json]")
+    p.add_argument("--config", type=Path, default=None,
+                   help="model config [default: config.json or model_config.json in or beside --weights]")
+    p.add_argument("--device", default="auto", help="auto | cuda | cpu [auto]")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=positive, default=defaults.max_batch, help="requests decoded per step")
+    p.add_argument("--max-queue", type=positive, default=defaults.max_queue,
+                   help="requests waiting for a batch slot before new ones get 503")
+    p.add_argument("--max-prefill-tokens", type=positive, default=defaults.max_prefill_tokens,
+                   help="prompt tokens admitted per step (a longer prompt still goes alone)")
+    p.add_argument("--max-context", type=positive, default=None,
+                   help="prompt + completion tokens per request [default and at most: max_position_embeddings]")
+    p.add_argument("--max-body-bytes", type=positive, default=defaults.max_body_bytes)
+    p.add_argument("--no-thinking", action="store_true",
+                   help="render chat templates with enable_thinking=false (requests may override)")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        source = resolve_source(args.engine, args.weights, args.config)
+        print(f"serve: loading {source.engine} for {source.config} / {source.weights}", file=sys.stderr, flush=True)
+        model = load_model(source, args.device, args.max_context)
+    except Exception as e:   # noqa: BLE001 - ModelError, or whatever an engine raises at load
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    import uvicorn
+
+    from serve.api import create_app
+    from serve.service import Service
+
+    settings = ServeSettings(args.max_batch, args.max_queue, args.max_prefill_tokens, args.max_body_bytes,
+                             chat_template_kwargs={"enable_thinking": False} if args.no_thinking else {})
+    service = Service(model, settings)
+    service.start()
+    print(f"serve: {source.name} on {model.device}, max context {model.max_context}, "
+          f"tokenizer {type(model.tokenizer).__name__}; settings {json.dumps(settings.__dict__)}",
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        service.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

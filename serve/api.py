@@ -1,0 +1,252 @@
+"""The HTTP side: an OpenAI-compatible FastAPI app over a Service.
+
+Routes: GET /health, /ping, /v1/models; POST /v1/completions, /v1/chat/completions (JSON, or
+server-sent events with `stream: true`, ended by `data: [DONE]`) and /invocations (SageMaker's
+route: a body with "messages" is a chat request, else a completion). Every error, ours or the
+framework's (404, 405, bad JSON, a body too large), is answered in OpenAI's error shape, and
+nothing a client sends can stop the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve import protocol
+from serve.protocol import ApiError, ChatRequest, CompletionRequest
+from serve.service import Delta, Job, Running, Service
+
+CLIENT_CLOSED = 499   # nginx's status for a request its client abandoned (logged, never read)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class BodyLimit:
+    """413 for a request body over `limit` bytes, by Content-Length or as it streams in."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers", [])).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._too_large(send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise ApiError(413, f"the request body is over {self.limit} bytes")
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except ApiError:       # raised inside the app's body read: nothing was sent yet
+            await self._too_large(send)
+
+    async def _too_large(self, send: Send) -> None:
+        body = json.dumps(protocol.error_body(f"the request body is over {self.limit} bytes",
+                                              "invalid_request_error", None, 413)).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid request')}", param
+
+
+def create_app(service: Service) -> FastAPI:
+    app = FastAPI(title="inference-agent server", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(e.errors()))
+        return _error(ApiError(400, message, param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error(ApiError(e.status_code, str(e.detail), kind=kind, headers=dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        return _error(ApiError(500, f"{type(e).__name__}: {e}", kind="server_error"))
+
+    @app.get("/health")
+    async def health() -> dict:
+        stats = service.scheduler.stats()
+        return {"status": "ok", "model": service.name, "waiting": stats.waiting, "running": stats.live}
+
+    @app.get("/ping")
+    async def ping() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": service.name, "object": "model", "created": 0,
+                                            "owned_by": "inference-agent",
+                                            "max_model_len": service.model.max_context,
+                                            "vocab_size": service.model.vocab_size}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        return await _completion(service, req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        return await _chat(service, req, request)
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ApiError(400, "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        try:
+            if "messages" in body:
+                return await _chat(service, ChatRequest.model_validate(body), request)
+            return await _completion(service, CompletionRequest.model_validate(body), request)
+        except ValidationError as e:
+            message, param = _validation_message(list(e.errors()))
+            raise ApiError(400, message, param) from None
+
+    return BodyLimit(app, service.settings.max_body_bytes)
+
+
+async def _completion(service: Service, req: CompletionRequest, request: Request):
+    job = service.completion_job(req)
+    rid, model = protocol.new_id("cmpl"), req.model or service.name
+    running = service.submit(job)
+    if req.stream:
+        def chunk(created: int, d: Delta) -> dict:
+            return protocol.completion_chunk(rid, model, created, d.text, d.finish_reason)
+        return _stream(running, job, rid, model, "text_completion", None, chunk, _include_usage(req))
+    text, finish, tokens = await _collect(running, request)
+    return protocol.completion_response(rid, model, text, finish, len(job.prompt_ids), tokens)
+
+
+async def _chat(service: Service, req: ChatRequest, request: Request):
+    job = service.chat_job(req)
+    rid, model = protocol.new_id("chatcmpl"), req.model or service.name
+    running = service.submit(job)
+    if req.stream:
+        def chunk(created: int, d: Delta) -> dict:
+            return protocol.chat_chunk(rid, model, created, {"content": d.text} if d.text else {}, d.finish_reason)
+        first = {"role": "assistant", "content": ""}
+        return _stream(running, job, rid, model, "chat.completion.chunk", first, chunk, _include_usage(req))
+    text, finish, tokens = await _collect(running, request)
+    return protocol.chat_response(rid, model, text, finish, len(job.prompt_ids), tokens)
+
+
+def _include_usage(req: protocol.SamplingFields) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+async def _collect(running: Running, request: Request) -> tuple[str, str, int]:
+    """The whole text of a non-streaming request; cancelled if the client disconnects first."""
+    async def collect() -> tuple[str, str, int]:
+        parts, last = [], None
+        async for d in running.deltas():
+            parts.append(d.text)
+            last = d
+        return "".join(parts), last.finish_reason, last.completion_tokens
+
+    task = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():    # the client left (or the server is shutting down)
+            task.cancel()
+            running.cancel()
+    if not task.done():
+        raise ApiError(CLIENT_CLOSED, "the client closed the request")   # nobody reads this
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _stream(running: Running, job: Job, rid: str, model: str, obj: str, first_delta: dict | None,
+            chunk: Callable[[int, Delta], dict], include_usage: bool) -> StreamingResponse:
+    """Server-sent events, ended by `data: [DONE]`."""
+    created = int(time.time())
+
+    async def events() -> AsyncIterator[str]:
+        if first_delta is not None:
+            yield _sse(protocol.chat_chunk(rid, model, created, first_delta, None))
+        last = None
+        try:
+            async for d in running.deltas():
+                last = d
+                yield _sse(chunk(created, d))
+        except ApiError as e:   # the engine failed mid-stream: say so in the stream
+            yield _sse(e.body())
+        if include_usage and last is not None:
+            yield _sse(protocol.usage_chunk(rid, model, created, obj, len(job.prompt_ids), last.completion_tokens))
+        yield "data: [DONE]\n\n"
+
+    return CancellingStream(events(), running.cancel)
+
+
+class CancellingStream(StreamingResponse):
+    """Server-sent events that stop, and cancel their request, as soon as the client
+    disconnects: whether the server notices at a send (ASGI 2.4 servers) or by an
+    http.disconnect message while the request is quiet (a byte-level model may generate many
+    tokens that decode to no text, so there may be no send for a while)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):   # the client left mid-send
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                async def listen() -> None:
+                    await _disconnected(receive)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                group.start_soon(listen)
+        finally:
+            self.on_close()
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

@@ -1,0 +1,327 @@
+"""The server over the tiny model's rendered engines, in process (FastAPI's TestClient, httpx's
+ASGI transport): greedy output equal to driving the engine directly at any concurrency, the
+OpenAI shapes, streaming, stop strings, errors, the queue bound, disconnects."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from agent.plan import Plan
+from agent.render import render_engine
+from serve.api import create_app
+from serve.sampler import SamplingParams
+from serve.scheduler import GenerationRequest
+from serve.tokenizer import ByteTokenizer
+from tests.serve_helpers import engine_idle, greedy_direct, make_service
+
+GREEDY = SamplingParams(temperature=0.0)
+SERVED_CONTEXT = 96   # --max-context of the shared server: keeps the recompute engine's requests short
+ASCII = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,!?0123456789"
+
+
+@pytest.fixture(scope="module")
+def paged_engine_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve_engines") / "paged.py"
+    path.write_text(render_engine(Plan("paged")))
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread for the module (conftest's `single_thread`, module-wide): the
+    scheduler thread's tiny steps are per-op overhead, and on a busy 2-core machine a second
+    spinning OpenMP thread makes each of them up to 100x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_large, recompute_engine_path):
+    service, spy = make_service(recompute_engine_path, tiny_model_large.weight_dir, SERVED_CONTEXT, max_batch=8)
+    service.start()
+    yield service, spy, TestClient(create_app(service))
+    service.stop()
+
+
+def random_text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(ASCII + "éü€😀") for _ in range(n))
+
+
+def complete(client, **body) -> dict:
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse_events(text: str) -> list:
+    lines = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+@pytest.mark.parametrize("engine,concurrency", [("recompute", 1), ("recompute", 8), ("paged", 1)])
+def test_greedy_equals_engine_driven_directly(engine, concurrency, tiny_model_large, recompute_engine_path,
+                                              paged_engine_path, test_seed):
+    """Requests of different lengths arriving at different times, batched by the scheduler,
+    give exactly the tokens the engine gives each alone (the recompute engine's rows do not
+    depend on the batch; the paged engine's CPU GEMMs round by batch shape, so it is checked
+    one request at a time)."""
+    path = recompute_engine_path if engine == "recompute" else paged_engine_path
+    rng = random.Random(test_seed)
+    prompts = [random_text(rng, rng.randrange(1, 40)) for _ in range(8)]
+    steps = [rng.randrange(4, 16) for _ in prompts]
+    service, spy = make_service(path, tiny_model_large.weight_dir, max_batch=concurrency)
+    service.start()
+
+    async def one(client, i):
+        await asyncio.sleep(0.003 * i)
+        r = await client.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": steps[i],
+                                                       "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async def run():
+        transport = httpx.ASGITransport(app=create_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
+
+    try:
+        answers = asyncio.run(run())
+    finally:
+        service.stop()
+    widest = max(len(ids) for kind, ids in spy.calls if kind == "decode")
+    assert widest == 1 if concurrency == 1 else widest > 1, "the requests were not batched"
+    tok = ByteTokenizer()
+    expected = greedy_direct(path, tiny_model_large.config_path, tiny_model_large.weight_dir,
+                             [(tok.encode(p, True), n) for p, n in zip(prompts, steps)])
+    for prompt, n, answer, ids in zip(prompts, steps, answers, expected):
+        assert answer["choices"][0]["text"] == tok.decode(ids)
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"] == {"prompt_tokens": len(prompt.encode()), "completion_tokens": n,
+                                   "total_tokens": len(prompt.encode()) + n}
+
+
+def test_scheduler_tokens_equal_engine(tiny_model_large, recompute_engine_path, test_seed):
+    """The scheduler alone, token ids compared: 8 requests, staggered, ids reused as they finish."""
+    rng = random.Random(test_seed + 1)
+    jobs = [([rng.randrange(256) for _ in range(rng.randrange(1, 30))], rng.randrange(1, 10)) for _ in range(8)]
+    service, spy = make_service(recompute_engine_path, tiny_model_large.weight_dir, max_batch=3)
+    service.start()
+
+    async def one(i):
+        await asyncio.sleep(0.005 * i)
+        _, outputs = service.scheduler.submit(GenerationRequest(jobs[i][0], jobs[i][1], GREEDY))
+        ids = []
+        while True:
+            out = await outputs.get()
+            ids.append(out.token)
+            if out.finish_reason:
+                return ids
+
+    async def run():
+        return await asyncio.gather(*(one(i) for i in range(len(jobs))))
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        service.stop()
+    assert got == greedy_direct(recompute_engine_path, tiny_model_large.config_path, tiny_model_large.weight_dir, jobs)
+    assert engine_idle(spy)
+    assert max(max(ids) for kind, ids in spy.calls if kind == "prefill") < 3   # ids reused: max_batch of them
+
+
+def test_endpoints_and_shapes(served):
+    service, _, client = served
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.get("/ping").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == service.name
+    chat = client.post("/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 5, "temperature": 0}).json()
+    assert chat["object"] == "chat.completion" and chat["model"] == "x"
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["usage"]["completion_tokens"] == 5
+    assert chat["usage"]["prompt_tokens"] == len(ByteTokenizer().render_chat([{"role": "user", "content": "hi"}], {}))
+    inv = client.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                                            "temperature": 0}).json()
+    assert inv["choices"][0]["message"]["content"] == chat["choices"][0]["message"]["content"]
+    assert client.post("/invocations", json={"prompt": "hi", "max_tokens": 2}).json()["object"] == "text_completion"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_streaming_equals_non_streaming(served, route, test_seed):
+    """A seeded sampled request gives the same text streamed or not; the stream's deltas are
+    valid text, the last chunk carries the finish reason, usage comes when asked."""
+    _, spy, client = served
+    body = {"max_tokens": 12, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": test_seed % 1000}
+    body.update({"prompt": "Once upon"} if route == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "Once upon"}]})
+    whole = client.post(route, json=body).json()
+    r = client.post(route, json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1]["usage"] == whole["usage"]
+    chunks = [e["choices"][0] for e in events[:-1]]
+    if route == "/v1/completions":
+        text, expected = "".join(c["text"] for c in chunks), whole["choices"][0]["text"]
+    else:
+        assert chunks[0]["delta"]["role"] == "assistant"
+        text = "".join(c["delta"].get("content", "") for c in chunks)
+        expected = whole["choices"][0]["message"]["content"]
+    assert text == expected
+    assert chunks[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in chunks[:-1])
+    assert engine_idle(spy)
+
+
+def test_seeded_sampling_ignores_the_batch(served, test_seed):
+    """A seeded request's output depends on its seed alone, not on what else is running."""
+    _, _, client = served
+    body = {"prompt": "abc", "max_tokens": 10, "temperature": 1.0, "seed": test_seed % 997}
+    alone = complete(client, **body)["choices"][0]["text"]
+
+    async def crowd():
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+            others = [c.post("/v1/completions", json={"prompt": "x" * i, "max_tokens": 8, "temperature": 1.0})
+                      for i in range(1, 5)]
+            results = await asyncio.gather(c.post("/v1/completions", json=body), *others)
+            return results[0].json()["choices"][0]["text"]
+
+    assert asyncio.run(crowd()) == alone
+
+
+def test_stop_string_cuts_output(served):
+    _, spy, client = served
+    full = complete(client, prompt="The", max_tokens=16, temperature=0)["choices"][0]["text"]
+    clean = [i for i in range(2, len(full) - 2) if "\ufffd" not in full[i:i + 2]]
+    if not clean:
+        pytest.skip("the greedy text has no clean two-character piece to stop at")
+    stop = full[clean[0]:clean[0] + 2]
+    cut = complete(client, prompt="The", max_tokens=16, temperature=0, stop=[stop, "\u2603never"])
+    assert cut["choices"][0]["text"] == full[:full.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    streamed = client.post("/v1/completions", json={"prompt": "The", "max_tokens": 16, "temperature": 0,
+                                                    "stop": stop, "stream": True})
+    chunks = [e["choices"][0] for e in sse_events(streamed.text)]
+    assert "".join(c["text"] for c in chunks) == full[:full.index(stop)]
+    assert chunks[-1]["finish_reason"] == "stop"
+    assert engine_idle(spy)
+
+
+BAD = [
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": SERVED_CONTEXT}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x" * SERVED_CONTEXT}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/invocations", [1, 2], 400, None),
+]
+
+
+@pytest.mark.parametrize("route,body,status,param", BAD)
+def test_bad_input_answered_in_openai_shape(served, route, body, status, param):
+    _, spy, client = served
+    r = client.post(route, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert complete(client, prompt="still", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert engine_idle(spy)
+
+
+def test_context_limit_message(served):
+    _, _, client = served
+    limit = served[0].model.max_context
+    r = client.post("/v1/completions", json={"prompt": "y" * (limit - 3), "max_tokens": 10})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert f"maximum context length is {limit} tokens" in r.json()["error"]["message"]
+    ok = complete(client, prompt="y" * (limit - 3), temperature=0)   # default max_tokens: what fits
+    assert ok["usage"]["total_tokens"] == limit - 3 + min(16, 3)
+
+
+def test_framework_errors_in_openai_shape(served):
+    _, _, client = served
+    for r, status in [(client.get("/nope"), 404), (client.get("/v1/completions"), 405),
+                      (client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400),
+                      (client.post("/v1/completions", content=b"x" * (9 << 20)), 413)]:
+        assert r.status_code == status
+        assert r.json()["error"]["code"] == status
+
+
+def test_queue_full_is_503_with_retry_after(tiny_model, recompute_engine_path):
+    """The scheduler is not started, so the one queued request stays queued."""
+    service, _ = make_service(recompute_engine_path, tiny_model.weight_dir, max_queue=1)
+
+    async def run():
+        service.scheduler.submit(GenerationRequest([1, 2, 3], 1))
+        transport = httpx.ASGITransport(app=create_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+
+    r = asyncio.run(run())
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "server_overloaded"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_cancels_and_frees(tiny_model, recompute_engine_path, stream):
+    """A client that leaves mid-request (raw ASGI: http.disconnect after the body, or after the
+    first streamed chunk) has its request cancelled and its engine state removed."""
+    service, spy = make_service(recompute_engine_path, tiny_model.weight_dir)
+    service.start()
+    app = create_app(service)
+    body = json.dumps({"prompt": "hello", "max_tokens": 3000, "stream": stream}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "scheme": "http", "server": ("t", 80), "client": ("c", 1),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+    async def run():
+        gone = asyncio.Event()
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append("body")
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        task = asyncio.ensure_future(app(scope, receive, send))
+        for _ in range(2000):        # until the engine holds the request
+            await asyncio.sleep(0.005)
+            if spy.live:
+                break
+        assert spy.live, "the request never reached the engine"
+        gone.set()
+        await asyncio.wait_for(task, 30)
+
+    try:
+        asyncio.run(run())
+        assert engine_idle(spy)
+        stats = service.scheduler.stats()
+        assert stats.live == 0 and stats.waiting == 0
+    finally:
+        service.stop()

@@ -1,0 +1,67 @@
+"""`python -m serve` as a user starts it: a real socket, /health, completions through the
+official `openai` client, the benchmark client against it, then terminated; bad inputs end with one line and exit code 2."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import SINGLE_THREAD_ENV
+
+STARTUP_SECONDS = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_starts_answers_and_stops(tiny_model, recompute_engine_path, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "serve", "--engine", str(recompute_engine_path),
+                             "--weights", str(tiny_model.weight_dir), "--port", str(port), "--device", "cpu",
+                             "--max-context", "64", "--log-level", "warning"],
+                            env=SINGLE_THREAD_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                health = httpx.get(f"{base}/health", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.2)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        openai = pytest.importorskip("openai")
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, temperature=0)
+        assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+        stream = client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0, stream=True)
+        assert [c.choices[0].finish_reason for c in stream][-1] == "length"
+        out = tmp_path / "bench.json"
+        bench = subprocess.run([sys.executable, "-m", "serve.bench", "--url", base, "--concurrency", "1,3",
+                                "--requests", "3", "--warmup", "1", "--input-len", "16", "--output-len", "6",
+                                "--classes", "short", "--out", str(out)], capture_output=True, text=True, timeout=120)
+        assert bench.returncode == 0, bench.stderr
+        report = json.loads(out.read_text())
+        assert [r["output_tokens"] for r in report["levels"]] == [18, 18]   # ignore_eos: every token counted
+        assert report["classes"]["short"]["clipped"] and report["classes"]["short"]["input_len"] == 32
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_bad_inputs_exit_2(tmp_path, tiny_model):
+    done = subprocess.run([sys.executable, "-m", "serve", "--engine", str(tmp_path / "none.py"),
+                           "--weights", str(tiny_model.weight_dir)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("error: no engine at")
