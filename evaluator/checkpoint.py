@@ -94,10 +94,19 @@ def rope_parameters(config: dict) -> dict:
 
 
 def rope_theta(config: dict) -> float:
-    """The RoPE base of either format (the course's `rope_theta`, else rope_parameters')."""
-    if "rope_theta" in config:
-        return float(config["rope_theta"])
+    """The RoPE base: `rope_theta` (the course; older checkpoints), else, for an HF config,
+    the one inside `rope_parameters` (transformers 5)."""
+    if "rope_theta" in config or not is_hf(config):
+        return float(config.get("rope_theta", DEFAULT_THETA))
     return float((config.get("rope_parameters") or {}).get("rope_theta", DEFAULT_THETA))
+
+
+def stored_dtype_name(config: dict) -> str:
+    """`torch_dtype` (the course; older checkpoints), else, for an HF config, `dtype`
+    (transformers 5); float16 when neither is given."""
+    if "torch_dtype" in config or not is_hf(config):
+        return str(config.get("torch_dtype", "float16"))
+    return str(config.get("dtype", "float16"))
 
 
 def _rope_scaling(config: dict) -> Llama3Scaling | None:

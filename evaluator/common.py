@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from evaluator.checkpoint import is_hf, load_hf_weights, rope_theta
+from evaluator.checkpoint import is_hf, load_hf_weights, rope_theta, stored_dtype_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WEIGHT_FILE = "model.pt"
@@ -155,11 +155,6 @@ def compute_dtype(config: dict, device: str) -> torch.dtype:
         return torch.float32
     name = stored_dtype_name(config).lower()
     return torch.bfloat16 if name in BF16_NAMES else torch.float16
-
-
-def stored_dtype_name(config: dict) -> str:
-    """`torch_dtype` (the course and older checkpoints), else `dtype` (transformers 5), else float16."""
-    return str(config.get("torch_dtype", config.get("dtype", "float16")))
 
 
 def load_weights(weight_dir: str | Path, config: dict | None = None) -> dict[str, torch.Tensor]:
