@@ -20,7 +20,7 @@ from pathlib import Path
 
 from agent.judge import REPO, JudgeSettings, judge
 from agent.providers import NAMES, ProviderOptions, make_proposer
-from agent.plan import Plan
+from agent.plan import Plan, engine_models, engines
 from agent.providers.base import EvalResult, SearchState
 from agent.providers.builtin import BuiltinProposer
 from agent.report import Entry, Reporter, describe
@@ -259,10 +259,21 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
     return EXIT_OK if ws.installed_verdict() else EXIT_NO_ENGINE
 
 
+def hf_lines(spec: ModelSpec) -> list[str]:
+    """For a Hugging Face model: its conventions and the engines that render them (the others'
+    candidates fail at render, naming this)."""
+    if not spec.conventions.hf:
+        return []
+    able = [e for e in engines() if "hf" in engine_models(e)]
+    return [f"Hugging Face model ({spec.conventions.describe()}): engines that run it: {', '.join(able)}; "
+            f"the others are not proposed (their candidates would fail at render)"]
+
+
 def header_lines(cfg: RunConfig, spec: ModelSpec, hw: dict, settings: JudgeSettings) -> list[str]:
     return [f"config {cfg.config}   weights {cfg.weights}",
             f"device {cfg.device}   budget {cfg.budget:.0f}s   provider {cfg.provider}   seed {cfg.seed}",
             f"hardware {', '.join(f'{k} {v}' for k, v in hw.items())}",
             f"model {spec.summary()}",
             *[f"warning: {w}" for w in spec.warnings],
+            *hf_lines(spec),
             f"evaluator python3 {' '.join(settings.command(Path('<engine>'), Path('<out>'))[1:])}"]
