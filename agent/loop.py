@@ -114,7 +114,8 @@ def prepare(candidate: Candidate, directory: Path, device: str,
     for (slot, name), text in candidate.extra_variants.items():  # kept so that --resume can restore them
         atomic_write(directory / VARIANTS / f"{slot}.{name}.py.j2", text)
     try:
-        source = render_engine(candidate.plan, candidate.extra_variants, model)
+        conventions = {"model": model} if model.hf else {}  # the course format: render_engine's default
+        source = render_engine(candidate.plan, candidate.extra_variants, **conventions)
     except Exception as e:  # noqa: BLE001 - a template that does not render is a failed candidate
         failure = EvalResult.failure("render", "compile_error", f"{type(e).__name__}: {e}", device)
     else:
