@@ -20,7 +20,7 @@ from pathlib import Path
 
 from agent.judge import REPO, JudgeSettings, judge
 from agent.providers import NAMES, ProviderOptions, make_proposer
-from agent.plan import Plan
+from agent.plan import Plan, engine_models, engines
 from agent.providers.base import EvalResult, SearchState
 from agent.providers.builtin import BuiltinProposer
 from agent.report import Entry, Reporter, describe
@@ -33,6 +33,7 @@ EXIT_OK, EXIT_NO_ENGINE, EXIT_BAD_INPUT, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0
 # Where the judged environment mounts its inputs; the repository's own target otherwise.
 MOUNTED_CONFIG, MOUNTED_WEIGHTS = Path("/target/model_config.json"), Path("/target/weights")
 REPO_CONFIG, REPO_WEIGHTS = REPO / "target" / "model_config.json", REPO / "target" / "weights"
+HF_CONFIG = "config.json"   # a model folder's own config, used when --config is not given
 TOY_WEIGHTS_SCRIPT = REPO / "scripts" / "generate_toy_weights.py"
 # Default budgets: a CPU run is a smoke run (recompute, KV cache, a few parameters); on a GPU
 # the walk over kernel variants and parameters needs roughly half an hour.
@@ -67,9 +68,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="run.sh", description="Write, verify and tune workspace/engine.py "
                                 "for a model. Every flag can also be set by the environment variable named.")
     p.add_argument("--config", "--model-config", default=env("config"),
-                   help=f"model config JSON [{ENV['config']}; default {MOUNTED_CONFIG} if present, else target/]")
+                   help=f"model config JSON [{ENV['config']}; default the weights folder's {HF_CONFIG} if it has one, "
+                        f"else {MOUNTED_CONFIG} if present, else target/]")
     p.add_argument("--weights", "--weight-dir", default=env("weights"),
-                   help=f"folder with {WEIGHTS_FILE} [{ENV['weights']}; default {MOUNTED_WEIGHTS} if present, else target/weights]")
+                   help=f"folder with {WEIGHTS_FILE}, or a Hugging Face model folder (config.json, safetensors) "
+                        f"[{ENV['weights']}; default {MOUNTED_WEIGHTS} if present, else target/weights]")
     p.add_argument("--device", choices=DEVICES, default=env("device", "auto"),
                    help=f"[{ENV['device']}] cuda without a GPU falls back to cpu, as the harness does")
     p.add_argument("--budget", type=float, default=env("budget"),
@@ -104,7 +107,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def resolve(args: argparse.Namespace) -> RunConfig:
-    config = Path(args.config) if args.config else (MOUNTED_CONFIG if MOUNTED_CONFIG.is_file() else REPO_CONFIG)
+    if args.config:
+        config = Path(args.config)
+    elif args.weights and (Path(args.weights) / HF_CONFIG).is_file():  # a Hugging Face model folder
+        config = Path(args.weights) / HF_CONFIG
+    else:
+        config = MOUNTED_CONFIG if MOUNTED_CONFIG.is_file() else REPO_CONFIG
     weights = Path(args.weights) if args.weights else (MOUNTED_WEIGHTS if MOUNTED_WEIGHTS.is_dir() else REPO_WEIGHTS)
     from evaluator.common import resolve_device  # the harness's rule; imports torch
 
@@ -259,10 +267,21 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
     return EXIT_OK if ws.installed_verdict() else EXIT_NO_ENGINE
 
 
+def hf_lines(spec: ModelSpec) -> list[str]:
+    """For a Hugging Face model: its conventions and the engines that render them (the others'
+    candidates fail at render, naming this)."""
+    if not spec.conventions.hf:
+        return []
+    able = [e for e in engines() if "hf" in engine_models(e)]
+    return [f"Hugging Face model ({spec.conventions.describe()}): engines that run it: {', '.join(able)}; "
+            f"the others are not proposed (their candidates would fail at render)"]
+
+
 def header_lines(cfg: RunConfig, spec: ModelSpec, hw: dict, settings: JudgeSettings) -> list[str]:
     return [f"config {cfg.config}   weights {cfg.weights}",
             f"device {cfg.device}   budget {cfg.budget:.0f}s   provider {cfg.provider}   seed {cfg.seed}",
             f"hardware {', '.join(f'{k} {v}' for k, v in hw.items())}",
             f"model {spec.summary()}",
             *[f"warning: {w}" for w in spec.warnings],
+            *hf_lines(spec),
             f"evaluator python3 {' '.join(settings.command(Path('<engine>'), Path('<out>'))[1:])}"]

@@ -22,6 +22,7 @@ from agent.providers.base import Candidate, EvalResult, Proposer, SearchState, i
 from agent.render import render_engine
 from agent.report import Entry, Reporter, describe
 from agent.workspace import VARIANTS, Workspace, atomic_write
+from evaluator.checkpoint import Conventions
 
 Judge = Callable[[Path, Path, float, str], EvalResult]   # (engine.py, out dir, timeout s, phase) → verdict
 
@@ -70,7 +71,8 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
     """Render, check, judge; install the engine if it passed and beats the best."""
     entry = Entry(index, candidate, ws.candidate_dir(index, describe(candidate.plan)))
     report.started(entry)
-    source, entry.result = prepare(candidate, entry.directory, state.device)
+    model = state.spec.conventions if state.spec is not None else Conventions()  # no spec: unit tests
+    source, entry.result = prepare(candidate, entry.directory, state.device, model)
     if entry.result is None and not state.history:
         entry.result = judge_conservative(entry, source, judge, ws, report, left)
     else:
@@ -108,13 +110,15 @@ def judge_conservative(entry: Entry, source: str, judge: Judge, ws: Workspace, r
     return replace(verified, error=f"{UNTIMED}: full evaluation {full.error_kind} at {full.stage}")
 
 
-def prepare(candidate: Candidate, directory: Path, device: str) -> tuple[str | None, EvalResult | None]:
+def prepare(candidate: Candidate, directory: Path, device: str,
+            model: Conventions = Conventions()) -> tuple[str | None, EvalResult | None]:
     """Render the candidate into its folder; a failure to render or a policy breach is its verdict."""
     atomic_write(directory / "plan.json", json.dumps(candidate.to_dict(), indent=2) + "\n")
     for (slot, name), text in candidate.extra_variants.items():  # kept so that --resume can restore them
         atomic_write(directory / VARIANTS / f"{slot}.{name}.py.j2", text)
     try:
-        source = render_engine(candidate.plan, candidate.extra_variants)
+        conventions = {"model": model} if model.hf else {}  # the course format: render_engine's default
+        source = render_engine(candidate.plan, candidate.extra_variants, **conventions)
     except Exception as e:  # noqa: BLE001 - a template that does not render is a failed candidate
         failure = EvalResult.failure("render", "compile_error", f"{type(e).__name__}: {e}", device)
     else:

@@ -132,6 +132,19 @@ def engine_params(engine: str) -> dict[str, Param]:
     return out
 
 
+_MODELS = re.compile(r"\{#\s*models:\s*([\w, ]+?)\s*(?:\(|#\})")
+
+
+def engine_models(engine: str) -> tuple[str, ...]:
+    """The model formats a skeleton renders, from its `{# models: course, hf ... #}` line (a
+    Jinja comment, so rendered engines do not carry it); the course format alone without one."""
+    for line in (ENGINES / f"{engine}.py.j2").read_text().splitlines()[:5]:
+        m = _MODELS.search(line)
+        if m:
+            return tuple(f.strip() for f in m.group(1).split(",") if f.strip())
+    return ("course",)
+
+
 def engines() -> list[str]:
     return sorted(p.name.removesuffix(".py.j2") for p in ENGINES.glob("*.py.j2"))
 

@@ -5,7 +5,8 @@ by Jinja with the plan's params, model-written variants verbatim); the engine sk
 prints those blocks as values, so model text is never read as a template."""
 from __future__ import annotations
 
-from agent.plan import REFERENCE_VARIANT, SLOTS, Plan, parse_header
+from agent.plan import REFERENCE_VARIANT, SLOTS, Plan, engine_models, engines, parse_header
+from evaluator.checkpoint import Conventions
 from evaluator.slot_render import (PRELUDE, ExtraVariants, kernel_label, render_kernel, template_env,
                                    variant_source)
 from evaluator.slot_render import kernel_path, render_slot_module  # noqa: F401 - re-exported for tests and scripts
@@ -40,12 +41,18 @@ def _optional_functions(slots: dict[str, str], bf16_slots: dict[str, str], extra
     return out
 
 
-def render_engine(plan: Plan, extra_variants: ExtraVariants | None = None) -> str:
-    """The engine of `plan`; `extra_variants` are model-written variants its slots may name."""
+def render_engine(plan: Plan, extra_variants: ExtraVariants | None = None,
+                  model: Conventions = Conventions()) -> str:
+    """The engine of `plan`; `extra_variants` are model-written variants its slots may name;
+    `model` the conventions it is written for (the course format's by default: a skeleton
+    renders only the code a model's conventions need)."""
+    if model.hf and "hf" not in engine_models(plan.engine):
+        raise ValueError(f"the {plan.engine} engine does not run Hugging Face models yet "
+                         f"(engines that do: {', '.join(e for e in engines() if 'hf' in engine_models(e))})")
     extra = extra_variants or {}
     slots = {s: plan.slots.get(s, REFERENCE_VARIANT) for s in SLOTS}
     bf16_slots = _bf16_slots(slots, extra)
     template = template_env().get_template(f"engine/{plan.engine}.py.j2")
-    return template.render(plan=plan, slots=slots, bf16_slots=bf16_slots, params=plan.params,
+    return template.render(plan=plan, model=model, slots=slots, bf16_slots=bf16_slots, params=plan.params,
                            kernel_blocks=_kernel_blocks(slots, bf16_slots, plan.params, extra), prelude=PRELUDE,
                            optional_functions=_optional_functions(slots, bf16_slots, extra))

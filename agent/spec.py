@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from evaluator.checkpoint import CheckpointError, Conventions, conventions, rope_parameters, stored_dtype_name
+
 WEIGHTS_FILE = "model.pt"
 REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 DEFAULT_EPS = 1e-5
@@ -51,14 +53,18 @@ class ModelSpec:
     eps: float
     theta: float
     dtype: str                              # "float16" | "bfloat16": the CUDA compute dtype
+    conventions: Conventions = Conventions()  # the course format's, or an HF folder's
     parameters: int = 0
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
     def summary(self) -> str:
         gqa = "MHA" if self.kv_heads == self.heads else ("MQA" if self.kv_heads == 1 else "GQA")
-        return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads × {self.head_dim} "
+        text = (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads × {self.head_dim} "
                 f"({gqa}, {self.kv_heads} kv), mlp {self.intermediate}, vocab {self.vocab}, "
                 f"{self.dtype}, {self.parameters / 1e6:.1f}M params")
+        if self.conventions.hf:
+            text += f"; {self.config['architectures'][0]}: {self.conventions.describe()}"
+        return text
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """The SPEC §1 weight layout for this config (the evaluator's table: one layout, one place)."""
@@ -66,13 +72,17 @@ class ModelSpec:
         from evaluator.weights import weight_shapes
 
         return weight_shapes(ModelDims(self.hidden, self.intermediate, self.layers, self.heads, self.kv_heads,
-                                       self.head_dim, self.vocab, self.eps, self.theta, self.dtype))
+                                       self.head_dim, self.vocab, self.eps, self.theta, self.dtype),
+                             self.conventions)
 
     def to_dict(self) -> dict:
         keys = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab",
                 "max_positions", "eps", "theta", "dtype", "parameters")
-        return {"config_path": str(self.config_path), "weight_dir": str(self.weight_dir),
-                **{k: getattr(self, k) for k in keys}, "warnings": list(self.warnings)}
+        out = {"config_path": str(self.config_path), "weight_dir": str(self.weight_dir),
+               **{k: getattr(self, k) for k in keys}, "warnings": list(self.warnings)}
+        if self.conventions.hf:
+            out["conventions"] = self.conventions.describe()
+        return out
 
 
 def read_config(path: Path) -> dict:
@@ -125,8 +135,14 @@ def _as_float(value: int | float) -> float:
 
 
 def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> ModelSpec:
-    """Sizes and numerics from the config, with SPEC's defaults, refusing what the reference cannot run."""
-    for key, feature in UNSUPPORTED_IF_SET.items():
+    """Sizes and numerics from the config, with SPEC's defaults, refusing what the reference cannot
+    run: for the course format any key of UNSUPPORTED_IF_SET, for an HF config whatever its
+    conventions cannot express (evaluator/checkpoint.py)."""
+    try:
+        conv = conventions(config)
+    except CheckpointError as e:
+        raise SpecError(str(e)) from None
+    for key, feature in UNSUPPORTED_IF_SET.items() if not conv.hf else ():
         if config.get(key) not in (None, False):
             raise SpecError(f"unsupported feature: {feature} (model config key '{key}' = {_shown(config[key])})")
     act = config.get("hidden_act")
@@ -145,15 +161,17 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
     if head_dim % 2:
         raise SpecError(f"unsupported feature: odd head_dim {head_dim} (interleaved RoPE rotates pairs; "
                         f"model config key 'head_dim')")
-    dtype = str(config.get("torch_dtype", "float16")).lower()
+    dtype = stored_dtype_name(config).lower()
     return ModelSpec(
         config_path=config_path, weight_dir=weight_dir, config=config,
         hidden=sizes["hidden_size"], intermediate=sizes["intermediate_size"], layers=sizes["num_hidden_layers"],
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab=sizes["vocab_size"],
         max_positions=_positive_int(config, "max_position_embeddings", DEFAULT_MAX_POSITIONS),
         eps=_positive_float(config, "rms_norm_eps", DEFAULT_EPS),
-        theta=_positive_float(config, "rope_theta", DEFAULT_THETA),
+        theta=_positive_float(rope_parameters(config) if conv.hf and "rope_theta" not in config else config,
+                              "rope_theta", DEFAULT_THETA),
         dtype="bfloat16" if dtype in ("bfloat16", "bf16") else "float16",
+        conventions=conv,
     )
 
 
@@ -226,4 +244,8 @@ def load_spec(config_path: str | Path, weight_dir: str | Path) -> ModelSpec:
     """The whole check; raises SpecError with a one-line message on the first problem."""
     config_path, weight_dir = Path(config_path), Path(weight_dir)
     spec = spec_from_config(read_config(config_path), config_path, weight_dir)
+    if spec.conventions.hf:
+        from agent.checkpoint import check_hf_weights
+
+        return check_hf_weights(spec, SpecError)
     return check_weights(spec, load_state_dict(weight_dir))

@@ -16,10 +16,11 @@ from typing import Any, Callable
 
 import torch
 
+from evaluator.checkpoint import is_hf, load_hf_weights, rope_theta, stored_dtype_name
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WEIGHT_FILE = "model.pt"
 DEFAULT_RMS_NORM_EPS = 1e-5
-DEFAULT_ROPE_THETA = 10000.0
 BF16_NAMES = ("bfloat16", "bf16")
 
 # error_kind values of docs/design.md §2 (timeout is recorded by the judge, never here).
@@ -83,8 +84,8 @@ class ModelDims:
             head_dim=int(config.get("head_dim", hidden // heads)),
             vocab=int(config["vocab_size"]),
             eps=float(config.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS)),
-            theta=float(config.get("rope_theta", DEFAULT_ROPE_THETA)),
-            dtype_name=str(config.get("torch_dtype", "float16")),
+            theta=rope_theta(config),
+            dtype_name=stored_dtype_name(config),
         )
 
     @property
@@ -152,11 +153,15 @@ def compute_dtype(config: dict, device: str) -> torch.dtype:
     """SPEC.md §3: fp32 on CPU; on CUDA bf16 if `torch_dtype` names it, else fp16."""
     if resolve_device(device) != "cuda":
         return torch.float32
-    name = str(config.get("torch_dtype", "float16")).lower()
+    name = stored_dtype_name(config).lower()
     return torch.bfloat16 if name in BF16_NAMES else torch.float16
 
 
-def load_weights(weight_dir: str | Path) -> dict[str, torch.Tensor]:
+def load_weights(weight_dir: str | Path, config: dict | None = None) -> dict[str, torch.Tensor]:
+    """The state dict under bare names: model.pt for the course format (config None or a course
+    config), the HF folder's files (evaluator/checkpoint.py) for a config naming its architecture."""
+    if config is not None and is_hf(config):
+        return load_hf_weights(weight_dir, config)
     return torch.load(Path(weight_dir) / WEIGHT_FILE, map_location="cpu", weights_only=True)
 
 

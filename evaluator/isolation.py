@@ -99,6 +99,17 @@ def _reachable_by_others(path: Path) -> bool:
         return False
 
 
+def _files_readable_by_others(path: Path) -> bool:
+    """For a folder, whether others may read every file in it (a Hugging Face folder's
+    safetensors are written 0600 by their library, in a folder anyone may list)."""
+    if not path.is_dir():
+        return True
+    try:
+        return all(p.stat().st_mode & stat.S_IROTH for p in path.iterdir() if p.is_file())
+    except OSError:
+        return False
+
+
 def _fresh_uid() -> int:
     """A uid no account, process or file in the shared temporary folders uses."""
     import pwd
@@ -321,7 +332,7 @@ class Jail:
         copy in the jail (a weight folder under a private home, pytest's 0700 temp folders).
         Always absolute: the worker's working directory is its scratch folder."""
         path = Path(path).resolve()
-        if self.spec.uid is None or _reachable_by_others(path):
+        if self.spec.uid is None or _reachable_by_others(path) and _files_readable_by_others(path):
             return str(path)
         copy = Path(tempfile.mkdtemp(dir=self.root, prefix="input-"))
         os.chmod(copy, 0o755)

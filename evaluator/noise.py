@@ -49,7 +49,7 @@ def reference_margin(config: dict, weight_dir: str | Path, device: str = "auto",
     device = resolve_device(device)
     if (dtype or compute_dtype(config, device)) == torch.float32:
         return 1.0
-    return judge_margin(config, load_weights(weight_dir), device, tol, seed, dtype)
+    return judge_margin(config, load_weights(weight_dir, config), device, tol, seed, dtype)
 
 
 @torch.no_grad()

@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # run as a script: make the `evaluator` package i
 
 import torch  # noqa: E402
 
+from evaluator.checkpoint import is_hf, save_hf_weights, with_conventions_of  # noqa: E402
 from evaluator.common import (WEIGHT_FILE, EvalFailure, Tolerance, call_engine,  # noqa: E402
                               compute_dtype, load_config, load_engine_module, load_weights,
                               make_generator, resolve_device)
@@ -178,15 +179,19 @@ def weight_scale(rng: random.Random, dtype: torch.dtype, hidden: int) -> float:
     return max(TOY_SCALE * rng.uniform(f_lo, f_hi), math.sqrt(rng.uniform(k_lo, k_hi) / hidden))
 
 
-def stress_models(rng: random.Random, quick: bool, device: str) -> list[StressModel]:
+def stress_models(rng: random.Random, quick: bool, device: str,
+                  target_config: dict | None = None) -> list[StressModel]:
     """The random models of a run. In quick mode one of them, drawn at random, carries the
-    long-prompt scenario (recomputing 1k tokens per call is most of a CPU run's time)."""
+    long-prompt scenario (recomputing 1k tokens per call is most of a CPU run's time). With a
+    Hugging Face target they take its conventions (an engine is written for one model family)."""
     hidden_choices, head_dims = QUICK_SIZES if quick else FULL_SIZES
     kinds = QUICK_MODELS if quick else FULL_MODELS
     long_prompt_model = rng.randrange(len(kinds))
     out = []
     for i, (kind, dtype_name, vocab, explicit) in enumerate(kinds):
         config = _model(rng, kind, dtype_name, hidden_choices, head_dims, vocab, explicit)
+        if target_config is not None and is_hf(target_config):
+            config = with_conventions_of(config, target_config)
         scale = weight_scale(rng, compute_dtype(config, device), config["hidden_size"])
         heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
         name = (f"m{i}-{kind}{heads}x{kv}-{dtype_name}-h{config['hidden_size']}"
@@ -275,7 +280,8 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     rng = random.Random(seed)
     device = resolve_device(device)
-    models = stress_models(rng, quick, device)
+    target_config = load_config(target[0]) if target is not None else None
+    models = stress_models(rng, quick, device, target_config)
     target_trace_seed = rng.randrange(2**31)
     report = StressReport(seed, "quick" if quick else "full")
     module = load_engine_module(engine)
@@ -285,12 +291,15 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
     if target is not None:
         weight_dir = str(target[1])
         scenarios = ["churn"] if quick else list(STRESS_SCENARIOS)
-        go_on = run.model(TARGET, load_config(target[0]), weight_dir, load_weights(weight_dir), scenarios,
+        go_on = run.model(TARGET, target_config, weight_dir, load_weights(weight_dir, target_config), scenarios,
                           target_trace_seed)
     for model in models if go_on else []:
         weights = judge_safe_weights(model, device, tol, log)
         with tempfile.TemporaryDirectory(prefix="stress-weights-") as tmp:
-            save_weights(weights, Path(tmp) / WEIGHT_FILE)
+            if is_hf(model.config):
+                save_hf_weights(weights, tmp, model.config)
+            else:
+                save_weights(weights, Path(tmp) / WEIGHT_FILE)
             if not run.model(model.name, model.config, tmp, weights, list(model.scenarios), model.trace_seed):
                 break
     identities.check("after the stress suite")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from agent import search
-from agent.plan import Plan, engine_params, engines, menu
+from agent.plan import Plan, engine_models, engine_params, engines, menu
 from agent.providers.base import Candidate, EvalResult, SearchState
 
 
@@ -18,12 +18,18 @@ class BuiltinProposer:
         self._walk: Iterator[tuple[Plan, str]] | None = None
 
     def _start(self) -> Iterator[tuple[Plan, str]]:
-        if self.engine not in engines():
+        if self.engine not in engines() or not self._runs_model():
             return iter(())
         params = engine_params(self.engine)
         start = search.default_plan(self.engine, params)
         base = lambda: search.best_plan_of(self.engine, self._state, start)  # noqa: E731
         return search.walk(base, self.device, menu(), params, start)
+
+    def _runs_model(self) -> bool:
+        """Whether the walked engine renders this model's conventions (a Hugging Face model
+        on an engine that does not: nothing to walk; the conservative engine stands)."""
+        spec = self._state.spec if self._state is not None else None
+        return spec is None or not spec.conventions.hf or "hf" in engine_models(self.engine)
 
     def propose(self, state: SearchState) -> Candidate | None:
         self._state = state

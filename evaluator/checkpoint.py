@@ -1,0 +1,342 @@
+"""Hugging Face model folders: the conventions a config names, and its weights under the
+course's bare names.
+
+Two formats, told apart by the config alone (the reference is given a config and a state dict,
+never a folder): the course format (SPEC.md §1: no `architectures` key, one `model.pt` of bare
+names, interleaved RoPE, untied head) and a Hugging Face folder (`architectures` names a
+Llama-family class; `model.safetensors`, sharded safetensors + `model.safetensors.index.json`,
+or `pytorch_model.bin`; `model.`-prefixed names; rotate-half RoPE). Everything downstream sees
+one state dict of bare names (`embed_tokens.weight`, `layers.N.…`, `norm.weight`,
+`lm_head.weight`, plus `…q_proj.bias` and `…q_norm.weight` where the model has them) and a
+`Conventions` saying how to run it. The course format's conventions are all defaults, so the
+course path reads and computes exactly as before.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_BIN = "pytorch_model.bin"
+HF_PREFIX = "model."
+# Architecture → (q/k/v biases, per-head q/k RMSNorm). Anything else is refused by name.
+ARCHITECTURES = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Config keys that mean experts (mixture of experts): the reference runs dense MLPs only.
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+DEFAULT_THETA = 10000.0
+
+
+class CheckpointError(ValueError):
+    """A model folder or config this code cannot run, said in one line naming the key or file."""
+
+
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """rope_scaling of type `llama3`: long wavelengths slowed by `factor`, short ones kept, a
+    smooth blend between (Llama 3.1/3.2)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+
+@dataclass(frozen=True)
+class Conventions:
+    """How a model computes, beyond its sizes. The defaults are the course format's."""
+
+    hf: bool = False                        # HF folder: model.-prefixed names, rotate-half RoPE
+    rope_scaling: Llama3Scaling | None = None
+    qkv_bias: bool = False                  # q/k/v projections carry biases (Qwen2)
+    qk_norm: bool = False                   # per-head RMSNorm of q and k before RoPE (Qwen3)
+    tied: bool = False                      # lm_head is embed_tokens
+
+    @property
+    def rope_style(self) -> str:
+        return "rotate_half" if self.hf else "interleaved"
+
+    def describe(self) -> str:
+        parts = [f"{self.rope_style} RoPE"]
+        if self.rope_scaling:
+            parts.append(f"llama3 rope scaling x{self.rope_scaling.factor:g}")
+        parts += [name for name, on in (("q/k/v biases", self.qkv_bias), ("q/k norm", self.qk_norm),
+                                        ("tied embeddings", self.tied)) if on]
+        return ", ".join(parts)
+
+
+def is_hf(config: dict) -> bool:
+    return "architectures" in config
+
+
+def rope_parameters(config: dict) -> dict:
+    """RoPE settings as one dict: transformers 5 writes `rope_parameters` (theta inside), older
+    checkpoints `rope_theta` and `rope_scaling` side by side."""
+    params = config.get("rope_parameters")
+    if params is None:
+        params = dict(config.get("rope_scaling") or {})
+        if "rope_theta" in config:
+            params["rope_theta"] = config["rope_theta"]
+    if not isinstance(params, dict):
+        raise CheckpointError(f"model config key 'rope_parameters' must be an object, got {params!r}"[:200])
+    return params
+
+
+def rope_theta(config: dict) -> float:
+    """The RoPE base: `rope_theta` (the course; older checkpoints), else, for an HF config,
+    the one inside `rope_parameters` (transformers 5)."""
+    if "rope_theta" in config or not is_hf(config):
+        return float(config.get("rope_theta", DEFAULT_THETA))
+    return float((config.get("rope_parameters") or {}).get("rope_theta", DEFAULT_THETA))
+
+
+def stored_dtype_name(config: dict) -> str:
+    """`torch_dtype` (the course; older checkpoints), else, for an HF config, `dtype`
+    (transformers 5); float16 when neither is given."""
+    if "torch_dtype" in config or not is_hf(config):
+        return str(config.get("torch_dtype", "float16"))
+    return str(config.get("dtype", "float16"))
+
+
+def _rope_scaling(config: dict) -> Llama3Scaling | None:
+    key = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
+    params = rope_parameters(config)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(f"unsupported feature: RoPE type {kind!r} (model config key '{key}'; "
+                              f"supported: {', '.join(ROPE_TYPES)})")
+    if kind == "default":
+        return None
+    missing = [k for k in LLAMA3_KEYS if not isinstance(params.get(k), (int, float)) or not params[k] > 0]
+    if missing:
+        raise CheckpointError(f"model config key '{key}' of type llama3 needs a positive '{missing[0]}'")
+    if not params["high_freq_factor"] > params["low_freq_factor"]:
+        raise CheckpointError(f"model config key '{key}': high_freq_factor must exceed low_freq_factor")
+    return Llama3Scaling(float(params["factor"]), float(params["low_freq_factor"]),
+                         float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+
+
+def conventions(config: dict) -> Conventions:
+    """The config's conventions, or CheckpointError naming the key of what cannot be run."""
+    if not is_hf(config):
+        return Conventions()
+    archs = config["architectures"]
+    if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
+        raise CheckpointError(f"unsupported architecture {archs!r} (model config key 'architectures'; "
+                              f"supported: {', '.join(ARCHITECTURES)})"[:300])
+    qkv_bias, qk_norm = ARCHITECTURES[archs[0]]
+    for key in MOE_KEYS:
+        if config.get(key):
+            raise CheckpointError(f"unsupported feature: mixture of experts (model config key '{key}')")
+    if config.get("mlp_bias"):
+        raise CheckpointError("unsupported feature: MLP biases (model config key 'mlp_bias')")
+    if config.get("attention_bias") and not qkv_bias:
+        raise CheckpointError(f"unsupported feature: attention biases for {archs[0]} (model config key "
+                              f"'attention_bias')")
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise CheckpointError(f"unsupported feature: activation {config['hidden_act']!r} (model config key "
+                              f"'hidden_act'; only SwiGLU/silu)")
+    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError("unsupported feature: partial rotary embeddings (model config key "
+                              "'partial_rotary_factor')")
+    _check_window(config)
+    layer_types = config.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise CheckpointError("unsupported feature: layers other than full attention (model config key "
+                              "'layer_types')")
+    return Conventions(hf=True, rope_scaling=_rope_scaling(config), qkv_bias=qkv_bias, qk_norm=qk_norm,
+                       tied=bool(config.get("tie_word_embeddings", False)))
+
+
+def _check_window(config: dict) -> None:
+    """Sliding-window attention is refused where it could bite: a window shorter than the
+    context the engine is asked to serve (max_position_embeddings). Qwen configs name a window
+    they do not use unless `use_sliding_window` is set."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window") is False:
+        return
+    limit = config.get("max_position_embeddings")
+    if not isinstance(window, int) or isinstance(limit, int) and limit > window:
+        raise CheckpointError(f"unsupported feature: sliding window {window!r} shorter than "
+                              f"max_position_embeddings {limit!r} (model config key 'sliding_window'; "
+                              f"set max_position_embeddings to at most the window to run it)")
+
+
+# Keys that carry a Hugging Face config's conventions (not its sizes): what a random stress
+# model copies from the target so the engine written for the target runs it.
+CONVENTION_KEYS = ("architectures", "tie_word_embeddings", "rope_scaling", "rope_parameters", "attention_bias")
+
+
+def with_conventions_of(config: dict, target: dict) -> dict:
+    """`config`'s sizes with `target`'s conventions; its own RoPE base (or the default) goes
+    where the target keeps its base, so that one rule reads it (rope_theta)."""
+    out = dict(config, **{k: target[k] for k in CONVENTION_KEYS if k in target})
+    if "rope_parameters" in target:
+        out["rope_parameters"] = dict(target["rope_parameters"], rope_theta=out.pop("rope_theta", DEFAULT_THETA))
+    out["model_type"] = target.get("model_type", out.get("model_type"))
+    return out
+
+
+# ---- files ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    name: str                   # the name in the file (HF, prefixed)
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The safetensors files of the folder: the single file, or every shard the index names."""
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index (a 'weight_map' object): "
+                                  f"{type(e).__name__}") from None
+        for name in names:
+            if not isinstance(name, str) or "/" in name or not (folder / name).is_file():
+                raise CheckpointError(f"{index} names a missing file: {name!r}")
+        return [folder / name for name in names]
+    if (folder / SAFETENSORS).is_file():
+        return [folder / SAFETENSORS]
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    if shards:
+        raise CheckpointError(f"{shards[0]} is a shard but {folder} has no {SAFETENSORS_INDEX}")
+    return []
+
+
+def list_tensors(folder: str | Path) -> dict[str, TensorInfo]:
+    """Every tensor of an HF folder by its bare name, read lazily (headers only). Raises
+    CheckpointError naming the file for a missing file or shard, a truncated or unreadable
+    file, or a name stored twice."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"weights directory not found: {folder}")
+    files = _safetensors_files(folder)
+    out: dict[str, TensorInfo] = {}
+    if files:
+        from safetensors import safe_open
+
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    infos = [(name, f.get_slice(name)) for name in f.keys()]
+                    infos = [(name, tuple(s.get_shape()), s.get_dtype()) for name, s in infos]
+            except Exception as e:  # noqa: BLE001 - any unreadable file is one line naming it
+                raise CheckpointError(f"cannot read {path} as safetensors: {_first_line(e)}") from None
+            for name, shape, dtype in infos:
+                _add(out, TensorInfo(path, name, shape, dtype))
+        _check_complete(folder, out)
+        return out
+    path = folder / TORCH_BIN
+    if not path.is_file():
+        raise CheckpointError(f"{folder} holds no {SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN}")
+    for name, t in _load_bin(path).items():
+        _add(out, TensorInfo(path, name, tuple(t.shape), str(t.dtype)))
+    return out
+
+
+def _check_complete(folder: Path, tensors: dict[str, TensorInfo]) -> None:
+    """Every name the index maps is in the file it maps it to."""
+    index = folder / SAFETENSORS_INDEX
+    if not index.is_file():
+        return
+    for name, file in json.loads(index.read_text())["weight_map"].items():
+        info = tensors.get(_bare(name))
+        if info is None or info.file.name != file:
+            raise CheckpointError(f"{index} maps '{name}' to {file}, which does not hold it")
+
+
+def _add(out: dict[str, TensorInfo], info: TensorInfo) -> None:
+    bare = _bare(info.name)
+    if bare in out:
+        raise CheckpointError(f"tensor '{info.name}' is stored twice ({out[bare].file.name}, {info.file.name})")
+    out[bare] = info
+
+
+def _bare(name: str) -> str:
+    return name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else name
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - any failure to unpickle is the same user-facing problem
+        raise CheckpointError(f"cannot load {path} as a state dict: {_first_line(e)}") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"{path} is not a state dict of named tensors")
+    return state
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """One tensor, as stored (CPU)."""
+    if info.file.name == TORCH_BIN:
+        return _load_bin(info.file)[info.name]
+    from safetensors import safe_open
+
+    with safe_open(str(info.file), framework="pt") as f:
+        return f.get_tensor(info.name)
+
+
+def load_hf_weights(folder: str | Path, config: dict) -> dict[str, torch.Tensor]:
+    """The folder's weights under bare names, as stored; a tied head is the embedding itself."""
+    folder = Path(folder)
+    tensors = list_tensors(folder)
+    if (folder / TORCH_BIN).is_file() and not any(i.file.suffix == ".safetensors" for i in tensors.values()):
+        state = {_bare(k): v for k, v in _load_bin(folder / TORCH_BIN).items()}
+    else:
+        from safetensors.torch import load_file
+
+        state = {}
+        for path in sorted({i.file for i in tensors.values()}):
+            state.update({_bare(k): v for k, v in load_file(str(path)).items()})
+    if conventions(config).tied:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    return state
+
+
+def save_hf_weights(weights: dict[str, torch.Tensor], folder: str | Path, config: dict) -> Path:
+    """Bare-named weights as an HF folder's model.safetensors (the tied head not stored)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tied = conventions(config).tied
+    out = {(k if k == "lm_head.weight" else HF_PREFIX + k): v.contiguous() for k, v in weights.items()
+           if not (tied and k == "lm_head.weight")}
+    save_file(out, str(folder / SAFETENSORS))
+    return folder / SAFETENSORS
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, s: Llama3Scaling) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: wavelengths above original/low_freq_factor divided by the
+    factor, below original/high_freq_factor kept, a linear blend in between."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_positions / s.low_freq_factor
+    high_wavelen = s.original_max_positions / s.high_freq_factor
+    smooth = (s.original_max_positions / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    return torch.where(wavelen > low_wavelen, inv_freq / s.factor,
+                       torch.where(wavelen < high_wavelen, inv_freq, blended))

@@ -1,0 +1,103 @@
+"""Hugging Face model folders at the agent's door (agent/spec.py, agent/checkpoint.py): each
+supported architecture becomes a ModelSpec naming its conventions; every broken or unsupported
+folder is one line naming the key or file, exit 2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from agent.cli import EXIT_BAD_INPUT, main
+from agent.spec import SpecError, load_spec
+from tests.hf_models import ARCHITECTURES, build
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {"llama": build(root / "llama", llama3=True, tied=True),
+            "sharded": build(root / "sharded", "Qwen2ForCausalLM", sharded=True),
+            "bin": build(root / "bin", "Qwen3ForCausalLM", safetensors=False)}
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _edit_config(folder, **changes):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_each_architecture_is_read_with_its_conventions(tmp_path, arch):
+    model = build(tmp_path / "m", arch, dtype=torch.bfloat16)
+    spec = load_spec(model.folder / "config.json", model.folder)
+    conv = spec.conventions
+    assert conv.hf and conv.rope_style == "rotate_half"
+    assert (conv.qkv_bias, conv.qk_norm) == (arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM")
+    assert spec.dtype == "bfloat16" and spec.head_dim == 24 and spec.warnings == ()
+    assert spec.parameters == sum(v.numel() for v in
+                                  __import__("safetensors.torch").torch.load_file(model.folder / "model.safetensors").values())
+
+
+def test_sharded_bin_tied_and_llama3(folders):
+    spec = load_spec(folders["llama"].folder / "config.json", folders["llama"].folder)
+    assert spec.conventions.tied and spec.conventions.rope_scaling.factor == 8.0
+    assert "lm_head.weight" not in spec.expected_shapes()
+    assert load_spec(folders["sharded"].folder / "config.json", folders["sharded"].folder).conventions.qkv_bias
+    assert load_spec(folders["bin"].folder / "config.json", folders["bin"].folder).conventions.qk_norm
+
+
+def _shard(folder):
+    return sorted(folder.glob("model-*-of-*.safetensors"))[1]
+
+
+BROKEN = {
+    "missing shard": ("sharded", lambda d: _shard(d).unlink(), "names a missing file"),
+    "index naming a missing file": ("sharded", lambda d: (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-99-of-99.safetensors"}})), "model-99-of-99"),
+    "truncated safetensors": ("llama", lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:-100]), "cannot read"),
+    "wrong shape": ("llama", lambda d: _edit_config(d, intermediate_size=100), "has shape"),
+    "unsupported architecture": ("llama", lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"]),
+                                 "'architectures'"),
+    "mixture of experts": ("llama", lambda d: _edit_config(d, num_local_experts=8), "'num_local_experts'"),
+    "other rope type": ("llama", lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+                        "'rope_parameters'"),
+    "sliding window below the context": ("llama", lambda d: _edit_config(d, sliding_window=128), "'sliding_window'"),
+    "no weights at all": ("llama", lambda d: (d / "model.safetensors").unlink(), "holds no model.safetensors"),
+    "shard without index": ("sharded", lambda d: (d / "model.safetensors.index.json").unlink(),
+                            "no model.safetensors.index.json"),
+    "missing tensor": ("bin", lambda d: torch.save({k: v for k, v in torch.load(d / "pytorch_model.bin").items()
+                                                    if "q_norm" not in k}, d / "pytorch_model.bin"),
+                       "missing tensor 'model.layers.0.self_attn.q_norm.weight'"),
+}
+
+
+@pytest.mark.parametrize("problem", list(BROKEN))
+def test_broken_folders_are_one_line(folders, tmp_path, problem):
+    source, breaks, words = BROKEN[problem]
+    folder = _copy(folders[source].folder, tmp_path / "m")
+    breaks(folder)
+    with pytest.raises(SpecError) as e:
+        load_spec(folder / "config.json", folder)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_run_sh_takes_the_folders_config_and_exits_2(folders, tmp_path, capsys):
+    """--weights DIR alone: DIR/config.json is the config; a broken folder ends with one line, exit 2."""
+    folder = _copy(folders["sharded"].folder, tmp_path / "m")
+    _shard(folder).unlink()
+    assert main(["--weights", str(folder), "--workspace", str(tmp_path / "ws"), "--device", "cpu"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "names a missing file" in err[0]
