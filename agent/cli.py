@@ -44,6 +44,7 @@ DEFAULT_BUDGET = {"cpu": 600.0, "cuda": 1800.0}
 BENCH = {"cpu": {"warmup": 0, "repeat": 1, "cases": "prefill,decode,mixed"},
          "cuda": {"warmup": 1, "repeat": 3, "cases": "prefill,decode,mixed,decode128,mixed128"}}
 DEVICES = ("auto", "cuda", "cpu")
+BANDWIDTH, PEAK = "bandwidth GB/s", "peak TFLOP/s"   # keys of the hardware facts handed to the evaluator
 SEED_RANGE = 1_000_000
 ENV = {"config": "MODEL_CONFIG", "weights": "WEIGHT_DIR", "device": "DEVICE", "budget": "BUDGET",
        "provider": "PROVIDER", "model": "LLM_MODEL", "seed": "SEED", "workspace": "AGENT_WORKSPACE",
@@ -149,11 +150,20 @@ def ensure_toy_weights(cfg: RunConfig) -> None:
     os.replace(tmp, target)
 
 
-def hardware(device: str) -> dict:
+def hardware(device: str, config: Path) -> dict:
+    """The machine's facts, with its memory bandwidth and GEMM peak measured once per run (a
+    known GPU's from the evaluator's table): every evaluation gets them as flags, so each
+    candidate's floor is the same and none spends time or memory measuring again."""
     import torch
+
+    from evaluator.common import compute_dtype, load_config
+    from evaluator.floor import detect_hardware
+
     facts = {"device": device, "cpus": os.cpu_count(), "torch": torch.__version__}
     if device == "cuda":
         facts["gpu"] = torch.cuda.get_device_name(0)
+    hw = detect_hardware(device, compute_dtype(load_config(config), device))
+    facts.update({BANDWIDTH: round(hw.bandwidth_gbs, 1), PEAK: round(hw.peak_tflops, 2), "floor from": hw.source})
     return facts
 
 
@@ -202,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     if previous is not None and args.seed is None and previous.seed is not None:
         cfg = replace(cfg, seed=previous.seed)  # the interrupted run's stress draw, so verdicts compare
     bench = BENCH[cfg.device]
+    facts = hardware(cfg.device, cfg.config)
     settings = JudgeSettings(sys.executable, cfg.config, cfg.weights, cfg.device, cfg.seed, stress="quick",
-                             cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"])
-    state = SearchState(spec=spec, device=cfg.device, hardware=hardware(cfg.device), seconds_left=cfg.budget)
+                             cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"],
+                             bandwidth_gbs=facts[BANDWIDTH], peak_tflops=facts[PEAK])
+    state = SearchState(spec=spec, device=cfg.device, hardware=facts, seconds_left=cfg.budget)
     try:
         return run_search(cfg, spec, state, settings, ws, report, previous, started)
     except OSError as e:  # a full disk, a workspace made read-only: the run cannot record anything more

@@ -52,6 +52,8 @@ class JudgeSettings:
     warmup: int = 1
     repeat: int = 3
     memory_bytes: int = field(default_factory=lambda: default_memory_cap())   # the worker's cap
+    bandwidth_gbs: float | None = None   # the floor's hardware, measured once per run;
+    peak_tflops: float | None = None     # None: each evaluation measures its own
 
     def for_phase(self, phase: str) -> "JudgeSettings":
         """FULL: these settings. VERIFY: the public sequence and one short timing, the quickest
@@ -68,6 +70,8 @@ class JudgeSettings:
                "--memory-gb", f"{self.memory_bytes / 2**30:.6f}"]
         if self.cases:
             cmd += ["--cases", self.cases]
+        if self.bandwidth_gbs and self.peak_tflops:
+            cmd += ["--bandwidth-gbs", str(self.bandwidth_gbs), "--peak-tflops", str(self.peak_tflops)]
         return cmd
 
 

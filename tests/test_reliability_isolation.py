@@ -21,7 +21,8 @@ from evaluator.common import EvalFailure
 from tests.fixtures.broken_engines import broken_source
 
 # The quickest verdict the evaluator gives: the public sequence and one short timing.
-QUICK = {"stress": "off", "cases": "prefill", "warmup": 0, "repeat": 1}
+QUICK = {"stress": "off", "cases": "prefill", "warmup": 0, "repeat": 1,
+         "bandwidth_gbs": 100.0, "peak_tflops": 1.0}   # the floor is not under test here: no measuring
 HANG_TIMEOUT_SECONDS = 8.0      # start-up and the public sequence fit in it; the hang does not end
 KILL_SLACK_SECONDS = 15.0       # killing and sweeping the worker, on a loaded machine
 SMALL_CAP = 2**30               # below the 1.5 GiB hogs_memory holds
