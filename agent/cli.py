@@ -21,7 +21,7 @@ from pathlib import Path
 from agent.judge import REPO, JudgeSettings, judge
 from agent.providers import NAMES, ProviderOptions, make_proposer
 from agent.plan import Plan, engine_models, engines
-from agent.providers.base import EvalResult, SearchState
+from agent.records import EvalResult, SearchState
 from agent.providers.builtin import BuiltinProposer
 from agent.report import Entry, Reporter, describe
 from agent.resume import Previous, ResumeError

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from agent.providers.base import EvalResult
+from agent.records import EvalResult
 from agent.workspace import atomic_write
 from evaluator.isolation import children, kill_new_children, protect_judge
 

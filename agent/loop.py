@@ -18,7 +18,7 @@ from pathlib import Path
 
 from agent import policy, search
 from agent.judge import FULL, VERIFY
-from agent.providers.base import Candidate, EvalResult, Proposer, SearchState, improves
+from agent.records import Candidate, EvalResult, Proposer, SearchState, improves
 from agent.render import render_engine
 from agent.report import Entry, Reporter, describe
 from agent.workspace import VARIANTS, Workspace, atomic_write

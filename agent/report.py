@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.plan import Plan, engine_params
-from agent.providers.base import Candidate, EvalResult
+from agent.records import Candidate, EvalResult
 from agent.workspace import ENGINE, RESULTS_JSON, RESULTS_LOG, atomic_write
 
 ERROR_CHARS = 400           # of an error, in the log line (the whole text is in results.json)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.plan import Plan
-from agent.providers.base import Candidate, EvalResult
+from agent.records import Candidate, EvalResult
 from agent.report import Entry
 from agent.workspace import CANDIDATES, ENGINE, RESULTS_JSON, VARIANTS, VERDICT, Workspace
 

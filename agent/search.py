@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from agent.plan import REFERENCE_VARIANT, Param, Plan, Variant, reference_slots
-from agent.providers.base import SearchState, improves
+from agent.records import SearchState, improves
 
 CONSERVATIVE_ENGINE = "recompute"
 FAST_ENGINE = "paged"

@@ -6,7 +6,7 @@ The judge computes in fp16/bf16 (SPEC.md §3); on some weights that rounding alo
 logits half the tolerance or more away from the same model in fp32 (an fp16 GQA target with
 hidden 1536, eleventh session: the fp16 judge sat at 0.55-0.72 of the tolerance from fp64).
 Then no engine that rounds differently anywhere, however carefully, can be as close to the judge
-as the loop's safety margin asks (MIN_SAFETY_MARGIN, agent/providers/base.py), and that margin
+as the loop's safety margin asks (MIN_SAFETY_MARGIN, agent/records.py), and that margin
 is read against this one: an engine as close to the judge as the judge is to fp32 is as
 trustworthy as the judge. The margin is the same statistic as the checks' (evaluator/guards.py
 compare): 1 - the worst (|judge - fp32| - rtol*|fp32|) / atol over the last-position logits of

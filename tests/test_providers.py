@@ -17,7 +17,7 @@ import pytest
 from agent import loop
 from agent.plan import Plan, engine_params, reference_slots
 from agent.providers import ProviderOptions, make_proposer
-from agent.providers.base import Candidate, EvalResult, SearchState
+from agent.records import Candidate, EvalResult, SearchState
 from agent.providers.budget import Budget, MeteredClient
 from agent.providers.builtin import BuiltinProposer
 from agent.providers.chat import ChatError, RecordingClient, RetryingClient

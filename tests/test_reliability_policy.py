@@ -10,7 +10,7 @@ import pytest
 
 from agent import loop, policy, search
 from agent.plan import Plan, engine_params, engines, menu
-from agent.providers.base import Candidate, EvalResult, SearchState
+from agent.records import Candidate, EvalResult, SearchState
 from agent.render import render_engine
 from agent.report import Reporter
 from agent.workspace import Workspace

@@ -17,7 +17,7 @@ import pytest
 
 from agent import cli, loop, resume
 from agent.plan import Plan
-from agent.providers.base import Candidate, EvalResult, SearchState
+from agent.records import Candidate, EvalResult, SearchState
 from agent.report import Reporter
 from agent.workspace import TMP_PREFIX, Workspace, atomic_write
 

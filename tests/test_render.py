@@ -14,7 +14,7 @@ from agent import plan as plan_module
 from agent import policy
 from agent.loop import conservative_candidate
 from agent.plan import SLOTS, Plan, parse_header
-from agent.providers.base import EvalResult, SearchState
+from agent.records import EvalResult, SearchState
 from agent.providers.builtin import BuiltinProposer
 from agent.render import kernel_path, render_engine
 

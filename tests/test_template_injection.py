@@ -17,7 +17,7 @@ import pytest
 
 from agent import loop, resume
 from agent.plan import SLOTS, Plan
-from agent.providers.base import Candidate
+from agent.records import Candidate
 from agent.providers.proposals import MISSING, PASSED, check_kernel_answer, variant_template
 from agent.render import render_engine, render_slot_module
 from agent.workspace import VARIANTS

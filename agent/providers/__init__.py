@@ -15,12 +15,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from agent.providers.base import Proposer
-
-if TYPE_CHECKING:  # a runtime import would be circular: builtin → search → providers.base → here
-    from agent.providers.builtin import BuiltinProposer
+from agent.providers.builtin import BuiltinProposer
+from agent.records import Proposer
 
 NAMES = ("builtin", "openai", "anthropic", "replay", "auto")
 # "auto" picks the first provider whose key is in the environment, else builtin.

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 from agent import search
 from agent.plan import Plan, engine_models, engine_params, engines, menu
-from agent.providers.base import Candidate, EvalResult, SearchState
+from agent.records import Candidate, EvalResult, SearchState
 
 
 class BuiltinProposer:

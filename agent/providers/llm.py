@@ -24,13 +24,14 @@ from pathlib import Path
 
 from agent.plan import ENGINES, KERNELS, SLOTS, Plan
 from agent.providers import prompts
-from agent.providers.base import Candidate, EvalResult, Proposer, SearchState, improves
 from agent.providers.budget import Budget, MeteredClient, Usage
 from agent.providers.chat import (AUTH, BUDGET, REPLAY, UNREACHABLE, ChatClient, ChatError, Log,
                                   RecordingClient, RetryingClient)
 from agent.providers.prices import price_for
 from agent.providers.proposals import (DUPLICATE, NO_CODE, Verdict, check_kernel_answer,
                                        check_plan_answer, code_digest)
+from agent.records import Candidate, EvalResult, Proposer, SearchState, improves
+from agent.workspace import RESULTS_LOG  # a file name: workspace.py imports nothing of the agent
 
 TRANSCRIPTS = "transcripts"
 KERNEL, PLAN = "kernel", "plan"          # episode kinds
@@ -76,7 +77,6 @@ def chat_settings(options, model_env: str, default_model: str) -> LLMSettings:
 
 def workspace_log(workspace: Path) -> Log:
     """Until the loop hands us its reporter: lines to the console and to workspace/results.log."""
-    from agent.workspace import RESULTS_LOG
 
     def log(text: str) -> None:
         print(text, flush=True)

@@ -14,7 +14,7 @@ import jinja2
 
 from agent import policy
 from agent.plan import KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_params, engines, menu
-from agent.providers.base import Candidate, EvalResult, SearchState
+from agent.records import Candidate, EvalResult, SearchState
 
 PROMPTS = TEMPLATES / "prompts"
 # Launch-bound regime (SPEC §6): a layer's time follows its kernel count. Per layer: two

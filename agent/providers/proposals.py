@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from agent import policy
 from agent.extract import ExtractError, extract_code, extract_json
 from agent.plan import SLOTS, TEMPLATES, Plan, engine_params, engines, menu
-from agent.providers.base import SearchState
+from agent.records import SearchState
 from evaluator.isolation import Jail
 from evaluator.unit_worker import RESULT_MARK
 

@@ -1,5 +1,9 @@
 """What flows between the loop, the judge and the proposers (docs/design.md §2 and §6).
 
+The bottom layer of the agent, with agent/plan.py and agent/spec.py: it imports nothing else of
+the agent, so the loop, the judge, the report and every proposer can import it without
+importing each other.
+
 A proposer sees a `SearchState` and returns a `Candidate`; the judge turns a candidate into
 an `EvalResult`; `improves` is the one rule that decides which result is better, shared by
 the loop (what gets written to workspace/engine.py) and the builtin search (which plan to
