@@ -19,11 +19,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evaluator.slots import SLOTS
+
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 KERNELS = TEMPLATES / "kernels"
 ENGINES = TEMPLATES / "engine"
 
-SLOTS = ("norm", "rope_cache", "prefill_attention", "decode_attention", "silu_mul", "linear")
 REFERENCE_VARIANT = "torch"
 _HEADER = re.compile(r"#\s*slot:\s*(\w+)\s+variant:\s*(\w+)\s+devices:\s*([\w, ]+)")
 _BF16 = re.compile(r"#\s*bf16:\s*(\w+)\s*$")

@@ -5,11 +5,10 @@ by Jinja with the plan's params, model-written variants verbatim); the engine sk
 prints those blocks as values, so model text is never read as a template."""
 from __future__ import annotations
 
-from agent.plan import REFERENCE_VARIANT, SLOTS, Plan, engine_models, engines, parse_header
+from agent.plan import REFERENCE_VARIANT, Plan, engine_models, engines, parse_header
 from evaluator.checkpoint import Conventions
-from evaluator.slot_render import (PRELUDE, ExtraVariants, kernel_label, render_kernel, template_env,
-                                   variant_source)
-from evaluator.slot_render import kernel_path, render_slot_module  # noqa: F401 - re-exported for tests and scripts
+from evaluator.slot_render import ExtraVariants, kernel_label, render_kernel, template_env, variant_source
+from evaluator.slots import OPTIONAL_FUNCTIONS, PRELUDE, SLOTS
 
 
 def _kernel_blocks(slots: dict[str, str], bf16_slots: dict[str, str], params: dict,
@@ -30,9 +29,8 @@ def _bf16_slots(slots: dict[str, str], extra: ExtraVariants) -> dict[str, str]:
 
 
 def _optional_functions(slots: dict[str, str], bf16_slots: dict[str, str], extra: ExtraVariants) -> set[str]:
-    """`fn__variant` of every optional slot function (slot_check.OPTIONAL_FUNCTIONS) that a
-    chosen variant or bf16 stand-in defines: the engine binds those, None for the others."""
-    from evaluator.slot_check import OPTIONAL_FUNCTIONS
+    """`fn__variant` of every optional slot function (evaluator/slots.py) that a chosen variant
+    or bf16 stand-in defines: the engine binds those, None for the others."""
     out = set()
     for slot, functions in OPTIONAL_FUNCTIONS.items():
         for name in {slots[slot], bf16_slots[slot]}:

@@ -1,4 +1,5 @@
-"""Kernel variants as code: the prelude every rendered module starts with, and one variant's text.
+"""Kernel variants as code: one variant's text, and a slot module (the prelude of evaluator/slots.py
+and the variant).
 
 Two kinds of variant, two ways in:
 
@@ -22,47 +23,13 @@ from pathlib import Path
 
 import jinja2
 
+from evaluator.slots import PRELUDE
+
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 KERNELS = TEMPLATES / "kernels"
 
 # (slot, variant) -> the source of a variant that is not a library file (a model's), verbatim.
 ExtraVariants = dict[tuple[str, str], str]
-
-# The imports every rendered module starts with: triton only where CUDA is present.
-PRELUDE = '''import math
-import torch
-import torch.nn.functional as F
-try:
-    if not torch.cuda.is_available():
-        raise ImportError
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-    tl = None
-# Programmatic dependent launch (a kernel starts before the previous one ends) needs sm_90+.
-PDL_SUPPORTED = triton is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-# Shared memory one Triton program may take on this GPU, the bound Triton checks each compiled
-# kernel against (no bound in the CPU interpreter).
-MAX_SHARED_MEMORY = (triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())[
-    "max_shared_mem"] if triton is not None and torch.cuda.is_available() else math.inf)
-
-
-def fit_shared_memory(block_n, stages, rows, width, elem_bytes, min_block_n=16):
-    """(block_n, stages) for an attention kernel that keeps a [rows, width] query tile and, per
-    pipeline stage, a [block_n, width] key tile and value tile in shared memory: stages given up
-    first, then halves of the key tile, until they fit MAX_SHARED_MEMORY. Tiles tuned for
-    head_dim <= 192 ask more than a GPU has at wide heads (an H100, head_dim 384: 240 KiB of 227,
-    the figure of Triton's error)."""
-    while elem_bytes * width * (rows + 2 * stages * block_n) > MAX_SHARED_MEMORY:
-        if stages > 1:
-            stages -= 1
-        elif block_n > min_block_n:
-            block_n //= 2
-        else:
-            break
-    return block_n, stages
-'''
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.plan import SLOTS, Plan, engine_params, menu
+from agent.plan import Plan, engine_params, menu
+from evaluator.slots import SLOTS
 from agent.render import render_engine
 from evaluator.reference_model import ReferenceModel
 from evaluator.weights import random_weights

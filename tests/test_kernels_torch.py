@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agent.plan import SLOTS, Variant, parse_header
-from agent.render import kernel_path, render_slot_module
+from agent.plan import Variant, parse_header
+from evaluator.slot_render import kernel_path, render_slot_module
+from evaluator.slots import SLOTS
 
 ATOL = 1e-5
 

@@ -13,10 +13,12 @@ import torch
 from agent import plan as plan_module
 from agent import policy
 from agent.loop import conservative_candidate
-from agent.plan import SLOTS, Plan, parse_header
+from agent.plan import Plan, parse_header
+from evaluator.slots import SLOTS
 from agent.records import EvalResult, SearchState
 from agent.providers.builtin import BuiltinProposer
-from agent.render import kernel_path, render_engine
+from agent.render import render_engine
+from evaluator.slot_render import kernel_path
 
 ALLOWED_TOP_LEVEL = {"torch", "triton", "__future__"} | set(sys.stdlib_module_names)
 
@@ -102,7 +104,7 @@ def test_fit_shared_memory_trims_stages_then_key_tiles_to_the_gpu():
     """The prelude's tile trimmer, with an H100's bound: the prefill tiles an H100 refused at
     head_dim 384 (64 query rows, 64 key rows, 2 stages: 240 KiB of 227) lose a stage; a bound
     no tile fits stops at the smallest key tile rather than looping."""
-    from agent.render import PRELUDE
+    from evaluator.slots import PRELUDE
     prelude: dict = {}
     exec(PRELUDE, prelude)
     fit = prelude["fit_shared_memory"]

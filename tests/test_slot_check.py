@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from agent.plan import KERNELS, menu
-from agent.render import render_slot_module
 from evaluator import slot_check
+from evaluator.slot_render import render_slot_module
 from evaluator.slot_check import SLOT_FUNCTIONS, check_variant, import_module_text
 from tests.slot_variants import CORRECT, WRONG
 

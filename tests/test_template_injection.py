@@ -16,10 +16,11 @@ import jinja2
 import pytest
 
 from agent import loop, resume
-from agent.plan import SLOTS, Plan
+from agent.plan import Plan
+from evaluator.slots import SLOTS
 from agent.records import Candidate
 from agent.providers.proposals import MISSING, PASSED, check_kernel_answer, variant_template
-from agent.render import render_engine, render_slot_module
+from agent.render import render_engine
 from agent.workspace import VARIANTS
 from evaluator import slot_check
 

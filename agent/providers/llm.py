@@ -22,7 +22,8 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from agent.plan import ENGINES, KERNELS, SLOTS, Plan
+from agent.plan import ENGINES, KERNELS, Plan
+from evaluator.slots import SLOT_FUNCTIONS, SLOTS
 from agent.providers import prompts
 from agent.providers.budget import Budget, MeteredClient, Usage
 from agent.providers.chat import (AUTH, BUDGET, REPLAY, UNREACHABLE, ChatClient, ChatError, Log,
@@ -321,9 +322,7 @@ class LLMProposer:
         self.attempts_per_slot[slot] += 1
         self.variants_written += 1
         name = f"llm_{self.variants_written}"
-        info = prompts.slot_info(slot)
-        info = prompts.SlotInfo(info.name, info.functions, info.contract, info.reference,
-                                tuple(sig.replace("__VARIANT(", f"__{name}(") for sig in info.signatures))
+        info = prompts.slot_info(slot, name)
         current = best.plan.slots.get(slot, "torch")
         code = self.codes.get((slot, current)) or (KERNELS / slot / f"{current}.py.j2").read_text()
         self.seen.setdefault(code_digest(code), f"the current best variant {current}")
@@ -343,14 +342,14 @@ class LLMProposer:
             return check_plan_answer(text, state, self.variants)
         self.unit_checks += 1
         seed = (self.seed * SEED_STRIDE + self.unit_checks) % 2**31
-        verdict = check_kernel_answer(text, episode.slot, episode.variant, prompts.slot_functions(episode.slot),
+        verdict = check_kernel_answer(text, episode.slot, episode.variant, SLOT_FUNCTIONS[episode.slot],
                                       state.device, self.seen, self.settings.unit_check_timeout, seed)
         if verdict.verdict == NO_CODE and '"plan"' in text:
             return check_plan_answer(text, state, self.variants)
         return verdict
 
     def _repair(self, episode: _Episode, verdict: Verdict, r: int, rounds: int) -> str:
-        functions = [f"{fn}__{episode.variant}" for fn in prompts.slot_functions(episode.slot)] if episode.slot else []
+        functions = [f"{fn}__{episode.variant}" for fn in SLOT_FUNCTIONS[episode.slot]] if episode.slot else []
         return prompts.render("repair", verdict=verdict.verdict, detail=verdict.detail, round=r, rounds=rounds,
                               kind=episode.kind, functions=functions)
 

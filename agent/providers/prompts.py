@@ -15,6 +15,7 @@ import jinja2
 from agent import policy
 from agent.plan import KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_params, engines, menu
 from agent.records import Candidate, EvalResult, SearchState
+from evaluator.slots import CONTRACTS, SLOT_FUNCTIONS
 
 PROMPTS = TEMPLATES / "prompts"
 # Launch-bound regime (SPEC §6): a layer's time follows its kernel count. Per layer: two
@@ -31,38 +32,26 @@ BANDWIDTH_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "L4": 30
 @dataclass(frozen=True)
 class SlotInfo:
     name: str
-    functions: tuple[str, ...]
-    contract: str        # the `# contract:` comment block of the reference variant
+    functions: tuple[str, ...]   # the functions every variant defines (evaluator/slots.py)
+    contract: str        # the reference variant's `# contract` comment block (the numerics)
     reference: str       # the reference variant's code
-    signatures: tuple[str, ...]  # `fn__<variant>(args)` with the placeholder suffix VARIANT
-    optional: tuple[str, ...] = ()   # signatures of the functions a variant may also define
+    signatures: tuple[str, ...]  # one line per function: `fn__<variant>(args) -> outputs` with shapes and contract
+    optional: tuple[str, ...] = ()   # the same for the functions a variant may also define
 
 
-def slot_functions(slot: str) -> tuple[str, ...]:
-    from evaluator.slot_check import SLOT_FUNCTIONS
-    return SLOT_FUNCTIONS[slot]
-
-
-def slot_info(slot: str) -> SlotInfo:
-    """Contract and reference code, read from the slot's torch variant (the one source of both)."""
-    text = (KERNELS / slot / f"{REFERENCE_VARIANT}.py.j2").read_text()
-    lines = text.splitlines()
+def slot_info(slot: str, variant: str) -> SlotInfo:
+    """The contract for writing `variant` of `slot`: signatures from evaluator/slots.py, the
+    numerics and the reference code from the slot's torch variant."""
+    lines = (KERNELS / slot / f"{REFERENCE_VARIANT}.py.j2").read_text().splitlines()
     head = 0
     while head < len(lines) and lines[head].startswith("#"):
         head += 1
     contract = "\n".join(line.lstrip("#")[1:] if line.startswith("# ") else line.lstrip("#")
-                         for line in lines[1:head])
+                         for line in lines[2:head])   # below the `# slot:` line and the block's title
     reference = "\n".join(lines[head:]).strip("\n")
-    functions = slot_functions(slot)
-    signatures = []
-    for fn in functions:
-        for line in lines:
-            if line.startswith(f"def {fn}__{REFERENCE_VARIANT}("):
-                args = line[line.index("(") + 1:line.rindex(")")]
-                signatures.append(f"{fn}__VARIANT({args})")
-    from evaluator.slot_check import OPTIONAL_FUNCTIONS
-    optional = tuple(f"{fn}__VARIANT({args})" for fn, args in OPTIONAL_FUNCTIONS.get(slot, {}).items())
-    return SlotInfo(slot, functions, contract.strip("\n"), reference, tuple(signatures), optional)
+    required = tuple(f.describe(variant) for f in CONTRACTS[slot] if not f.optional)
+    optional = tuple(f.describe(variant) for f in CONTRACTS[slot] if f.optional)
+    return SlotInfo(slot, SLOT_FUNCTIONS[slot], contract.strip("\n"), reference, required, optional)
 
 
 def hardware_facts(state: SearchState) -> dict[str, object]:

@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 
-from agent.plan import SLOTS, Plan, menu
+from agent.plan import Plan, menu
 from evaluator.benchmark_throughput import run_benchmark
 from evaluator.common import Tolerance, load_config, load_engine_module, make_generator
 from evaluator.evaluate import evaluate
 from evaluator.reference_model import ReferenceModel
 from evaluator.session import CheckedSession
+from evaluator.slots import SLOTS
 from evaluator.traces import QUICK, STRESS_SCENARIOS, public_sequence
 from evaluator.weights import random_weights, save_weights
 from scripts.gpu.common import PUBLIC_CASES, PUBLIC_CONFIG, ROOT, library_plans, out_dir, render_to_file
