@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agent.plan import menu
-from evaluator import slot_check
+from evaluator import slot_cases, slot_check, slot_compare, slot_refs, slots
 from evaluator.slot_check import check_variant
 from tests.slot_variants import CORRECT, WRONG
 
@@ -125,9 +125,9 @@ def test_split_decode_replays_in_a_cuda_graph_with_new_contexts(variant, params)
     decode = slot_check.variant_function("decode_attention", variant, "decode_attention", params)
     spec = {"ctx": [5, 17, 33, 2], "Hq": 8, "Hkv": 2, "D": 80, "block_size": 16, "max_context": "bound",
             "q_scale": 2.0, "scale_mult": 1.0}
-    inp = slot_check.make_inputs("decode_attention", spec, torch.float16, "cuda", seed=1)
+    inp = slot_cases.make_inputs("decode_attention", spec, torch.float16, "cuda", seed=1)
     grown = dict(spec, ctx=[40, 3, 47, 48])          # 48 = every block column of the table in use
-    new = slot_check.make_inputs("decode_attention", grown, torch.float16, "cuda", seed=2)
+    new = slot_cases.make_inputs("decode_attention", grown, torch.float16, "cuda", seed=2)
     # same buffers: copy the new problem into the captured tensors (tables padded to one shape)
     cols = max(inp["block_table"].shape[1], new["block_table"].shape[1])
     rows = max(inp["k_cache"].shape[0], new["k_cache"].shape[0])
@@ -150,13 +150,13 @@ def test_split_decode_replays_in_a_cuda_graph_with_new_contexts(variant, params)
         out = decode(**static)
     graph.replay()
     torch.cuda.synchronize()
-    err = (out.float() - slot_check.ref_decode_attention(**a).float()).abs().max().item()
+    err = (out.float() - slot_refs.ref_decode_attention(**a).float()).abs().max().item()
     assert err < 5e-3, err
     for k in ("q", "k_cache", "v_cache", "block_table", "context_lens"):
         static[k].copy_(b[k])
     graph.replay()
     torch.cuda.synchronize()
-    err = (out.float() - slot_check.ref_decode_attention(**b).float()).abs().max().item()
+    err = (out.float() - slot_refs.ref_decode_attention(**b).float()).abs().max().item()
     assert err < 5e-3 and not math.isnan(err), err
 
 
@@ -165,7 +165,7 @@ def test_split_decode_zero_context_rows_give_zeros_not_nan(variant, params):
     decode = slot_check.variant_function("decode_attention", variant, "decode_attention", params)
     spec = {"ctx": [9, 30], "Hq": 4, "Hkv": 4, "D": 64, "block_size": 16, "max_context": "exact",
             "q_scale": 1.0, "scale_mult": 1.0}
-    inp = slot_check.make_inputs("decode_attention", spec, torch.bfloat16, "cuda", seed=0)
+    inp = slot_cases.make_inputs("decode_attention", spec, torch.bfloat16, "cuda", seed=0)
     inp["context_lens"][1] = 0
     out = decode(**inp)
     assert torch.isfinite(out.float()).all() and out[1].abs().max().item() == 0.0
@@ -176,7 +176,7 @@ def test_add_rmsnorm_in_place_matches():
     x = torch.randn(37, 1000, device="cuda", dtype=torch.float16)
     r = torch.randn_like(x)
     w = torch.rand(1000, device="cuda", dtype=torch.float16) + 0.5
-    want_y, want_r = slot_check.ref_add_rmsnorm(x, r, w, 1e-5)
+    want_y, want_r = slot_refs.ref_add_rmsnorm(x, r, w, 1e-5)
     y, new_r = add_rmsnorm(x, r, w, 1e-5, out=x, residual_out=r)
     assert y.data_ptr() == x.data_ptr() and new_r.data_ptr() == r.data_ptr()
     assert (y.float() - want_y.float()).abs().max().item() < 4e-3
@@ -186,7 +186,7 @@ def test_add_rmsnorm_in_place_matches():
 def test_rope_cache_negative_slot_skips_the_cache_write():
     rope = slot_check.variant_function("rope_cache", "triton", "rope_cache")
     spec = {"N": 4, "Hq": 4, "Hkv": 2, "D": 64, "fused_qkv": True, "P": 128, "theta": 10000.0}
-    inp = slot_check.make_inputs("rope_cache", spec, torch.float16, "cuda", seed=0)
+    inp = slot_cases.make_inputs("rope_cache", spec, torch.float16, "cuda", seed=0)
     inp["slot_mapping"][2] = -1
     rope(**inp)
     assert torch.isnan(inp["k_cache"]).sum().item() == (inp["k_cache"].shape[0] - 3) * 2 * 64
@@ -230,18 +230,18 @@ def test_faithful_variant_rounds_like_the_torch_variant(slot, variant, spec, max
     """Same inputs through the torch variant (the reference's op order) and the faithful one: every
     output element within `max_ulp` units in the last place of dt, most of them bit-equal and
     nearly all within one ulp."""
-    fns = {fn: slot_check.variant_function(slot, variant, fn) for fn in slot_check.SLOT_FUNCTIONS[slot]}
-    ref = {fn: slot_check.variant_function(slot, "torch", fn) for fn in slot_check.SLOT_FUNCTIONS[slot]}
+    fns = {fn: slot_check.variant_function(slot, variant, fn) for fn in slots.SLOT_FUNCTIONS[slot]}
+    ref = {fn: slot_check.variant_function(slot, "torch", fn) for fn in slots.SLOT_FUNCTIONS[slot]}
     for seed in (1, 2):
-        inp = slot_check.make_inputs(slot, spec, dtype, "cuda", seed=seed)
+        inp = slot_cases.make_inputs(slot, spec, dtype, "cuda", seed=seed)
         got, want = slot_check.slot_outputs(slot, fns, inp), slot_check.slot_outputs(slot, ref, inp)
         for name in want:
-            exact = (slot_check.ulp_key(got[name]) == slot_check.ulp_key(want[name])).float().mean().item()
+            exact = (slot_compare.ulp_key(got[name]) == slot_compare.ulp_key(want[name])).float().mean().item()
             if slot.endswith("attention"):
                 floor = want[name].float().pow(2).mean().sqrt().item() / 8
-                err = slot_check.ulp_error(got[name], want[name], floor)
+                err = slot_compare.ulp_error(got[name], want[name], floor)
             else:
-                err = (slot_check.ulp_key(got[name]) - slot_check.ulp_key(want[name])).abs().float()
+                err = (slot_compare.ulp_key(got[name]) - slot_compare.ulp_key(want[name])).abs().float()
             worst, le1 = err.max().item(), (err <= 1).float().mean().item()
             assert worst <= max_ulp and exact >= min_exact and le1 >= min_le1, (
                 f"{name} (seed {seed}): max {worst:.3g} ulp (allowed {max_ulp}), "

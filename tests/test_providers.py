@@ -390,16 +390,18 @@ def test_plan_change_is_checked_against_the_menu_and_repaired(tmp_path, monkeypa
 
 def test_prompt_carries_contract_hardware_model_profile_and_code():
     state = paged_state()
-    info = prompts.slot_info("norm")
-    assert "add_rmsnorm(x[N,H], residual[N,H]" in info.contract
-    assert info.signatures == ("rmsnorm__VARIANT(x, w, eps)", "add_rmsnorm__VARIANT(x, residual, w, eps)")
+    info = prompts.slot_info("norm", "llm_1")
+    assert "rsqrt(mean(r.float()**2, -1) + eps)" in info.contract
+    assert [s.split("`")[1] for s in info.signatures] == [
+        "rmsnorm__llm_1(x, w, eps) -> y[N,H]", "add_rmsnorm__llm_1(x, residual, w, eps) -> (y[N,H], new_residual[N,H])"]
+    assert "residual[N,H]" in info.signatures[1] and not info.optional
     profile = prompts.profile(state.best_result)
     assert "estimated" in profile.source and profile.shares[0][0] == "linear"
     assert profile.share("prefill_attention") > 0 and profile.share("decode_attention") == 0
     text = prompts.render("kernel", slot=info, variant="llm_1", dtype="float32", best_plan="paged",
                           current_variant="torch", current_code="", hardware={"gpu": "H100", "SMs": 132},
                           model=state.spec.summary(), profile=profile, history=[], plan_menu="")
-    for needle in ("## Contract", "rmsnorm__VARIANT(x, w, eps)", "gpu: H100", "12 layers, hidden 768",
+    for needle in ("## Contract", "`rmsnorm__llm_1(x, w, eps) -> y[N,H]`; arguments x[N,H], w[H]", "gpu: H100", "12 layers, hidden 768",
                    "| prefill | 5.000 | 512 | 0.0300 |", "estimated", "def rmsnorm__torch"):
         assert needle in text
 

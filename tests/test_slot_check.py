@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from agent.plan import KERNELS, menu
-from evaluator import slot_check
+from evaluator import slot_cases, slot_check, slot_refs
 from evaluator.slot_render import render_slot_module
-from evaluator.slot_check import SLOT_FUNCTIONS, check_variant, import_module_text
+from evaluator.slot_check import check_variant, import_module_text
+from evaluator.slots import SLOT_FUNCTIONS
 from tests.slot_variants import CORRECT, WRONG
 
 ALL_VARIANTS = [(v.slot, v.name, v.devices) for variants in menu().values() for v in variants]
@@ -120,10 +121,10 @@ def test_linear_return_forms_are_checked():
 def test_linear_cases_split_weight_into_gate_and_up():
     """Every case's O is even (linear_silu's weight is [2I, K]) and some I is no multiple of 16."""
     for full in (False, True):
-        specs = slot_check.case_specs("linear", 0, full)
+        specs = slot_cases.case_specs("linear", 0, full)
         assert all(s["O"] % 2 == 0 for s in specs) and any((s["O"] // 2) % 16 for s in specs)
-    inp = slot_check.make_inputs("linear", specs[2], torch.float32, "cpu")
-    assert slot_check.ref_linear_silu(inp["x"], inp["weight"]).shape == (specs[2]["N"], specs[2]["O"] // 2)
+    inp = slot_cases.make_inputs("linear", specs[2], torch.float32, "cpu")
+    assert slot_refs.ref_linear_silu(inp["x"], inp["weight"]).shape == (specs[2]["N"], specs[2]["O"] // 2)
 
 
 def test_linear_silu_leaves_gate_and_up_their_last_bit():
@@ -149,10 +150,10 @@ def linear_silu__nudged(x, weight):
 
 
 def test_make_inputs_poisons_unused_cache_slots():
-    spec = slot_check.case_specs("decode_attention", 0, full=False)[1]
-    inp = slot_check.make_inputs("decode_attention", spec, torch.float32, "cpu", seed=0)
+    spec = slot_cases.case_specs("decode_attention", 0, full=False)[1]
+    inp = slot_cases.make_inputs("decode_attention", spec, torch.float32, "cpu", seed=0)
     assert torch.isnan(inp["k_cache"]).any() and torch.isnan(inp["v_cache"]).any()
-    assert not torch.isnan(slot_check.ref_decode_attention(**inp)).any()
+    assert not torch.isnan(slot_refs.ref_decode_attention(**inp)).any()
 
 
 def test_cli_exit_codes(capsys):

@@ -23,6 +23,7 @@ from agent.providers.proposals import MISSING, PASSED, check_kernel_answer, vari
 from agent.render import render_engine
 from agent.workspace import VARIANTS
 from evaluator import slot_check
+from evaluator.slot_render import render_slot_module
 
 SLOT, NAME = "silu_mul", "llm_1"
 ENV = "TEMPLATE_INJECTION_RAN"
