@@ -22,7 +22,8 @@ from pathlib import Path
 
 from agent.records import EvalResult
 from agent.workspace import atomic_write
-from evaluator.isolation import children, kill_new_children, protect_judge
+from evaluator.isolation import protect_judge
+from evaluator.sweep import children, kill_new_children
 
 REPO = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1            # prctl option (linux/prctl.h)

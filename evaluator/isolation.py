@@ -23,7 +23,8 @@ it over a socket (evaluator/channel.py). The jail stacks layers; each says what 
   keys), Python in isolated mode, no descriptor but the channel's.
 - **Death with the judge** (PR_SET_PDEATHSIG), and at the end **nothing survives**: its session
   is killed, then every process of its uid and every orphan that was re-parented to the judge
-  (a child subreaper), then the files its uid left in the shared temporary folders.
+  (a child subreaper), then the files its uid left in the shared temporary folders
+  (evaluator/sweep.py).
 - The judge itself is made non-dumpable, so a worker that shares its uid (no root) still cannot
   ptrace it or read /proc/<judge>/mem.
 
@@ -44,9 +45,11 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from evaluator.sweep import (children, kill_new_children, kill_uid, live_processes_of, processes, remove_files_of,
+                             session_of)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,14 +65,11 @@ MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 FILE_SIZE_LIMIT = 512 * 2**20     # bytes one file of the worker may reach
 PROCESS_LIMIT = 2048              # processes and threads of the worker's uid
 UID_RANGE = (3_000_000, 2**31 - 2)  # fresh uids are drawn here: far above any account's
-# Where a uid can leave files outside its scratch: the usual world-writable folders (and such
-# folders one level down); `_world_writable()` adds any other found two levels from the root.
-SHARED_TEMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue", "/var/crash")
 # What of the judge's environment the worker may see (everything else is dropped).
 ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
             "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES",
             "NVIDIA_DRIVER_CAPABILITIES", "TRITON_PTXAS_PATH", "TRITON_INTERPRET", "TORCH_CUDA_ARCH_LIST")
-KILL_ROUNDS = 50                  # sweeps for processes of the uid (a fork loop races the first ones)
+
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -113,7 +113,7 @@ def _files_readable_by_others(path: Path) -> bool:
 def _fresh_uid() -> int:
     """A uid no account, process or file in the shared temporary folders uses."""
     import pwd
-    used = {int(f["Uid"].split()[0]) for _, f in _processes() if "Uid" in f}
+    used = {int(f["Uid"].split()[0]) for _, f in processes() if "Uid" in f}
     while True:
         uid = random.SystemRandom().randrange(*UID_RANGE)
         try:
@@ -123,18 +123,6 @@ def _fresh_uid() -> int:
             pass
         if uid not in used:
             return uid
-
-
-def _processes():
-    """(pid, its /proc/<pid>/status fields) for every process that can still be read."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status") as f:
-                yield int(entry.name), dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
 
 
 def _device_groups() -> list[int]:
@@ -372,9 +360,9 @@ class Jail:
         if self.proc is None:
             return 0
         if self.spec.uid is not None:
-            pids = _live_processes_of(self.spec.uid)
+            pids = live_processes_of(self.spec.uid)
         else:
-            pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _session_of(int(p)) == self.proc.pid]
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and session_of(int(p)) == self.proc.pid]
         total = 0
         for pid in pids:
             try:
@@ -393,10 +381,10 @@ class Jail:
                 pass
             self.proc.wait()
         if self.spec.uid is not None:
-            _kill_uid(self.spec.uid)
+            kill_uid(self.spec.uid)
         kill_new_children(self._children_before)
         if self.spec.uid is not None:
-            _remove_files_of(self.spec.uid)
+            remove_files_of(self.spec.uid)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def layers(self, held: list[str]) -> str:
@@ -412,13 +400,6 @@ class Jail:
         return text + (f"; missing: {', '.join(missing)}" if missing else "")
 
 
-def _session_of(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except OSError:
-        return None
-
-
 def _torch_dir() -> str:
     import importlib.util
     spec = importlib.util.find_spec("torch")
@@ -428,100 +409,3 @@ def _torch_dir() -> str:
 def _torch_is_cpu_build() -> bool:
     import torch
     return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of `uid`: a child that takes the uid sends kill(-1), which the
-    kernel delivers to all of them at once (a fork loop cannot outrun it, unlike a kill per pid
-    found in /proc); repeated until /proc shows none."""
-    for round_ in range(KILL_ROUNDS):
-        if round_ and not _live_processes_of(uid):   # the first kill(-1) goes unconditionally: a
-            return                                   # pid-hopping process may be between pids now
-        pid = os.fork()
-        if pid == 0:   # only system calls here: the judge has threads
-            try:
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
-                os.kill(-1, signal.SIGKILL)
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
-        time.sleep(0.01)
-
-
-def _live_processes_of(uid: int) -> list[int]:
-    """Pids of `uid`'s processes that are not zombies (a zombie is dead; its parent reaps it)."""
-    return [pid for pid, f in _processes()
-            if int(f.get("Uid", "-1").split()[0]) == uid and not f.get("State", "").strip().startswith("Z")]
-
-
-def children() -> set[int]:
-    """Pids of this process's children."""
-    me = os.getpid()
-    return {pid for pid, f in _processes() if f.get("PPid", "").strip() == str(me)}
-
-
-def kill_new_children(before: set[int]) -> None:
-    """Children of the judge that were not there when the jail was made: orphans of the worker,
-    re-parented here (the judge is a child subreaper). Killed and reaped."""
-    for _ in range(KILL_ROUNDS):
-        orphans = children() - before
-        if not orphans:
-            return
-        for pid in orphans:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-
-
-def _remove_files_of(uid: int) -> None:
-    """Whatever `uid` left in the shared temporary folders (and in world-writable folders one
-    level down: /tmp/.X11-unix and the like)."""
-    def sweep(folder: str, depth: int) -> None:
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            return
-        for e in entries:
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if st.st_uid == uid:
-                if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(e.path, ignore_errors=True)
-                else:
-                    try:
-                        os.unlink(e.path)
-                    except OSError:
-                        pass
-            elif depth and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH:
-                sweep(e.path, depth - 1)
-    for folder in SHARED_TEMP + _world_writable():
-        sweep(folder, 1)
-
-
-def _world_writable() -> tuple[str, ...]:
-    """World-writable folders within two levels of the root, beyond SHARED_TEMP (/proc and /sys
-    skipped): anywhere else a uid could leave a file."""
-    found = []
-    for top in os.scandir("/"):
-        if top.name in ("proc", "sys") or not top.is_dir(follow_symlinks=False):
-            continue
-        for entry in [top, *_subfolders(top.path)]:
-            try:
-                mode = entry.stat(follow_symlinks=False).st_mode
-            except OSError:
-                continue
-            if stat.S_ISDIR(mode) and mode & stat.S_IWOTH and entry.path not in SHARED_TEMP:
-                found.append(entry.path)
-    return tuple(found)
-
-
-def _subfolders(path: str) -> list[os.DirEntry]:
-    try:
-        return [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return []

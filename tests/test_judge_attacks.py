@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator import benchmark_throughput, isolation
+from evaluator import benchmark_throughput, isolation, sweep
 from evaluator.common import REPO_ROOT, load_engine_module
 from evaluator.evaluate import evaluate
 from evaluator.floor import Hardware
@@ -125,7 +125,7 @@ def worker_uid(result: dict) -> int:
 
 
 def pids_of_uid(uid: int) -> list[int]:
-    return [pid for pid, f in isolation._processes() if int(f.get("Uid", "-1").split()[0]) == uid]
+    return [pid for pid, f in sweep.processes() if int(f.get("Uid", "-1").split()[0]) == uid]
 
 
 def live_pids_of_uid(uid: int) -> list[int]:
