@@ -18,16 +18,16 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from agent import loop, resume
 from agent.judge import REPO, JudgeSettings, judge
-from agent.providers import NAMES, ProviderOptions, make_proposer
 from agent.plan import Plan, engine_models, engines
-from agent.records import EvalResult, SearchState
+from agent.providers import NAMES, ProviderOptions, make_proposer
 from agent.providers.builtin import BuiltinProposer
+from agent.records import EvalResult, SearchState
 from agent.report import Entry, Reporter, describe
 from agent.resume import Previous, ResumeError
 from agent.spec import WEIGHTS_FILE, ModelSpec, SpecError, load_spec
 from agent.workspace import Workspace
-from agent import loop, resume
 
 EXIT_OK, EXIT_NO_ENGINE, EXIT_BAD_INPUT, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # Where the judged environment mounts its inputs; the repository's own target otherwise.

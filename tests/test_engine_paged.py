@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from agent.plan import Plan, engine_params, menu
-from evaluator.slots import SLOTS
 from agent.render import render_engine
 from evaluator.reference_model import ReferenceModel
+from evaluator.slots import SLOTS
 from evaluator.weights import random_weights
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

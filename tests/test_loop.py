@@ -9,8 +9,8 @@ import pytest
 
 from agent import loop
 from agent.plan import Param, Plan, Variant
-from agent.records import MARGIN_FLOOR, MIN_GAIN, MIN_SAFETY_MARGIN, Candidate, EvalResult, SearchState, improves
 from agent.providers.builtin import BuiltinProposer
+from agent.records import MARGIN_FLOOR, MIN_GAIN, MIN_SAFETY_MARGIN, Candidate, EvalResult, SearchState, improves
 from agent.report import Reporter
 from agent.workspace import Workspace
 

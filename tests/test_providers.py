@@ -17,12 +17,12 @@ import pytest
 from agent import loop
 from agent.plan import Plan, engine_params, reference_slots
 from agent.providers import ProviderOptions, make_proposer
-from agent.records import Candidate, EvalResult, SearchState
+from agent.providers import prompts
 from agent.providers.budget import Budget, MeteredClient
 from agent.providers.builtin import BuiltinProposer
 from agent.providers.chat import ChatError, RecordingClient, RetryingClient
 from agent.providers.prices import Price, price_for
-from agent.providers import prompts
+from agent.records import Candidate, EvalResult, SearchState
 from agent.report import Reporter
 from agent.spec import spec_from_config
 from agent.workspace import RESULTS_JSON, RESULTS_LOG, Workspace

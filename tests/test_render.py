@@ -14,11 +14,11 @@ from agent import plan as plan_module
 from agent import policy
 from agent.loop import conservative_candidate
 from agent.plan import Plan, parse_header
-from evaluator.slots import SLOTS
-from agent.records import EvalResult, SearchState
 from agent.providers.builtin import BuiltinProposer
+from agent.records import EvalResult, SearchState
 from agent.render import render_engine
 from evaluator.slot_render import kernel_path
+from evaluator.slots import SLOTS
 
 ALLOWED_TOP_LEVEL = {"torch", "triton", "__future__"} | set(sys.stdlib_module_names)
 

@@ -7,8 +7,8 @@ import torch
 
 from agent.plan import KERNELS, menu
 from evaluator import slot_cases, slot_check, slot_refs
-from evaluator.slot_render import render_slot_module
 from evaluator.slot_check import check_variant, import_module_text
+from evaluator.slot_render import render_slot_module
 from evaluator.slots import SLOT_FUNCTIONS
 from tests.slot_variants import CORRECT, WRONG
 

@@ -17,13 +17,13 @@ import pytest
 
 from agent import loop, resume
 from agent.plan import Plan
-from evaluator.slots import SLOTS
-from agent.records import Candidate
 from agent.providers.proposals import MISSING, PASSED, check_kernel_answer, variant_template
+from agent.records import Candidate
 from agent.render import render_engine
 from agent.workspace import VARIANTS
 from evaluator import slot_check
 from evaluator.slot_render import render_slot_module
+from evaluator.slots import SLOTS
 
 SLOT, NAME = "silu_mul", "llm_1"
 ENV = "TEMPLATE_INJECTION_RAN"

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agent.plan import ENGINES, KERNELS, Plan
-from evaluator.slots import SLOT_FUNCTIONS, SLOTS
 from agent.providers import prompts
 from agent.providers.budget import Budget, MeteredClient, Usage
 from agent.providers.chat import (AUTH, BUDGET, REPLAY, UNREACHABLE, ChatClient, ChatError, Log,
@@ -33,6 +32,7 @@ from agent.providers.proposals import (DUPLICATE, NO_CODE, Verdict, check_kernel
                                        check_plan_answer, code_digest)
 from agent.records import Candidate, EvalResult, Proposer, SearchState, improves
 from agent.workspace import RESULTS_LOG  # a file name: workspace.py imports nothing of the agent
+from evaluator.slots import SLOT_FUNCTIONS, SLOTS
 
 TRANSCRIPTS = "transcripts"
 KERNEL, PLAN = "kernel", "plan"          # episode kinds

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from agent import policy
 from agent.extract import ExtractError, extract_code, extract_json
 from agent.plan import TEMPLATES, Plan, engine_params, engines, menu
-from evaluator.slots import SLOTS
 from agent.records import SearchState
 from evaluator.isolation import Jail
+from evaluator.slots import SLOTS
 from evaluator.unit_worker import RESULT_MARK
 
 REPO = TEMPLATES.parent
