@@ -205,12 +205,12 @@ class _PrefillAttention(_Slot):
                  max_seqlen=inp["max_seqlen"], scale=inp["scale"])
         res = [compare("prefill_attention_rope_cache o", out, want, dtype),
                compare("prefill_attention_rope_cache k_cache (slots by slot_mapping; the rest must stay NaN)",
-                        rope["k_cache"], want_kc, dtype),
+                       rope["k_cache"], want_kc, dtype),
                compare("prefill_attention_rope_cache v_cache (slots by slot_mapping; the rest must stay NaN)",
-                        rope["v_cache"], want_vc, dtype)]
+                       rope["v_cache"], want_vc, dtype)]
         res += [(0, 0, e) for e in [unchanged(f"prefill_attention_rope_cache {name}", t, rope[name])
                                     for name, t in before.items()] + [unchanged("prefill_attention_rope_cache v",
-                                                                                  before_v, v)] if e]
+                                                                                 before_v, v)] if e]
         return res
 
 

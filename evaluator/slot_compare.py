@@ -20,7 +20,7 @@ TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
 
 
 def compare(label: str, out, ref: torch.Tensor, dtype: torch.dtype,
-             magnitude: torch.Tensor | None = None) -> tuple[float, float, str]:
+            magnitude: torch.Tensor | None = None) -> tuple[float, float, str]:
     """(max_abs_err, ratio, message); message is empty when `out` is within tolerance.
 
     The bound is atol + rtol * |ref|, or rtol * `magnitude` where a result inherits the rounding
