@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agent.plan import SLOTS, Plan  # noqa: E402
+from agent.plan import Plan  # noqa: E402
 from agent.render import render_engine  # noqa: E402
+from evaluator.slots import SLOTS  # noqa: E402
 
 PUBLIC_CONFIG = "target/model_config.json"
 PUBLIC_WEIGHTS = "target/weights"

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from agent.plan import menu
-from evaluator import slot_check
+from evaluator import slot_cases, slot_check, slot_refs
 from scripts.gpu.common import ROOT, out_dir
 
 # The shapes to time: the public config and a 1B-class GQA config (Llama-3.2-1B-like).
@@ -87,34 +87,34 @@ def problems(cfg_name: str, cfg: dict, dtype):
     n_pre = sum(cfg["prefill"][0])
     for n, phase in ((n_dec, "decode"), (n_pre, "prefill")):
         spec = {"N": n, "H": cfg["H"], "eps": 1e-5, "x_scale": 1.0, "row_strided": False}
-        inp = slot_check.make_inputs("norm", spec, dtype, "cuda")
+        inp = slot_cases.make_inputs("norm", spec, dtype, "cuda")
         out.append((f"rmsnorm N={n}", "norm", "rmsnorm", {k: inp[k] for k in ("x", "w", "eps")}))
         out.append((f"add_rmsnorm N={n}", "norm", "add_rmsnorm", inp))
         spec = {"N": n, "Hq": cfg["Hq"], "Hkv": cfg["Hkv"], "D": cfg["D"], "fused_qkv": True, "P": 4096,
                 "theta": 10000.0}
         out.append((f"rope_cache N={n}", "rope_cache", "rope_cache",
-                    slot_check.make_inputs("rope_cache", spec, dtype, "cuda")))
+                    slot_cases.make_inputs("rope_cache", spec, dtype, "cuda")))
         out.append((f"silu_mul N={n}", "silu_mul", "silu_mul",
-                    slot_check.make_inputs("silu_mul", {"N": n, "I": cfg["I"]}, dtype, "cuda")))
+                    slot_cases.make_inputs("silu_mul", {"N": n, "I": cfg["I"]}, dtype, "cuda")))
         for label, fn, k, o in (("qkv", "linear", cfg["H"], (cfg["Hq"] + 2 * cfg["Hkv"]) * cfg["D"]),
                                 ("gate_up+silu", "linear_silu", cfg["H"], 2 * cfg["I"]),
                                 ("o_proj+add+norm", "linear_add_norm", cfg["Hq"] * cfg["D"], cfg["H"]),
                                 ("down+add+norm", "linear_add_norm", cfg["I"], cfg["H"])):
             spec = {"N": n, "K": k, "O": o, "D": cfg["D"], "Hkv": cfg["Hkv"], "theta": 10000.0,
                     "row_strided": False, "eps": 1e-5, "x_scale": 1.0}
-            inp = slot_check.make_inputs("linear", spec, dtype, "cuda")
-            _, args = slot_check.SLOTS["linear"].FUNCTIONS[fn]
+            inp = slot_cases.make_inputs("linear", spec, dtype, "cuda")
+            _, args = slot_cases.SLOT_CASES["linear"].FUNCTIONS[fn]
             out.append((f"{label} N={n}", "linear", fn, {a: inp[a] for a in args}))
     for b, ctx in cfg["decode"]:
         spec = {"ctx": [ctx] * b, "Hq": cfg["Hq"], "Hkv": cfg["Hkv"], "D": cfg["D"], "block_size": BLOCK_SIZE,
                 "max_context": "exact", "q_scale": 1.0, "scale_mult": 1.0}
         out.append((f"decode B={b} ctx={ctx}", "decode_attention", "decode_attention",
-                    slot_check.make_inputs("decode_attention", spec, dtype, "cuda")))
+                    slot_cases.make_inputs("decode_attention", spec, dtype, "cuda")))
     for lens in cfg["prefill"]:
         spec = {"seq_lens": lens, "Hq": cfg["Hq"], "Hkv": cfg["Hkv"], "D": cfg["D"], "fused_qkv": True,
                 "q_scale": 1.0, "scale_mult": 1.0}
         out.append((f"prefill {len(lens)}x{lens[0]}", "prefill_attention", "prefill_attention",
-                    slot_check.make_inputs("prefill_attention", spec, dtype, "cuda")))
+                    slot_cases.make_inputs("prefill_attention", spec, dtype, "cuda")))
     return [(cfg_name, *p) for p in out]
 
 
@@ -212,7 +212,7 @@ def sweep_one(cfg_name: str, label: str, slot: str, variant: str, fn: str, kwarg
     """Every tiling of `grid` for one variant on one problem: max error against the slot's
     reference op, graph-replay µs."""
     rows = []
-    want = getattr(slot_check, f"ref_{fn}")(**kwargs)
+    want = getattr(slot_refs, f"ref_{fn}")(**kwargs)
     want = want[0] if isinstance(want, tuple) else want
     for params in grid:
         try:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from evaluator import slot_check
+from evaluator import slot_cases, slot_check, slot_refs
 from scripts.gpu.common import out_dir
 from scripts.gpu.kernels import unfused_linear
 
@@ -79,8 +79,8 @@ def problems(name: str, rows: int | None, wide: bool, add_norm: bool = False):
     for label, fn, k, o in (four[2:] if add_norm else two if wide else four):
         spec = {"N": rows, "K": k, "O": o, "D": d, "Hkv": hkv, "theta": 10000.0, "row_strided": False, "eps": 1e-5,
                 "x_scale": 1.0}
-        inp = slot_check.make_inputs("linear", spec, torch.float16, "cuda")
-        _, args = slot_check.SLOTS["linear"].FUNCTIONS[fn]
+        inp = slot_cases.make_inputs("linear", spec, torch.float16, "cuda")
+        _, args = slot_cases.SLOT_CASES["linear"].FUNCTIONS[fn]
         yield f"{name} {label} N={rows}", fn, {a: inp[a] for a in args}
 
 
@@ -119,7 +119,7 @@ def graph_replay_us(graph, calls: int, replays: int = REPLAYS) -> float:
 
 
 def max_err(fn: str, got, kwargs: dict) -> float:
-    want = getattr(slot_check, f"ref_{fn}")(**kwargs)
+    want = getattr(slot_refs, f"ref_{fn}")(**kwargs)
     if isinstance(want, tuple) and not isinstance(got, tuple):   # linear_rope_cache: qkv, then the caches
         want = want[0]
     pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
