@@ -3,7 +3,8 @@ import counted (inside functions and under TYPE_CHECKING too, and importlib call
 literal name):
 
     evaluator/                          imports nothing of the agent (it owns the truth)
-    agent/records.py, plan.py, spec.py  the bottom of the agent: nothing above them
+    agent/records.py, plan.py, spec.py  the bottom of the agent (checkpoint.py: spec's reader of
+                                        Hugging Face folders): nothing above them
     agent/providers/, agent/search.py   the proposers: not the loop, the cli, the judge
     agent/loop.py, cli.py, ...          on top
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BOTTOM = ("agent.records", "agent.plan", "agent.spec")
+BOTTOM = ("agent.records", "agent.plan", "agent.spec", "agent.checkpoint")
 ABOVE_PROPOSERS = ("agent.loop", "agent.cli", "agent.judge", "agent.report", "agent.resume", "agent.render",
                    "agent.__main__")
 
