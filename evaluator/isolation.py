@@ -48,8 +48,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from evaluator.sweep import (children, kill_new_children, kill_uid, live_processes_of, processes, remove_files_of,
-                             session_of)
+from evaluator.sweep import (children, jail_prefix, kill_new_children, kill_uid, live_processes_of, processes,
+                             remove_files_of, session_of, sweep_stale_jails)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -288,7 +288,8 @@ class Jail:
     def __post_init__(self):
         protect_judge()
         self._children_before = children()
-        self.root = Path(tempfile.mkdtemp(prefix="judge-worker-"))
+        sweep_stale_jails()
+        self.root = Path(tempfile.mkdtemp(prefix=jail_prefix()))
         os.chmod(self.root, 0o755)
         self.home = self.root / "home"
         (self.home / "tmp").mkdir(parents=True)

@@ -8,15 +8,22 @@ anything else.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import stat
+import tempfile
 import time
+from pathlib import Path
 
 # Where a uid can leave files outside its scratch: the usual world-writable folders (and such
 # folders one level down); `_world_writable()` adds any other found two levels from the root.
 SHARED_TEMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue", "/var/crash")
 KILL_ROUNDS = 50                  # sweeps for processes of the uid (a fork loop races the first ones)
+# A jail's folder names the judge that made it, so a later judge can tell a live jail from one
+# whose judge was SIGKILLed before it could clean up (judge-worker-<pid>-<start time>-XXXX).
+JAIL_PREFIX = "judge-worker-"
+_JAIL_NAME = re.compile(re.escape(JAIL_PREFIX) + r"(\d+)-(\d+)-")
 
 
 def processes():
@@ -29,6 +36,51 @@ def processes():
                 yield int(entry.name), dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:
             continue
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22): with the
+    pid, a name no later process can take over."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def jail_prefix() -> str:
+    """The folder-name prefix of a jail this process makes."""
+    return f"{JAIL_PREFIX}{os.getpid()}-{start_time(os.getpid())}-"
+
+
+def stale_jails() -> list[Path]:
+    """This user's jail folders whose judge is gone (no process with that pid and start time)."""
+    out = []
+    for entry in os.scandir(tempfile.gettempdir()):
+        match = _JAIL_NAME.match(entry.name)
+        try:
+            mine = entry.stat(follow_symlinks=False).st_uid == os.geteuid() and entry.is_dir(follow_symlinks=False)
+        except OSError:
+            continue
+        if match and mine and start_time(int(match[1])) != int(match[2]):
+            out.append(Path(entry.path))
+    return out
+
+
+def sweep_stale_jails() -> None:
+    """What judges killed with SIGKILL left: their workers' processes (kill(-1) as the uid owning
+    the jail's home), those uids' files in the shared folders, the folders. Only folders this user
+    made are considered (a worker cannot make one), and only a home of another, unprivileged uid
+    (lstat: a link cannot point the sweep at root)."""
+    for folder in stale_jails():
+        try:
+            home = os.lstat(folder / "home")
+        except OSError:
+            home = None
+        if home is not None and stat.S_ISDIR(home.st_mode) and home.st_uid not in (0, os.geteuid()):
+            kill_uid(home.st_uid)
+            remove_files_of(home.st_uid)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def session_of(pid: int) -> int | None:

@@ -560,21 +560,15 @@ time.sleep(120)
 
 
 @needs_root
-@pytest.mark.xfail(strict=True, reason="HOLE: a judge killed with SIGKILL (the agent's timeout after its grace, a "
-                                       "kill -9 of the run) never runs Jail.close: its worker dies (PDEATHSIG) but "
-                                       "the worker's daemons, its files in the shared folders and the jail folder "
-                                       "stay, and no later judge looks for them (fix: each Jail, when it is made, "
-                                       "sweeps stale ones: /tmp/judge-worker-* whose judge pid, written in the "
-                                       "folder, is gone: kill(-1) as the uid owning its home, that uid's files "
-                                       "removed, the folder removed)")
 def test_a_daemon_of_a_killed_judge_does_not_outlive_the_next_judge(recompute_source, recompute_engine_path, tmp_path,
                                                                      tiny_model, canary):
-    """The judge is SIGKILLed while the candidate hangs in create_engine, its daemon already running:
-    once the next judgement is over, the daemon and the dead judge's jail folder must be gone."""
+    """The judge is SIGKILLed while the candidate hangs in create_engine, its daemon already running
+    (a judge killed so never runs Jail.close): once the next judgement is over, the daemon, its
+    files and the dead judge's jail folder must be gone. The next jail sweeps stale ones: folders
+    named for a judge pid and start time that no process has any more."""
     mark = canary(Path("/tmp"))
     engine = tmp_path / "engine.py"
     engine.write_text(attacking_engine(recompute_source, at_import=DAEMON, in_create=HANGS_IN_CREATE, mark=mark))
-    jails_before = set(Path(tempfile.gettempdir()).glob("judge-worker-*"))
     judge = subprocess.Popen([sys.executable, "-m", "evaluator.evaluate", "--engine", str(engine), "--model-config",
                               str(tiny_model.config_path), "--weight-dir", str(tiny_model.weight_dir), "--device",
                               "cpu", "--out", str(tmp_path / "result.json")], cwd=REPO_ROOT, env=SINGLE_THREAD_ENV,
@@ -587,7 +581,7 @@ def test_a_daemon_of_a_killed_judge_does_not_outlive_the_next_judge(recompute_so
         assert mark.exists(), "the daemon never started"
         judge.kill()
         judge.wait()
-        stale = sorted(set(Path(tempfile.gettempdir()).glob("judge-worker-*")) - jails_before)
+        stale = [p for p in sweep.stale_jails() if p.name.startswith(f"{sweep.JAIL_PREFIX}{judge.pid}-")]
         uid = (stale[0] / "home").stat().st_uid
         result = evaluate(recompute_engine_path, tiny_model.config, tiny_model.weight_dir, **QUICK)
         assert result["status"] == "passed", result["error"]

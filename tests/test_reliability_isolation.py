@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 
 from agent import judge as judge_mod
 from agent.judge import JudgeSettings, judge
-from evaluator import isolation, remote
+from evaluator import isolation, remote, sweep
 from evaluator.common import EvalFailure
 
 from tests.fixtures.broken_engines import broken_source
@@ -107,14 +106,13 @@ def test_fifty_megabytes_of_output_cost_nothing(recompute_source, tmp_path, tiny
 def test_endless_output_is_stopped_at_the_file_size_limit(recompute_source, tmp_path, tiny_model):
     """1 MB prints without end: the worker's log reaches its file-size limit and the next print
     fails inside the engine (runtime_error); the log goes with the worker's folder."""
-    jails = set(Path(tempfile.gettempdir()).glob("judge-worker-*"))
     result = judge_fault("prints_forever", recompute_source, tmp_path, tiny_model)
     assert (result.status, result.stage, result.error_kind) == ("failed", "public", "runtime_error")
     assert "File too large" in result.error
     assert f"file size {FILE_SIZE_LIMIT_MIB} MiB" in result.isolation
     for name in ("stdout.txt", "stderr.txt"):
         assert (tmp_path / "out" / name).stat().st_size < 100_000
-    assert set(Path(tempfile.gettempdir()).glob("judge-worker-*")) <= jails
+    assert not sweep.stale_jails()   # its judge is gone: so must its jail be (others' live jails may exist)
 
 
 def test_memory_cap_fails_a_huge_allocation_naming_the_cap(recompute_source, tmp_path, tiny_model):
