@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from agent.plan import SLOTS, Plan, menu
-from agent.render import PRELUDE, render_engine, render_slot_module
+from agent.render import render_engine
+from evaluator.slot_render import render_slot_module
+from evaluator.slots import PRELUDE
 from evaluator.test_correctness import run_public_sequence
 from evaluator.weights import random_weights
 from tests.test_engine_paged import config, write_weights
