@@ -14,6 +14,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -218,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                              bandwidth_gbs=facts[BANDWIDTH], peak_tflops=facts[PEAK])
     state = SearchState(spec=spec, device=cfg.device, hardware=facts, seconds_left=cfg.budget)
     try:
-        return run_search(cfg, spec, state, settings, ws, report, previous, started)
+        # The run's Triton cache: the judge's, shared by its candidates (evaluator/triton_cache.py).
+        with tempfile.TemporaryDirectory(prefix="judge-triton-cache-") as cache:
+            return run_search(cfg, spec, state, replace(settings, triton_cache=Path(cache)), ws, report,
+                              previous, started)
     except OSError as e:  # a full disk, a workspace made read-only: the run cannot record anything more
         print(f"error: writing the workspace failed: {e}; {ws.engine} holds the best engine that passed, if any",
               file=sys.stderr)

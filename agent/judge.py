@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agent.records import EvalResult
-from agent.workspace import atomic_write
+from agent.workspace import VARIANTS, atomic_write
 from evaluator.isolation import protect_judge
 from evaluator.sweep import children, kill_new_children
 
@@ -55,6 +55,7 @@ class JudgeSettings:
     memory_bytes: int = field(default_factory=lambda: default_memory_cap())   # the worker's cap
     bandwidth_gbs: float | None = None   # the floor's hardware, measured once per run;
     peak_tflops: float | None = None     # None: each evaluation measures its own
+    triton_cache: Path | None = None   # the run's shared Triton cache (evaluator/triton_cache.py), judge-owned
 
     def for_phase(self, phase: str) -> "JudgeSettings":
         """FULL: these settings. VERIFY: the public sequence and one short timing, the quickest
@@ -64,6 +65,8 @@ class JudgeSettings:
         return replace(self, stress="off", cases=VERIFY_CASES, warmup=0, repeat=1)
 
     def command(self, engine: Path, out: Path) -> list[str]:
+        """The evaluator's command line. Every worker reads a copy of the shared Triton cache; only
+        an engine with no model-written variant (its candidate folder has no VARIANTS) adds to it."""
         cmd = [self.python, "-m", "evaluator.evaluate", "--engine", str(engine),
                "--model-config", str(self.model_config), "--weight-dir", str(self.weight_dir),
                "--device", self.device, "--stress", self.stress, "--seed", str(self.seed),
@@ -73,6 +76,10 @@ class JudgeSettings:
             cmd += ["--cases", self.cases]
         if self.bandwidth_gbs and self.peak_tflops:
             cmd += ["--bandwidth-gbs", str(self.bandwidth_gbs), "--peak-tflops", str(self.peak_tflops)]
+        if self.triton_cache is not None:
+            cmd += ["--triton-cache", str(self.triton_cache)]
+            if not (engine.parent / VARIANTS).exists():
+                cmd.append("--triton-cache-update")
         return cmd
 
 

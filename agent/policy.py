@@ -31,8 +31,9 @@ KERNEL_IMPORTS = frozenset({
     "torch", "triton", "math", "__future__", "functools", "itertools", "typing",
     "dataclasses", "collections", "array", "operator", "enum", "numbers", "abc",
 })
-# An engine also needs to find its weight files (and read a safetensors header, which is JSON).
-ENGINE_IMPORTS = KERNEL_IMPORTS | {"os", "pathlib", "json"}
+# An engine also needs to find its weight files (and read a safetensors header, which is JSON), and
+# to warn on stderr (a slot that falls back to its torch variant).
+ENGINE_IMPORTS = KERNEL_IMPORTS | {"os", "pathlib", "json", "warnings"}
 
 # Builtins whose only use in a kernel is reaching outside it.
 BANNED_BUILTINS = frozenset({

@@ -2,7 +2,8 @@
 
     python3 -m evaluator.evaluate --engine PATH --model-config CFG --weight-dir DIR \
         --device cpu|cuda|auto [--stress off|quick|full] [--cases prefill,decode,mixed,...] \
-        [--warmup 1] [--repeat 3] [--seed N] [--memory-gb G] --out RESULT.json
+        [--warmup 1] [--repeat 3] [--seed N] [--memory-gb G] [--triton-cache DIR [--triton-cache-update]]
+        --out RESULT.json
 
 This process is the judge: it holds the inputs, the reference, the comparison, the clock and
 the verdict, and never imports the candidate. The candidate runs in a worker process inside
@@ -40,6 +41,7 @@ from evaluator.noise import reference_margin  # noqa: E402
 from evaluator.remote import RemoteModule, Worker  # noqa: E402
 from evaluator.stress import run_stress  # noqa: E402
 from evaluator.test_correctness import run_public_sequence  # noqa: E402
+from evaluator.triton_cache import merge as merge_cache  # noqa: E402
 from evaluator.traces import BENCHMARK_CASES, PUBLIC_CASES  # noqa: E402
 
 STRESS_MODES = ("off", "quick", "full")
@@ -62,9 +64,13 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              device: str = "auto", stress: str = "quick", cases=PUBLIC_CASES, warmup: int = 1,
              repeat: int = 3, seed: int | None = None, bandwidth_gbs: float | None = None,
              peak_tflops: float | None = None, tol: Tolerance = Tolerance(),
-             log=lambda line: None, memory_bytes: int | None = None) -> dict:
+             log=lambda line: None, memory_bytes: int | None = None, triton_cache: Path | None = None,
+             update_cache: bool = False) -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
-    candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`."""
+    candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
+    `triton_cache` the worker starts from a copy of that (judge-owned) cache, and with
+    `update_cache` (the caller vouches that the engine's code is all its own) a passing worker's
+    new entries are added to it (evaluator/triton_cache.py)."""
     if stress not in STRESS_MODES:
         raise ValueError(f"stress must be one of {STRESS_MODES}")
     start = time.perf_counter()
@@ -77,7 +83,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
         hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
         result["reference_margin"] = reference_margin(config, weight_dir, device, tol, seed)
         log(f"the judge's own margin against fp32 on these weights: {result['reference_margin']:.3f}")
-        with Worker(device, memory_bytes or default_memory_cap(), log) as worker:
+        with Worker(device, memory_bytes or default_memory_cap(), log, triton_cache) as worker:
             result["isolation"] = worker.layers
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
             module = RemoteModule(worker)
@@ -102,6 +108,9 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                                                 seed=secrets.randbits(62), hardware=hardware, tol=tol)
             result["score"] = score(result["benchmark"])
             result["stage"], result["status"] = "done", "passed"
+            if triton_cache is not None and update_cache:
+                added = merge_cache(worker.jail.compile_cache, triton_cache)
+                log(f"shared Triton cache: {added} compiled kernels added")
     except EvalFailure as e:
         result["error_kind"], result["error"] = e.kind, str(e)
     except BaseException as e:  # noqa: BLE001 - the verdict must be written whatever happened
@@ -136,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peak-tflops", type=float)
     p.add_argument("--memory-gb", type=float,
                    help=f"the worker's memory cap (default {MEMORY_FRACTION:.0%} of this machine's memory)")
+    p.add_argument("--triton-cache", type=Path, help="the judge's shared Triton cache: the worker starts from a copy")
+    p.add_argument("--triton-cache-update", action="store_true",
+                   help="add a passing worker's new entries to --triton-cache (only for engines of trusted code)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     # SIGTERM (the agent's timeout) unwinds like an interrupt, so the worker's jail is torn down.
@@ -149,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     result = evaluate(a.engine, config, a.weight_dir, a.device, a.stress, cases, a.warmup, a.repeat,
                       a.seed, a.bandwidth_gbs, a.peak_tflops,
                       log=lambda line: print(line, file=sys.stderr, flush=True),
-                      memory_bytes=int(a.memory_gb * 2**30) if a.memory_gb else None)
+                      memory_bytes=int(a.memory_gb * 2**30) if a.memory_gb else None,
+                      triton_cache=a.triton_cache, update_cache=a.triton_cache_update)
     write_json(result, a.out)
     score_text = "untimed" if result["score"] is None else f"{result['score']:.4g}"
     verdict = f"score {score_text}" if result["status"] == "passed" else \

@@ -48,6 +48,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from evaluator import triton_cache
 from evaluator.sweep import (children, jail_prefix, kill_new_children, kill_uid, live_processes_of, processes,
                              remove_files_of, session_of, sweep_stale_jails)
 
@@ -263,7 +264,7 @@ def _clean_env(home: Path) -> dict[str, str]:
     env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
     env.setdefault("PATH", os.defpath)
     tmp = home / "tmp"
-    env.update(HOME=str(home), TMPDIR=str(tmp), TRITON_CACHE_DIR=str(home / ".triton"),
+    env.update(HOME=str(home), TMPDIR=str(tmp), TRITON_CACHE_DIR=str(home / ".triton"),   # Jail.compile_cache
                TRITON_HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), CUDA_CACHE_PATH=str(home / ".nv"),
                PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
     return env
@@ -278,6 +279,7 @@ class Jail:
 
     device: str
     memory_bytes: int | None = None
+    triton_cache: Path | None = None   # the judge's shared cache: the worker gets a copy (evaluator/triton_cache.py)
     root: Path = field(init=False)
     home: Path = field(init=False)
     spec: JailSpec = field(init=False)
@@ -309,6 +311,13 @@ class Jail:
             for path in (self.home, self.home / "tmp"):
                 os.chown(path, uid, uid)
             os.chmod(self.home, 0o700)
+        if self.triton_cache is not None:
+            triton_cache.seed(self.triton_cache, self.compile_cache, uid)
+
+    @property
+    def compile_cache(self) -> Path:
+        """The worker's TRITON_CACHE_DIR (in its home: it goes with the jail)."""
+        return self.home / ".triton"
 
     def __enter__(self) -> "Jail":
         return self

@@ -59,10 +59,11 @@ class TraceRun:
 class Worker:
     """A confined worker process and the channel to it. Use as a context manager."""
 
-    def __init__(self, device: str, memory_bytes: int | None = None, log: Callable[[str], None] = lambda s: None):
+    def __init__(self, device: str, memory_bytes: int | None = None, log: Callable[[str], None] = lambda s: None,
+                 triton_cache: Path | None = None):
         self.device = device
         self.memory_bytes = memory_bytes
-        self.jail = Jail(device, memory_bytes)
+        self.jail = Jail(device, memory_bytes, triton_cache)
         self._readable: dict[str, str] = {}
         self.pending_release: list[int] = []
         self.buffer: channel.OutputBuffer | None = None

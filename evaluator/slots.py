@@ -141,8 +141,22 @@ try:
 except ImportError:
     triton = None
     tl = None
-# Programmatic dependent launch (a kernel starts before the previous one ends) needs sm_90+.
-PDL_SUPPORTED = triton is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _triton_has_pdl():
+    """Whether this Triton has programmatic dependent launch (gdc_wait and the launch_pdl launch
+    option arrived together, after Triton 3.0: an older one refuses launch_pdl even when False)."""
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# Programmatic dependent launch (a kernel starts before the previous one ends) needs sm_90+ and a
+# Triton that has it. A variant passes the launch_pdl option only when it launches with PDL.
+PDL_SUPPORTED = (triton is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+                 and _triton_has_pdl())
 # Shared memory one Triton program may take on this GPU, the bound Triton checks each compiled
 # kernel against (no bound in the CPU interpreter).
 MAX_SHARED_MEMORY = (triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())[
@@ -163,4 +177,19 @@ def fit_shared_memory(block_n, stages, rows, width, elem_bytes, min_block_n=16):
         else:
             break
     return block_n, stages
+
+
+def fit_gemm_shared_memory(block_k, stages, rows, cols, elem_bytes, min_block_k=32):
+    """(block_k, stages) for a GEMM that stages, per pipeline stage, a [rows, block_k] activation
+    tile and a [cols, block_k] weight tile in shared memory: stages given up first, then halves of
+    block_k, until they fit MAX_SHARED_MEMORY. Tiles tuned on an H100 (227 KiB a program) ask more
+    than an sm_86 GPU has (99 KiB): a 64-row SwiGLU tile over 4 stages is 128 KiB."""
+    while elem_bytes * block_k * stages * (rows + cols) > MAX_SHARED_MEMORY:
+        if stages > 1:
+            stages -= 1
+        elif block_k > min_block_k:
+            block_k //= 2
+        else:
+            break
+    return block_k, stages
 '''

@@ -1,0 +1,90 @@
+"""The Triton cache shared across a run's candidates, owned by the judge (docs/reliability.md).
+
+Compiling a candidate's kernels was about a quarter of each evaluation on an H100, and most
+candidates compile the same library kernels. So the judge keeps one cache for the run, and:
+
+* every worker starts from a *copy* of it in its own home (`seed`): it reads what earlier
+  candidates compiled, and whatever it writes stays in its jail and goes with it;
+* only the judge adds to the shared cache (`merge`), from the copy of a worker that ran an engine
+  whose code is all the repository's (the agent asks for it: no model-written variant), after
+  that worker passed: new entries only, never a replacement, regular files only (no link is
+  followed), bounded in size.
+
+A Triton cache entry is a folder named by the hash of what was compiled (source, options, Triton
+version, target) holding the compiled artefacts. A worker that runs model-written code could
+write a folder under the key of a kernel that a later candidate compiles, with other machine code
+in it; that is why its writes never leave its jail."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+MAX_ENTRY_BYTES = 64 * 2**20     # one compiled kernel's artefacts: far below this
+MAX_CACHE_BYTES = 4 * 2**30      # the shared cache stops growing here
+
+
+def seed(shared: Path, target: Path, uid: int | None) -> None:
+    """`target` (a worker's TRITON_CACHE_DIR) as a copy of `shared`, owned by the worker's uid."""
+    if shared.is_dir():
+        shutil.copytree(shared, target, symlinks=True, dirs_exist_ok=True)
+    else:
+        target.mkdir(parents=True, exist_ok=True)
+    if uid is not None:
+        for path in [target, *target.rglob("*")]:
+            os.chown(path, uid, uid, follow_symlinks=False)
+
+
+def _read_regular(path: Path, limit: int) -> bytes | None:
+    """The bytes of `path` if it is a regular file of at most `limit` bytes, read without following
+    a link or blocking on a pipe; else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            return None
+        data = f.read(limit + 1)
+    return data if len(data) <= limit else None
+
+
+def _size(path: Path) -> int:
+    return sum(p.lstat().st_size for p in path.rglob("*"))
+
+
+def merge(worker_cache: Path, shared: Path) -> int:
+    """Add `worker_cache`'s entries that `shared` lacks; the number added. An entry is a folder of
+    regular files (anything else in it, and the entry is skipped), written beside `shared`'s and
+    renamed into place, so a reader never sees half of one."""
+    shared.mkdir(parents=True, exist_ok=True)
+    budget = MAX_CACHE_BYTES - _size(shared)
+    added = 0
+    for entry in sorted(worker_cache.iterdir()) if worker_cache.is_dir() else []:
+        if (shared / entry.name).exists() or entry.is_symlink() or not entry.is_dir():
+            continue
+        files: dict[str, bytes] = {}
+        for item in entry.iterdir():
+            data = _read_regular(item, MAX_ENTRY_BYTES)
+            if data is None:
+                break
+            files[item.name] = data
+        else:
+            size = sum(map(len, files.values()))
+            if not files or size > min(MAX_ENTRY_BYTES, budget):
+                continue
+            staging = Path(tempfile.mkdtemp(dir=shared, prefix=".incoming-"))
+            for name, data in files.items():
+                (staging / name).write_bytes(data)
+            os.chmod(staging, 0o755)
+            try:
+                os.rename(staging, shared / entry.name)
+            except OSError:   # another judge added it meanwhile
+                shutil.rmtree(staging, ignore_errors=True)
+                continue
+            budget -= size
+            added += 1
+    return added
