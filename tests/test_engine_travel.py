@@ -112,8 +112,8 @@ TRITON_ARITHMETIC = SimpleNamespace(next_power_of_2=_next_power_of_2, cdiv=lambd
 
 def slot_namespace(slot: str, variant: str, shared: int) -> dict:
     """The variant's module as Python sees it, with the GPU's shared memory capped at `shared`."""
-    namespace: dict = {}
-    exec(render_slot_module(slot, variant), namespace)
+    # From a file: @triton.jit reads its function's source, which a string exec does not have.
+    namespace = vars(load_module(render_slot_module(slot, variant), f"travel_{slot}_{variant}_{shared}"))
     if namespace["triton"] is None:
         namespace["triton"] = TRITON_ARITHMETIC
     namespace["MAX_SHARED_MEMORY"] = shared
