@@ -35,7 +35,11 @@ SECRET_SUFFIXES = ("_API_KEY", "_TOKEN", "_SECRET")
 OUTPUT_CAP_BYTES = 256 * 2**20  # stdout + stderr of one evaluation; past this it is killed
 KEPT_OUTPUT_BYTES = 2**20       # the tail of each output file kept on disk afterwards
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
-VERIFY, FULL = "verify", "full"   # phases: see agent/loop.py
+# Phases (agent/loop.py): VERIFY the conservative engine's quickest verdict; FULL the run's stress
+# and benchmark (the conservative engine's timing); TIMING the public sequence and the run's
+# benchmark, no stress (the screen and the back-to-back rounds, agent/acceptance.py); FINAL a
+# finalist's verdict: the run's benchmark and the stress suite with its long cases.
+VERIFY, FULL, TIMING, FINAL = "verify", "full", "timing", "final"
 VERIFY_CASES = "prefill"        # the cheapest benchmark case (the evaluator always runs one)
 
 
@@ -56,13 +60,20 @@ class JudgeSettings:
     bandwidth_gbs: float | None = None   # the floor's hardware, measured once per run;
     peak_tflops: float | None = None     # None: each evaluation measures its own
     triton_cache: Path | None = None   # the run's shared Triton cache (evaluator/triton_cache.py), judge-owned
+    final_stress: str | None = None    # FINAL's stress mode (finalists only); None: `stress`
 
     def for_phase(self, phase: str) -> "JudgeSettings":
-        """FULL: these settings. VERIFY: the public sequence and one short timing, the quickest
-        verdict the evaluator gives (a verified conservative engine on disk before anything slow)."""
+        """The settings of one phase (see VERIFY, FULL, TIMING, FINAL); every timed phase but
+        VERIFY has the same cases, warm-up and repeats, so their scores compare."""
         if phase == FULL:
             return self
-        return replace(self, stress="off", cases=VERIFY_CASES, warmup=0, repeat=1)
+        if phase == TIMING:
+            return replace(self, stress="off")
+        if phase == FINAL:
+            return replace(self, stress=self.final_stress or self.stress)
+        if phase == VERIFY:
+            return replace(self, stress="off", cases=VERIFY_CASES, warmup=0, repeat=1)
+        raise ValueError(f"unknown judge phase {phase!r}")
 
     def command(self, engine: Path, out: Path) -> list[str]:
         """The evaluator's command line. Every worker reads a copy of the shared Triton cache; only

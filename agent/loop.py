@@ -1,24 +1,28 @@
-"""The agent loop: judge the conservative engine, then whatever the proposer suggests, and
-keep the fastest candidate that passed. Anytime: workspace/engine.py only ever holds a
-candidate the evaluator passed, and it is replaced only by one that passed and is faster.
+"""The agent loop: judge the conservative engine, then the candidates the pipeline hands over
+(agent/pipeline.py: the builtin walk and, in parallel, the model), and keep the fastest that
+passed. Anytime: workspace/engine.py only ever holds a candidate the evaluator passed, and it is
+replaced only by one that passed in full and beat the best with a stated confidence.
 
 The conservative engine is judged in two phases so that a verified engine is on disk as
 early as possible: VERIFY (the public sequence and one short timing) installs it; FULL (the
-stress suite and the benchmark every later candidate gets) then gives it comparable numbers,
-within a share of the budget. Every other candidate gets FULL alone.
+stress suite and the benchmark) then gives it a comparable score, within a share of the budget.
+Every other candidate is a challenger (`challenge`): TIMING first (the public sequence and the
+benchmark, no stress: the screen), then back-to-back timings against the best
+(agent/acceptance.py), and only a finalist gets FINAL (the stress suite with its long cases).
 """
 from __future__ import annotations
 
 import json
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from agent import policy, search
-from agent.judge import FULL, VERIFY
-from agent.records import Candidate, EvalResult, Proposer, SearchState, improves
+from agent import acceptance, policy, search
+from agent.archive import Archive
+from agent.judge import FINAL, FULL, TIMING, VERIFY
+from agent.pipeline import Pipeline
+from agent.records import Candidate, EvalResult, Proposer, SearchState
 from agent.render import render_engine
 from agent.report import Entry, Reporter, describe
 from agent.workspace import VARIANTS, Workspace, atomic_write
@@ -31,7 +35,6 @@ MIN_EVAL_SECONDS = 10.0      # less than this left: no evaluation can finish, st
 HANG_FACTOR, HANG_SLACK_SECONDS = 3.0, 120.0   # a candidate this much slower than any pass is hung
 CONSERVATIVE_FULL_SHARE = 0.35   # of the budget left, at most, for timing the (slow) conservative engine
 UNTIMED = "verified on the public sequence, not timed in full"
-MAX_REPEATS = 20             # consecutive already-judged proposals before the search gives up
 
 
 def conservative_candidate() -> Candidate:
@@ -39,53 +42,89 @@ def conservative_candidate() -> Candidate:
 
 
 def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, report: Reporter,
-        budget: float, started: float | None = None, max_candidates: int | None = None) -> None:
-    """Judge candidates until the proposer runs dry, `max_candidates` are judged, or the budget
-    (seconds from `started`, a time.monotonic() reading; default now) cannot fit another evaluation. A state that already
-    has a history (a resumed run, agent/resume.py) goes on from it: the conservative engine,
-    always its first entry, is not judged again."""
+        budget: float, started: float | None = None, max_candidates: int | None = None, parallel: int = 1) -> None:
+    """Judge candidates until the proposers run dry, `max_candidates` are judged, or the budget
+    (seconds from `started`, a time.monotonic() reading; default now) cannot fit another evaluation.
+    `parallel` model episodes are kept going while the judge works (agent/pipeline.py). A state
+    that already has a history (a resumed run, agent/resume.py) goes on from it: the conservative
+    engine, always its first entry, is not judged again."""
     deadline = (time.monotonic() if started is None else started) + budget
     left = lambda: deadline - time.monotonic() - RESERVE_SECONDS  # noqa: E731
     report.seconds_left = left
     state.seconds_left = left()
-    candidate = next_candidate(proposer, state, report) if state.history else conservative_candidate()
-    while candidate is not None:
-        if max_candidates is not None and len(state.history) >= max_candidates:
-            report.line(f"{len(state.history)} candidates judged, the most asked for (--max-candidates); stopping")
-            break
-        if state.history and left() < expected_seconds(state):
-            report.line(f"budget: {left():.0f}s left, not enough for another evaluation; stopping")
-            break
-        entry = judge_one(len(state.history) + 1, candidate, state, judge, ws, report, left)
-        state.history.append((candidate, entry.result))
-        if entry.accepted:
-            state.best, state.best_result = candidate, entry.result
-        if len(state.history) > 1:  # the conservative step is the loop's own, not the proposer's
-            proposer.feedback(candidate, entry.result)
-        state.seconds_left = left()
-        candidate = next_candidate(proposer, state, report)
+    with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line) as pipeline:
+        candidate = pipeline.next() if state.history else conservative_candidate()
+        while candidate is not None:
+            if max_candidates is not None and len(state.history) >= max_candidates:
+                report.line(f"{len(state.history)} candidates judged, the most asked for (--max-candidates); stopping")
+                break
+            if state.history and left() < expected_seconds(state):
+                report.line(f"budget: {left():.0f}s left, not enough for another evaluation; stopping")
+                break
+            entry = judge_one(len(state.history) + 1, candidate, state, judge, ws, report, left)
+            state.history.append((candidate, entry.result))
+            if entry.accepted:
+                state.best, state.best_result = candidate, entry.result
+            if len(state.history) > 1:  # the conservative step is the loop's own, not the proposer's
+                pipeline.feedback(candidate, entry.result)
+                report.line(f"     {pipeline.status()}")
+            state.seconds_left = left()
+            candidate = pipeline.next()
+    report.line(Archive.of(state).summary())
 
 
 def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge, ws: Workspace,
               report: Reporter, left: Callable[[], float]) -> Entry:
-    """Render, check, judge; install the engine if it passed and beats the best."""
+    """Render, check, screen, contest the best, and install a finalist that passes in full."""
     entry = Entry(index, candidate, ws.candidate_dir(index, describe(candidate.plan)))
     report.started(entry)
     model = state.spec.conventions if state.spec is not None else Conventions()  # no spec: unit tests
     source, entry.result = prepare(candidate, entry.directory, state.device, model)
     if entry.result is None and not state.history:
         entry.result = judge_conservative(entry, source, judge, ws, report, left)
+    elif entry.result is None:
+        entry.result = challenge(entry, source, state, judge, ws, report, left)
     else:
-        if entry.result is None:
-            entry.result = judge(entry.directory / "engine.py", entry.directory, timeout_for(state, left()), FULL)
         report.verdict(entry, entry.result)
-        if entry.result.passed and not entry.result.safe():
-            report.warn(f"#{index:03d} passed with margin {entry.result.margin():.2f} < "
-                        f"{entry.result.required_margin():.2f}: too close to the tolerance to keep")
-        if improves(entry.result, state.best_result):
-            install(entry, entry.result, source, ws, report)
     report.finished(entry)
     return entry
+
+
+def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: Workspace, report: Reporter,
+              left: Callable[[], float]) -> EvalResult:
+    """The screen (a timing, no stress), the back-to-back rounds against the best, and for a
+    finalist the full verdict (the stress suite's long cases included) that gets installed."""
+    engine, folder = entry.directory / "engine.py", entry.directory
+    screen = judge(engine, folder / TIMING, timeout_for(state, left()), TIMING)
+    report.verdict(entry, screen, label="screen")
+    if not screen.passed:
+        return screen
+    if not screen.safe():
+        report.warn(f"#{entry.index:03d} passed with margin {screen.margin():.2f} < "
+                    f"{screen.required_margin():.2f}: too close to the tolerance to keep")
+        return replace(screen, decision="too close to the tolerance")
+    incumbent = next((e for e in reversed(report.entries) if e.accepted), None)
+
+    def timing(path: Path, out: str) -> EvalResult | None:
+        if left() < expected_seconds(state):
+            return None
+        return judge(path, folder / out, timeout_for(state, left()), TIMING)
+    decision = acceptance.contest(screen, state.best_result, lambda label: timing(engine, label),
+                                  lambda label: timing(incumbent.directory / "engine.py", label))
+    if decision.failure is not None:
+        report.verdict(entry, decision.failure, label="repeated timing")
+        return replace(decision.failure, decision=decision.reason)
+    report.line(f"     {'ACCEPT' if decision.accepted else 'REJECT'}: {decision.reason}")
+    if not decision.accepted:
+        return replace(screen, decision=decision.reason)
+    final = replace(judge(engine, folder, timeout_for(state, left()), FINAL), decision=decision.reason)
+    report.verdict(entry, final, label="final")
+    if final.passed and final.safe():
+        install(entry, final, source, ws, report)
+    elif final.passed:
+        report.warn(f"#{entry.index:03d} passed with margin {final.margin():.2f} < "
+                    f"{final.required_margin():.2f}: too close to the tolerance to keep")
+    return final
 
 
 def judge_conservative(entry: Entry, source: str, judge: Judge, ws: Workspace, report: Reporter,
@@ -140,21 +179,6 @@ def install(entry: Entry, result: EvalResult, source: str, ws: Workspace, report
     entry.accepted = True
     ws.commit(f"#{entry.index:03d} {describe(entry.candidate.plan)}: {result.status}, score {result.rank():.4g}\n\n"
               f"{entry.candidate.note}\n{json.dumps(entry.candidate.to_dict(), indent=2)}")
-
-
-def next_candidate(proposer: Proposer, state: SearchState, report: Reporter) -> Candidate | None:
-    """Ask the proposer, skipping (loudly) anything already judged; a proposer error ends the search."""
-    for _ in range(MAX_REPEATS):
-        try:
-            candidate = proposer.propose(state)
-        except Exception:  # noqa: BLE001 - logged in full; the best engine so far stays
-            report.warn(f"proposer '{proposer.name}' failed; search stopped:\n{traceback.format_exc()}")
-            return None
-        if candidate is None or not state.tried(candidate):
-            return candidate
-        report.warn(f"proposer '{proposer.name}' repeated an already-judged plan: {describe(candidate.plan)}")
-    report.warn(f"proposer '{proposer.name}' repeated itself {MAX_REPEATS} times; search stopped")
-    return None
 
 
 def expected_seconds(state: SearchState) -> float:

@@ -36,6 +36,7 @@ MIN_SAFETY_MARGIN = 0.5
 # asked is the judge's own against fp32, an engine as close to the judge as the judge is to the
 # exact answer, but never less than this: the checks then still leave 1.4x the worst error seen.
 MARGIN_FLOOR = 0.3
+ACCEPTED = "faster"   # how an accepting decision begins (agent/acceptance.py)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class EvalResult:
     reference_margin: float | None = None   # the judge's own margin against fp32 (evaluator/noise.py)
     isolation: str | None = None     # the worker's layers, as the evaluator logged them
     seconds: float = 0.0
+    decision: str | None = None      # the loop's acceptance against the best (agent/acceptance.py)
 
     @property
     def passed(self) -> bool:
@@ -127,6 +129,7 @@ class Candidate:
     origin: str                      # "builtin", "openai:gpt-...", "replay", ...
     note: str                        # why it was proposed, one line
     extra_variants: dict[tuple[str, str], str] = field(default_factory=dict)
+    parent: int | None = None        # the 1-based index of the judged engine it was built on (agent/archive.py)
 
     def key(self) -> str:
         """Identity for "never judge the same thing twice": the plan, plus the text of any
@@ -139,7 +142,7 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {"plan": self.plan.to_dict(), "origin": self.origin, "note": self.note,
-                "extra_variants": sorted(f"{s}/{v}" for s, v in self.extra_variants)}
+                "extra_variants": sorted(f"{s}/{v}" for s, v in self.extra_variants), "parent": self.parent}
 
 
 @dataclass

@@ -50,7 +50,7 @@ class Previous:
 def _entry(ws: Workspace, d: dict) -> Entry:
     directory = ws.root / d["dir"] if "dir" in d else _find_dir(ws, int(d["index"]))
     candidate = Candidate(Plan.from_dict(d["plan"]), d.get("origin", "?"), d.get("note", ""),
-                          _variants(directory, d.get("extra_variants", [])))
+                          _variants(directory, d.get("extra_variants", [])), d.get("parent"))
     return Entry(int(d["index"]), candidate, directory, EvalResult.from_dict(d["result"]), bool(d.get("accepted")))
 
 

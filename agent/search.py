@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from agent.plan import REFERENCE_VARIANT, Param, Plan, Variant, reference_slots
-from agent.records import SearchState, improves
 
 CONSERVATIVE_ENGINE = "recompute"
 FAST_ENGINE = "paged"
@@ -52,15 +51,6 @@ def conservative_plan() -> Plan:
 
 def default_plan(engine: str, params: dict[str, Param]) -> Plan:
     return Plan(engine, reference_slots(), {name: p.default for name, p in params.items()})
-
-
-def best_plan_of(engine: str, state: SearchState, fallback: Plan) -> Plan:
-    """The best passing plan of one engine so far, by the loop's own keep-the-best rule."""
-    best, best_result = fallback, None
-    for candidate, result in state.history:
-        if candidate.plan.engine == engine and not candidate.extra_variants and improves(result, best_result):
-            best, best_result = candidate.plan, result
-    return best
 
 
 def walk(base: Callable[[], Plan], device: str, menu: dict[str, list[Variant]],

@@ -15,11 +15,12 @@ from agent.report import Reporter
 from agent.workspace import Workspace
 
 CONSERVATIVE = Plan("recompute").key()
+CASES = ("prefill", "decode", "mixed")   # the CPU run's benchmark cases: each timing gives three paired ratios
 
 
 def passed(score: float, seconds: float = 1.0) -> EvalResult:
     return EvalResult(status="passed", stage="done", device="cpu", score=score, seconds=seconds,
-                      benchmark=[{"case_name": "prefill", "tokens_per_second": 1000 * score}])
+                      benchmark=[{"case_name": case, "tokens_per_second": 1000 * score} for case in CASES])
 
 
 def failed(kind: str = "wrong_result") -> EvalResult:
@@ -54,9 +55,9 @@ def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: 
     judged = []
 
     def judge(engine: Path, out_dir: Path, timeout: float, phase: str) -> EvalResult:
-        plan_dir = out_dir if phase == loop.FULL else out_dir.parent
-        key = Plan.from_dict(json.loads((plan_dir / "plan.json").read_text())["plan"]).key()
-        judged.append((key, timeout, phase))
+        key = Plan.from_dict(json.loads((engine.parent / "plan.json").read_text())["plan"]).key()
+        if engine.parent in (out_dir, out_dir.parent):   # not the best's repeated timings (agent/acceptance.py)
+            judged.append((key, timeout, phase))
         assert engine.read_text() == fake_render(Plan.from_dict(json.loads(key)))
         full = verdicts.get(key, failed())
         if phase == loop.VERIFY:
@@ -122,7 +123,7 @@ def test_the_margin_asked_is_the_judges_own_where_the_judge_is_noisier_but_never
 def test_conservative_first_then_keeps_the_fastest(tmp_path, monkeypatch):
     a, b, c, d = (Plan("paged", params={"x": i}) for i in range(4))
     verdicts = {CONSERVATIVE: passed(1.0), a.key(): passed(10.0), b.key(): failed(),
-                c.key(): passed(10.0 * (1 + MIN_GAIN / 2)), d.key(): passed(30.0)}
+                c.key(): passed(10.0 * (1 - MIN_GAIN / 2)), d.key(): passed(30.0)}
     proposer = ListProposer([a, b, c, d])
     ws, state, judged = run_loop(tmp_path, proposer, verdicts, monkeypatch=monkeypatch)
     assert [k for k, _ in judged] == [CONSERVATIVE, a.key(), b.key(), c.key(), d.key()]
@@ -174,7 +175,7 @@ def test_repeated_plans_are_skipped(tmp_path, monkeypatch):
     a = Plan("paged")
     ws, state, judged = run_loop(tmp_path, ListProposer([a, a, Plan("recompute"), a]), {}, monkeypatch=monkeypatch)
     assert [k for k, _ in judged] == [CONSERVATIVE, a.key()]
-    assert (ws.root / "results.log").read_text().count("repeated an already-judged plan") == 3
+    assert (ws.root / "results.log").read_text().count("repeated an already-judged candidate") == 3
 
 
 def test_proposer_error_keeps_the_engine(tmp_path, monkeypatch):
@@ -235,11 +236,14 @@ def test_builtin_walk_is_greedy_and_never_repeats(tmp_path, monkeypatch):
     keys = [k for k, _ in judged]
     assert len(keys) == len(set(keys))
     # decode attention first (search.WALK_ORDER), then the rest, each on the best plan so far
-    assert keys == [CONSERVATIVE, key(), key(s={"decode_attention": "triton_a"}),
+    assert keys[:7] == [CONSERVATIVE, key(), key(s={"decode_attention": "triton_a"}),
                     key(s={"decode_attention": "triton_b"}), key(s={"decode_attention": "triton_a", "norm": "triton_bad"}),
                     key({"block_size": 32}, {"decode_attention": "triton_a"}),
                     key({"graphs": False, "block_size": 32}, {"decode_attention": "triton_a"})]
     assert installed_key(ws) == key({"block_size": 32}, {"decode_attention": "triton_a"})
+    # the best changed during the walk: it starts over from it, skipping what was judged
+    again = [Plan.from_dict(json.loads(k)) for k in keys[7:]]
+    assert again and all(p.params["block_size"] == 32 for p in again)
 
 
 def test_builtin_walk_on_cpu_skips_cuda_variants_and_params(tmp_path, monkeypatch):
@@ -299,7 +303,10 @@ def test_builtin_walk_falls_back_to_the_faithful_library_plan_only_when_the_libr
         state = SearchState(spec=None, device="cuda", hardware={})
         proposer = BuiltinProposer("cuda")
         for verdict in (passed(1.0), library_verdict):
-            state.history.append((proposer.propose(state), verdict))
+            candidate = proposer.propose(state)
+            state.history.append((candidate, verdict))
+            if improves(verdict, state.best_result):   # as the loop keeps its best
+                state.best, state.best_result = candidate, verdict
         library, third = state.history[1][0].plan, proposer.propose(state).plan
         assert {slot: library.slots[slot] for slot in attention} == {s: search.PREFERRED[s] for s in attention}
         assert ({slot: third.slots[slot] for slot in attention} == faithful) == expect_faithful, third.slots

@@ -7,6 +7,7 @@ Failed attempts count as calls. Totals go to the log at the end of the run.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -70,6 +71,11 @@ class MeteredClient:
         self.budget = budget
         self.price = price
         self.usage = usage or Usage()
+        # Calls in flight at once (agent/pipeline.py) each hold their worst case until they end,
+        # so that parallel calls together never cross a limit either.
+        self._lock = threading.Lock()
+        self._held_tokens = 0
+        self._held_cost = 0.0
 
     def refusal(self, messages: list[Message], max_tokens: int) -> str | None:
         """Why a call of this size may not be made now, or None."""
@@ -77,23 +83,36 @@ class MeteredClient:
         worst_in = estimate_tokens(messages)
         if u.calls >= b.max_calls:
             return f"call budget spent ({u.calls}/{b.max_calls} calls)"
-        if u.tokens + worst_in + max_tokens > b.max_tokens:
-            return f"token budget: {u.tokens} used, this call may take {worst_in + max_tokens} more, limit {b.max_tokens}"
+        used = u.tokens + self._held_tokens
+        if used + worst_in + max_tokens > b.max_tokens:
+            return f"token budget: {used} used or held, this call may take {worst_in + max_tokens} more, limit {b.max_tokens}"
         worst_cost = self.price.cost(worst_in, max_tokens)
-        if u.cost_usd + worst_cost > b.max_cost_usd:
-            return (f"cost budget: ${u.cost_usd:.4f} spent, this call may cost ${worst_cost:.4f}, "
+        spent = u.cost_usd + self._held_cost
+        if spent + worst_cost > b.max_cost_usd:
+            return (f"cost budget: ${spent:.4f} spent or held, this call may cost ${worst_cost:.4f}, "
                     f"limit ${b.max_cost_usd:.2f}")
         if b.max_seconds is not None and time.monotonic() - u.started > b.max_seconds:
             return f"time budget spent ({b.max_seconds:.0f}s)"
         return None
 
     def complete(self, messages: list[Message], max_tokens: int) -> Reply:
-        why = self.refusal(messages, max_tokens)
-        if why:
-            raise ChatError(BUDGET, why)
-        self.usage.calls += 1
-        reply = self.inner.complete(messages, max_tokens)
-        self.usage.input_tokens += reply.input_tokens
-        self.usage.output_tokens += reply.output_tokens
-        self.usage.cost_usd += self.price.cost(reply.input_tokens, reply.output_tokens)
+        worst_tokens = estimate_tokens(messages) + max_tokens
+        worst_cost = self.price.cost(estimate_tokens(messages), max_tokens)
+        with self._lock:
+            why = self.refusal(messages, max_tokens)
+            if why:
+                raise ChatError(BUDGET, why)
+            self.usage.calls += 1
+            self._held_tokens += worst_tokens
+            self._held_cost += worst_cost
+        try:
+            reply = self.inner.complete(messages, max_tokens)
+        finally:
+            with self._lock:
+                self._held_tokens -= worst_tokens
+                self._held_cost -= worst_cost
+        with self._lock:
+            self.usage.input_tokens += reply.input_tokens
+            self.usage.output_tokens += reply.output_tokens
+            self.usage.cost_usd += self.price.cost(reply.input_tokens, reply.output_tokens)
         return reply

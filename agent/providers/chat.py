@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -78,18 +79,21 @@ class RecordingClient:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.seq = 0
+        self._lock = threading.Lock()   # requests may come from several threads (agent/pipeline.py)
         self._write({"type": "start", "provider": self.provider, "model": self.model,
                      "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(meta or {})})
 
     def _write(self, record: dict) -> None:
-        with self.path.open("a") as f:
+        with self._lock, self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
     def complete(self, messages: list[Message], max_tokens: int) -> Reply:
         record = {"type": "call", "seq": self.seq, "provider": self.provider, "model": self.model,
                   "request_hash": request_hash(messages, max_tokens), "max_tokens": max_tokens,
                   "messages": messages, "reply": None, "error": None}
-        self.seq += 1
+        with self._lock:
+            record["seq"] = self.seq
+            self.seq += 1
         start = time.monotonic()
         try:
             reply = self.inner.complete(messages, max_tokens)
@@ -108,8 +112,11 @@ class RetryingClient:
     Retry-After), and turns an empty answer into a retryable error. Each retry is logged."""
 
     def __init__(self, inner: ChatClient, log: Log, retries: int = 3, base_delay: float = 2.0,
-                 max_delay: float = 60.0, sleep: Callable[[float], None] = time.sleep):
+                 max_delay: float = 60.0, sleep: Callable[[float], None] = time.sleep,
+                 request_timeout: float = 0.0):
         self.inner = inner
+        self.request_timeout = request_timeout   # the longest one attempt may take
+        self.deadline: float | None = None       # time.monotonic() by which every attempt must be over
         self.provider = inner.provider
         self.model = inner.model
         self.log = log
@@ -131,6 +138,8 @@ class RetryingClient:
                     raise
                 delay = min(self.max_delay, e.retry_after if e.retry_after is not None
                             else self.base_delay * 2 ** attempt)
+                if self.deadline is not None and time.monotonic() + delay + self.request_timeout > self.deadline:
+                    raise ChatError(e.kind, f"{e.message} (no retry: it could outlive the run)") from e
                 attempt += 1
                 self.log(f"llm: {self.provider} {e.kind} ({e.message}); retry {attempt}/{self.retries} "
                          f"in {delay:.1f}s")

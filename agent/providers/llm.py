@@ -17,8 +17,10 @@ engine and `feedback` records faster / slower / wrong for the next prompt's hist
 from __future__ import annotations
 
 import os
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from agent.providers.chat import (AUTH, BUDGET, REPLAY, UNREACHABLE, ChatClient,
 from agent.providers.prices import price_for
 from agent.providers.proposals import (DUPLICATE, NO_CODE, Verdict, check_kernel_answer,
                                        check_plan_answer, code_digest)
-from agent.records import Candidate, EvalResult, Proposer, SearchState, improves
+from agent.records import ACCEPTED, Candidate, EvalResult, Proposer, SearchState, improves
 from agent.workspace import RESULTS_LOG  # a file name: workspace.py imports nothing of the agent
 from evaluator.slots import SLOT_FUNCTIONS, SLOTS
 
@@ -108,7 +110,8 @@ def build_proposer(options, client: ChatClient, settings: LLMSettings, base_url:
                                                "budget": asdict(budget)})
         where = f"transcript {path}"
     metered = MeteredClient(inner, budget, price)
-    stack = RetryingClient(metered, log, retries=settings.retries, base_delay=settings.retry_delay, sleep=sleep)
+    stack = RetryingClient(metered, log, retries=settings.retries, base_delay=settings.retry_delay, sleep=sleep,
+                           request_timeout=settings.timeout)
     log(f"llm: provider {client.provider}, model {client.model}" + (f" at {base_url}" if base_url else "")
         + f"; price ${price.input_per_mtok}/${price.output_per_mtok} per M tokens in/out ({price_source})")
     log(f"llm: budget {budget.max_calls} calls, {budget.max_tokens} tokens, ${budget.max_cost_usd:.2f}"
@@ -173,10 +176,44 @@ class LLMProposer:
         self._fallback_keys: set[str] = set()
         self._pending: dict[str, _Pending] = {}
         self._deadline = 0.0                             # monotonic time the run's budget ends
+        # agent/pipeline.py calls `ask` from several threads: everything above is changed under
+        # this lock, which an episode lets go of only while its request is out (_unlocked).
+        self._lock = threading.RLock()
 
     # --- the Proposer interface --------------------------------------------------------
     def propose(self, state: SearchState) -> Candidate | None:
+        with self._lock:
+            self._set_deadline(state)
+            return self._propose(state)
+
+    # --- the parallel pipeline's interface (agent/pipeline.py) ---------------------------
+    def ready(self, state: SearchState) -> bool:
+        """Whether a model episode can build on `state.best` now."""
+        return self.active and self._has_work(state)
+
+    def ask(self, state: SearchState) -> Candidate | None:
+        """One model episode on `state.best`, with no builtin turn (the pipeline draws the builtin
+        itself). Safe to call from several threads at once: their requests overlap."""
+        with self._lock:
+            self._set_deadline(state)
+            return self._guarded_episode(state)
+
+    def _set_deadline(self, state: SearchState) -> None:
+        """No request, retries included, may outlive the run (less the time to judge its answer)."""
         self._deadline = time.monotonic() + state.seconds_left
+        if hasattr(self.client, "deadline"):
+            self.client.deadline = self._deadline - EVAL_RESERVE_S
+
+    @contextmanager
+    def _unlocked(self):
+        """Let other episodes go on while this one waits for its answer."""
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+
+    def _propose(self, state: SearchState) -> Candidate | None:
         while True:
             llm_ready = self.active and self._has_work(state)
             if llm_ready and (self.fallback_done or self.last_turn != LLM_TURN):
@@ -200,6 +237,10 @@ class LLMProposer:
             return None
 
     def feedback(self, candidate: Candidate, result: EvalResult) -> None:
+        with self._lock:
+            self._feedback(candidate, result)
+
+    def _feedback(self, candidate: Candidate, result: EvalResult) -> None:
         key = candidate.key()
         if key in self._fallback_keys:
             self._fallback_keys.discard(key)
@@ -212,6 +253,10 @@ class LLMProposer:
         scores = f"score {result.rank():.4g} vs best {baseline.rank():.4g}" if baseline else f"score {result.rank():.4g}"
         if not result.passed:
             verdict, detail = "wrong in the whole engine", f"{result.stage}/{result.error_kind}: {result.error or ''}"
+        elif result.decision is not None:   # the loop's acceptance (agent/acceptance.py) said why
+            accepted = result.decision.startswith(ACCEPTED)
+            verdict = "faster: accepted" if accepted else "correct but not faster: rejected"
+            detail = f"{result.decision}; {scores}"
         elif improves(result, baseline):
             verdict, detail = "faster: accepted", scores
         else:
@@ -270,7 +315,8 @@ class LLMProposer:
             if not self._time_for_a_request():
                 return None
             try:
-                reply = self.client.complete(episode.messages, self.settings.max_tokens)
+                with self._unlocked():
+                    reply = self.client.complete(episode.messages, self.settings.max_tokens)
             except ChatError as e:
                 self._call_failed(episode, e)
                 return None

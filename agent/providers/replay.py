@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import fields
 from pathlib import Path
 
@@ -67,14 +68,27 @@ class ReplayClient:
         self.model = self.start.get("model") or (self.calls[0]["model"] if self.calls else "unknown")
         self.log = log
         self.strict = strict
-        self.position = 0
+        self.position = 0              # how many recorded calls have been served
+        self.served: set[int] = set()
+        self._lock = threading.Lock()
         self.divergences = 0
 
+    def _next_record(self, wanted: str) -> dict | None:
+        """The first unserved recorded call with this request's hash, else the first unserved one:
+        requests made in parallel (agent/pipeline.py) may come in another order than recorded."""
+        with self._lock:
+            unserved = [i for i in range(len(self.calls)) if i not in self.served]
+            if not unserved:
+                return None
+            i = next((i for i in unserved if self.calls[i]["request_hash"] == wanted), unserved[0])
+            self.served.add(i)
+            self.position = len(self.served)
+            return self.calls[i]
+
     def complete(self, messages: list[Message], max_tokens: int) -> Reply:
-        if self.position >= len(self.calls):
+        record = self._next_record(request_hash(messages, max_tokens))
+        if record is None:
             raise ChatError(REPLAY, f"the recording ends after {len(self.calls)} requests")
-        record = self.calls[self.position]
-        self.position += 1
         if request_hash(messages, max_tokens) != record["request_hash"]:
             self.divergences += 1
             where = first_difference(record["messages"], messages) if record.get("max_tokens") == max_tokens \

@@ -1,0 +1,112 @@
+"""Acceptance that resists noise: a challenger replaces the incumbent only when back-to-back
+timings say it is faster with a stated confidence (docs/design.md §6).
+
+One timing of each engine on a busy machine moves by a few percent, so a fixed margin over one
+run both accepts noise and rejects real small gains. Instead:
+  1. the screen: the challenger's first timing (public sequence and the run's benchmark, no
+     stress) against the incumbent's score; below SCREEN_KEEP of it, it is "screened out", at
+     CLEAR_WIN or more it is accepted as it stands (no noise moves a timing by half);
+  2. rounds: the incumbent is timed again right after (and from the second round on, the two
+     alternate order, ABBA, so a drift of the machine falls on both); every benchmark case of a
+     round gives one paired ratio challenger / incumbent;
+  3. the rule: a one-sided sign test on the paired ratios (H0: the challenger is no faster, each
+     ratio above 1 with probability 1/2). Accepted when p <= ALPHA and the geometric mean of the
+     ratios is above 1; rejected as "not faster" when that mean is at or below 1, and as "within
+     noise (p=...)" once even a win in every remaining pair could not bring p to ALPHA.
+The sign test assumes nothing about the noise's shape, only that a no-faster challenger wins a
+pair at most half the time; cases of one round share the machine's state, which the ABBA order
+and the fresh evaluator process per timing are there to break.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agent.records import ACCEPTED, EvalResult
+
+ALPHA = 0.05          # the accepted risk of taking a no-faster engine for a faster one
+SCREEN_KEEP = 0.9     # a first timing below this fraction of the incumbent's score ends the contest
+MAX_ROUNDS = 3        # back-to-back pairs at most per challenger (each costs one timing of each)
+CLEAR_WIN = 1.5       # a screen this many times the incumbent's score is accepted without rounds:
+                      # repeated timings of one engine spread by a few percent, never by half
+
+Timing = Callable[[str], EvalResult | None]   # (label) -> a timing run; None: no time left for one
+
+
+@dataclass(frozen=True)
+class Decision:
+    accepted: bool
+    reason: str                       # what the log says: "faster: ...", "screened out: ...", ...
+    ratio: float | None = None        # geometric mean challenger / incumbent over the pairs (or the screen)
+    p: float | None = None            # the sign test's one-sided p, where pairs were timed
+    failure: EvalResult | None = None # a timing of the challenger that failed: its verdict
+
+
+def sign_p(wins: int, n: int) -> float:
+    """P(at least `wins` of `n` fair coin flips come up heads): the one-sided sign test."""
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n if n else 1.0
+
+
+def paired_log_ratios(challenger: EvalResult, incumbent: EvalResult) -> list[float]:
+    """log(challenger / incumbent) tokens per second, one per benchmark case both timed."""
+    a, b = challenger.tokens_per_second(), incumbent.tokens_per_second()
+    return [math.log(a[c] / b[c]) for c in a if c in b and a[c] > 0 and b[c] > 0]
+
+
+def percent(ratio: float) -> str:
+    return f"{100 * ratio:.0f}% of best"
+
+
+def contest(screen: EvalResult, incumbent: EvalResult | None, time_challenger: Timing,
+            time_incumbent: Timing) -> Decision:
+    """Decide on a challenger whose screen passed (and kept a safe margin). `time_*` run one more
+    timing of each engine (stress off) and may return None when the budget has no room for it."""
+    if incumbent is None or not incumbent.passed or incumbent.rank() <= 0:
+        return Decision(True, f"{ACCEPTED}: the incumbent has no timed score")
+    first = screen.rank() / incumbent.rank()
+    if first < SCREEN_KEEP:
+        return Decision(False, f"screened out: {percent(first)}", first)
+    if first >= CLEAR_WIN:
+        return Decision(True, f"{ACCEPTED}: {percent(first)} on the screen, past any timing noise "
+                        f"(at least {CLEAR_WIN:g}x)", first)
+    samples: list[float] = []
+    for round_ in range(1, MAX_ROUNDS + 1):
+        if round_ == 1:   # the screen was the challenger's half of the first pair
+            pair = (screen, time_incumbent(f"incumbent-{round_}"))
+        elif round_ % 2 == 0:
+            inc = time_incumbent(f"incumbent-{round_}")
+            pair = (time_challenger(f"challenger-{round_}") if inc else None, inc)
+        else:
+            mine = time_challenger(f"challenger-{round_}")
+            pair = (mine, time_incumbent(f"incumbent-{round_}") if mine and mine.passed else None)
+        mine, theirs = pair
+        if mine is not None and not mine.passed:
+            return Decision(False, f"a repeated timing failed: {mine.stage}/{mine.error_kind}", failure=mine)
+        if mine is None or theirs is None or not theirs.passed:
+            return _verdict(samples, final=True, why="no time left for another pair" if theirs is None or
+                            mine is None else "the incumbent's repeated timing did not pass")
+        samples += paired_log_ratios(mine, theirs)
+        per_round = max(len(paired_log_ratios(mine, theirs)), 1)
+        decision = _verdict(samples, final=round_ == MAX_ROUNDS, remaining=per_round * (MAX_ROUNDS - round_))
+        if decision is not None:
+            return decision
+    raise AssertionError("unreachable: the last round always decides")
+
+
+def _verdict(samples: list[float], final: bool, remaining: int = 0, why: str = "") -> Decision | None:
+    """Accept, reject, or None: another round could still decide."""
+    if not samples:
+        return Decision(False, f"not timed against the incumbent ({why})")
+    ratio = math.exp(sum(samples) / len(samples))
+    wins, n = sum(1 for s in samples if s > 0), sum(1 for s in samples if s != 0)
+    p = sign_p(wins, n)
+    counted = f"{wins}/{n} paired timings faster, sign test p={p:.3g}"
+    if ratio <= 1.0:
+        return Decision(False, f"not faster: {percent(ratio)} ({counted})", ratio, p)
+    if p <= ALPHA:
+        return Decision(True, f"{ACCEPTED}: {percent(ratio)}, {counted}", ratio, p)
+    if final or sign_p(wins + remaining, n + remaining) > ALPHA:
+        return Decision(False, f"within noise (p={p:.3g}): {percent(ratio)}, {wins}/{n} paired timings faster"
+                        + (f"; {why}" if why else ""), ratio, p)
+    return None

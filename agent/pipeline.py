@@ -1,0 +1,185 @@
+"""Candidates for the judge, with the model asked in parallel (docs/design.md §1, docs/llm.md).
+
+The judge (the loop's thread) takes one candidate at a time, so evaluations never overlap and
+their timings do not disturb each other. Where the proposer is the LLM proposer and `parallel`
+is above 1, `parallel` worker threads keep that many model episodes going (request, extraction,
+policy, unit check) while the judge works; each episode builds on a parent the archive chooses
+(agent/archive.py). The builtin walk is drawn only when the judge is free, so each of its steps
+builds on the latest best; the judge alternates between a ready model candidate and the builtin
+walk, so the builtin lineage keeps going beside the model and a run is never starved of either.
+With `parallel` 1, or a proposer that has no model side, candidates come from `propose` in turn,
+exactly as a serial loop would ask.
+
+No worker starts a request the run's deadline cannot hold (the LLM proposer checks its own
+request timeout against it); workers are daemon threads, so a run that ends does not wait for
+an answer nobody will judge.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import replace
+
+from agent.archive import Archive
+from agent.records import Candidate, EvalResult, Proposer, SearchState
+
+MAX_REPEATS = 20      # consecutive already-judged proposals from one side before it is given up
+PARALLEL_ENV = "LLM_PARALLEL"
+DEFAULT_PARALLEL = 4  # model requests in flight, for LLM providers
+IDLE_POLL_SECONDS = 1.0
+
+
+class Pipeline:
+    def __init__(self, proposer: Proposer, state: SearchState, parallel: int, deadline: float,
+                 log: Callable[[str], None]):
+        """`deadline`: time.monotonic() when proposals stop being useful (the run's end)."""
+        self.proposer, self.state, self.deadline, self.log = proposer, state, deadline, log
+        model_side = hasattr(proposer, "ask") and hasattr(proposer, "fallback")
+        self.parallel = parallel if model_side and parallel > 1 else 1
+        self.builtin: Proposer = proposer.fallback if self.parallel > 1 else proposer
+        self.ready: list[Candidate] = []
+        self.in_flight = 0
+        self.workers = 0
+        self.judged = 0
+        self.started = time.monotonic()
+        self.last_model = False       # the last candidate handed to the judge came from the model
+        self.stopped = False
+        self.cond = threading.Condition()
+        self._builtin_keys: set[str] = set()
+        for i in range(self.parallel if self.parallel > 1 else 0):
+            self.workers += 1
+            threading.Thread(target=self._work, name=f"proposer-{i + 1}", daemon=True).start()
+
+    # --- the judge's side -----------------------------------------------------------------
+    def next(self) -> Candidate | None:
+        """The next candidate to judge, or None when no side has anything left before the deadline."""
+        while True:
+            with self.cond:
+                if self.ready and not self.last_model:
+                    candidate = self._take()
+                    if not self.state.tried(candidate):
+                        return candidate
+                    continue
+            candidate = self._draw(self.builtin)
+            if candidate is not None:
+                self._builtin_keys.add(candidate.key())
+                self.last_model = False
+                return candidate
+            with self.cond:
+                if self.ready:
+                    candidate = self._take()
+                    if not self.state.tried(candidate):
+                        return candidate
+                    continue
+                if self.workers == 0 or time.monotonic() >= self.deadline:
+                    return None
+                self.cond.wait(min(IDLE_POLL_SECONDS, max(self.deadline - time.monotonic(), 0.01)))
+
+    def feedback(self, candidate: Candidate, result: EvalResult) -> None:
+        self.judged += 1
+        key = candidate.key()
+        side = self.builtin if key in self._builtin_keys else self.proposer
+        self._builtin_keys.discard(key)
+        side.feedback(candidate, result)
+        with self.cond:
+            self.cond.notify_all()   # a worker waiting for room (or for a basis) may go on
+
+    def status(self) -> str:
+        minutes = max(time.monotonic() - self.started, 1e-9) / 60
+        rate = f"{self.judged / minutes:.2f} candidates judged per minute"
+        if self.parallel == 1:
+            return f"pipeline: serial; {rate}"
+        return f"pipeline: {self.in_flight} model episodes in flight, {len(self.ready)} ready, {rate}"
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _take(self) -> Candidate:
+        self.last_model = True
+        candidate = self.ready.pop(0)
+        self.cond.notify_all()
+        return candidate
+
+    def _draw(self, side: Proposer) -> Candidate | None:
+        """Ask one side, skipping (loudly) what was judged already; an error ends that side."""
+        for _ in range(MAX_REPEATS):
+            try:
+                candidate = side.propose(self._view(self.state.best, self.state.best_result))
+            except Exception:  # noqa: BLE001 - logged in full; the best engine so far stays
+                self.log(f"warning: proposer '{side.name}' failed; it is asked no more:\n{traceback.format_exc()}")
+                self.builtin = _Dry(side.name)
+                return None
+            if candidate is None or not self.state.tried(candidate):
+                return candidate
+            self.log(f"warning: proposer '{side.name}' repeated an already-judged candidate: {candidate.plan.describe()}")
+        self.log(f"warning: proposer '{side.name}' repeated itself {MAX_REPEATS} times; it is asked no more")
+        self.builtin = _Dry(side.name)
+        return None
+
+    def _view(self, best, best_result) -> SearchState:
+        """The state as a proposer sees it now, with `best` the engine to build on."""
+        return replace(self.state, best=best, best_result=best_result,
+                       seconds_left=self.deadline - time.monotonic())
+
+    # --- the workers' side ----------------------------------------------------------------
+    def _work(self) -> None:
+        model = self.proposer
+        try:
+            while True:
+                with self.cond:
+                    parent = self._parent()
+                    while not self.stopped and (parent is None or self.in_flight + len(self.ready) >= self.parallel):
+                        if not model.active or time.monotonic() >= self.deadline:
+                            return
+                        self.cond.wait(IDLE_POLL_SECONDS)
+                        parent = self._parent()
+                    if self.stopped:
+                        return
+                    self.in_flight += 1
+                view = self._view(parent.candidate, parent.result)
+                try:
+                    candidate = model.ask(view)
+                finally:
+                    with self.cond:
+                        self.in_flight -= 1
+                        self.cond.notify_all()
+                if candidate is not None and not self.state.tried(candidate):
+                    with self.cond:
+                        self.ready.append(replace(candidate, parent=parent.index))
+                        self.cond.notify_all()
+        except Exception:  # noqa: BLE001 - a bug here stops this worker, never the run
+            self.log(f"warning: proposer worker failed:\n{traceback.format_exc()}")
+        finally:
+            with self.cond:
+                self.workers -= 1
+                self.cond.notify_all()
+
+    def _parent(self):
+        """The archive's choice among the engines the model can build on; None: none yet."""
+        if not self.proposer.active:
+            return None
+        return Archive.of(self.state).choose_parent(
+            lambda m: self.proposer.ready(self._view(m.candidate, m.result)))
+
+
+class _Dry:
+    """A side that has nothing more to give (it failed, or it kept repeating itself)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def propose(self, state: SearchState) -> None:
+        return None
+
+    def feedback(self, candidate: Candidate, result: EvalResult) -> None:
+        pass
