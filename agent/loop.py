@@ -102,7 +102,7 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
     if not screen.safe():
         report.warn(f"#{entry.index:03d} passed with margin {screen.margin():.2f} < "
                     f"{screen.required_margin():.2f}: too close to the tolerance to keep")
-        return replace(screen, decision="too close to the tolerance")
+        return decided(screen, "too close to the tolerance")
     incumbent = next((e for e in reversed(report.entries) if e.accepted), None)
 
     def timing(path: Path, out: str) -> EvalResult | None:
@@ -113,11 +113,11 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
                                   lambda label: timing(incumbent.directory / "engine.py", label))
     if decision.failure is not None:
         report.verdict(entry, decision.failure, label="repeated timing")
-        return replace(decision.failure, decision=decision.reason)
+        return decided(decision.failure, decision.reason)
     report.line(f"     {'ACCEPT' if decision.accepted else 'REJECT'}: {decision.reason}")
     if not decision.accepted:
-        return replace(screen, decision=decision.reason)
-    final = replace(judge(engine, folder, timeout_for(state, left()), FINAL), decision=decision.reason)
+        return decided(screen, decision.reason)
+    final = decided(judge(engine, folder, timeout_for(state, left()), FINAL), decision.reason)
     report.verdict(entry, final, label="final")
     if final.passed and final.safe():
         install(entry, final, source, ws, report)
@@ -125,6 +125,12 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         report.warn(f"#{entry.index:03d} passed with margin {final.margin():.2f} < "
                     f"{final.required_margin():.2f}: too close to the tolerance to keep")
     return final
+
+
+def decided(result: EvalResult, why: str) -> EvalResult:
+    """The verdict with the acceptance's reason on it (the same object: a judge may attach more)."""
+    result.decision = why
+    return result
 
 
 def judge_conservative(entry: Entry, source: str, judge: Judge, ws: Workspace, report: Reporter,

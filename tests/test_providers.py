@@ -181,7 +181,8 @@ def decisions(results: dict) -> list[tuple[str, bool]]:
 
 
 def llm_entries(results: dict) -> list[dict]:
-    return [c for c in results["candidates"] if c["extra_variants"]]
+    """The model's candidates (the builtin walk also builds on an engine that holds model code)."""
+    return [c for c in results["candidates"] if c["extra_variants"] and c["origin"] != "builtin"]
 
 
 def in_order(log: str, needles: list[str]) -> bool:
