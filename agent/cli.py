@@ -22,7 +22,8 @@ from pathlib import Path
 from agent import loop, resume
 from agent.judge import REPO, JudgeSettings, judge
 from agent.plan import Plan, engine_models, engines
-from agent.providers import NAMES, ProviderOptions, make_proposer
+from agent.pipeline import DEFAULT_PARALLEL, PARALLEL_ENV
+from agent.providers import NAMES, ProviderOptions, make_proposer, resolve_name
 from agent.providers.builtin import BuiltinProposer
 from agent.records import EvalResult, SearchState
 from agent.report import Entry, Reporter, describe
@@ -45,11 +46,14 @@ DEFAULT_BUDGET = {"cpu": 600.0, "cuda": 1800.0}
 BENCH = {"cpu": {"warmup": 0, "repeat": 1, "cases": "prefill,decode,mixed"},
          "cuda": {"warmup": 1, "repeat": 3, "cases": "prefill,decode,mixed,decode128,mixed128"}}
 DEVICES = ("auto", "cuda", "cpu")
+# The stress mode of a finalist's verdict (agent/judge.py FINAL): the long cases on a GPU, where
+# they take seconds; on CPU they take minutes, so the quick suite every candidate got stays.
+FINAL_STRESS = {"cpu": "quick", "cuda": "full"}
 BANDWIDTH, PEAK = "bandwidth GB/s", "peak TFLOP/s"   # keys of the hardware facts handed to the evaluator
 SEED_RANGE = 1_000_000
 ENV = {"config": "MODEL_CONFIG", "weights": "WEIGHT_DIR", "device": "DEVICE", "budget": "BUDGET",
        "provider": "PROVIDER", "model": "LLM_MODEL", "seed": "SEED", "workspace": "AGENT_WORKSPACE",
-       "max_candidates": "MAX_CANDIDATES"}  # not WORKSPACE: CI servers set it
+       "max_candidates": "MAX_CANDIDATES", "parallel": PARALLEL_ENV}  # not WORKSPACE: CI servers set it
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class RunConfig:
     seed: int
     workspace: Path
     max_candidates: int | None = None   # stop after this many judged; None: the budget decides
+    parallel: int = 1                   # model episodes in flight while the judge works (agent/pipeline.py)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -93,6 +98,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-candidates", type=int, default=env("max_candidates"),
                    help=f"stop once this many candidates are judged, the conservative engine included "
                         f"[{ENV['max_candidates']}; default: no limit, the budget decides]")
+    p.add_argument("--parallel", type=int, default=env("parallel"),
+                   help=f"model requests in flight while the judge works, one evaluation at a time "
+                        f"[{ENV['parallel']}; default {DEFAULT_PARALLEL} for an LLM provider, 1 for builtin]")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in the workspace (same config, weights and device): "
                         "candidates already judged are not judged again, the best so far is kept")
@@ -103,6 +111,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"{ENV[name]}={getattr(args, name)!r}: choose from {', '.join(choices)}")
     if args.budget is not None and not float(args.budget) > 0:
         p.error(f"--budget must be a positive number of seconds, got {args.budget}")
+    if args.parallel is not None and not int(args.parallel) >= 1:
+        p.error(f"--parallel must be at least 1, got {args.parallel}")
     if args.max_candidates is not None and not int(args.max_candidates) >= 1:
         p.error(f"--max-candidates must be at least 1, got {args.max_candidates}")
     return args
@@ -123,7 +133,9 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     seed = int(args.seed) if args.seed is not None else random.randrange(SEED_RANGE)
     return RunConfig(_absolute(config, "model config"), _absolute(weights, "weights directory"), device, budget,
                      args.provider, args.model, seed, _absolute(Path(args.workspace), "workspace"),
-                     int(args.max_candidates) if args.max_candidates is not None else None)
+                     int(args.max_candidates) if args.max_candidates is not None else None,
+                     int(args.parallel) if args.parallel is not None
+                     else 1 if resolve_name(args.provider) == "builtin" else DEFAULT_PARALLEL)
 
 
 def _absolute(path: Path, what: str) -> Path:
@@ -215,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = BENCH[cfg.device]
     facts = hardware(cfg.device, cfg.config)
     settings = JudgeSettings(sys.executable, cfg.config, cfg.weights, cfg.device, cfg.seed, stress="quick",
+                             final_stress=FINAL_STRESS[cfg.device],
                              cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"],
                              bandwidth_gbs=facts[BANDWIDTH], peak_tflops=facts[PEAK])
     state = SearchState(spec=spec, device=cfg.device, hardware=facts, seconds_left=cfg.budget)
@@ -273,7 +286,7 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
     try:
         loop.run(state, proposer, lambda engine, out, timeout, phase: judge(engine, out, timeout,
                                                                              settings.for_phase(phase)),
-                 ws, report, cfg.budget, started, cfg.max_candidates)
+                 ws, report, cfg.budget, started, cfg.max_candidates, cfg.parallel)
     except (KeyboardInterrupt, SystemExit):
         interrupted = True
         report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")
