@@ -1,0 +1,206 @@
+"""The search loop of issue 23, offline: parallel model requests (their timestamps overlap), a bad
+model leaves a run no worse than the builtin alone, the archive lets the builtin walk build on a
+model-written variant, --resume restores the archive, and the acceptance rule (back-to-back
+timings, a sign test) accepts a clearly faster challenger and rejects one within noise. The judge
+is faked throughout (deterministic timings); the model is the scripted HTTP server of
+tests/test_providers.py behind the real SDK clients."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from agent import acceptance, loop, resume
+from agent.archive import Archive
+from agent.plan import Plan
+from agent.providers import ProviderOptions, make_proposer
+from agent.providers.builtin import BuiltinProposer
+from agent.records import Candidate, EvalResult, SearchState
+from agent.report import Reporter
+from agent.spec import spec_from_config
+from agent.workspace import RESULTS_JSON, RESULTS_LOG, Workspace
+from tests.test_providers import CONFIG, KEYS, ScriptedServer, answer, fake_judge, point_at
+
+CASES = ("prefill", "decode", "mixed")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for key in KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("LLM_RETRY_DELAY_S", "0.01")
+    monkeypatch.setenv("LLM_KERNELS_ON_CPU", "1")
+
+
+class TimedServer(ScriptedServer):
+    """Answers every kernel request with the fixture named `reply`, written for the variant the
+    request asks for (requests in flight at once take episodes in any order), after `sleep` s;
+    records when each answer went out."""
+
+    def __init__(self, protocol: str, reply: str, sleep: float, n: int):
+        super().__init__(protocol, [{"sleep": sleep, "text": ""}] * n)
+        self.reply, self.sleep, self.spans = reply, sleep, []
+
+    def respond(self, step: dict, body: dict):
+        text = json.dumps(body.get("messages"))
+        variant = (re.findall(r"__(llm_\d+)", text) or ["llm_0"])[0]
+        self.spans.append((time.monotonic() - step.get("sleep", 0), time.monotonic()))
+        return super().respond({**step, "text": answer(self.reply, variant)}, body)
+
+
+def run(workspace: Path, provider: str, parallel: int, judge=fake_judge, budget: float = 600.0):
+    ws = Workspace(workspace)
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    ws.open_history(warn=report.warn)
+    spec = spec_from_config(json.loads(CONFIG.read_text()), CONFIG, workspace / "weights")
+    state = SearchState(spec=spec, device="cpu", hardware={"device": "cpu"})
+    proposer = make_proposer(provider, ProviderOptions("cpu", 0, ws.root, BuiltinProposer("cpu")), report.warn)
+    loop.run(state, proposer, judge, ws, report, budget, parallel=parallel)
+    report.finish([])
+    return ws, state, (ws.root / RESULTS_LOG).read_text(), json.loads((ws.root / RESULTS_JSON).read_text())
+
+
+def test_model_requests_overlap_in_time_and_the_log_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_MAX_CALLS", "6")
+    with TimedServer("openai", "05_correct_faster", sleep=1.0, n=6) as server:
+        point_at(monkeypatch, "openai", server.url)
+        ws, state, log, _ = run(tmp_path / "ws", "openai", parallel=3)
+    spans = sorted(server.spans)
+    overlaps = sum(1 for (s1, e1), (s2, _) in zip(spans, spans[1:]) if s2 < e1)
+    assert len(spans) >= 3 and overlaps >= 2, spans
+    assert "model episodes in flight" in log and "candidates judged per minute" in log
+    assert state.best_result.passed
+
+
+@pytest.mark.parametrize("failure", ["slow", "wrong", "hostile", "truncated", "rate_limited"])
+def test_a_bad_model_leaves_a_run_no_worse_than_the_builtin_alone(tmp_path, monkeypatch, failure):
+    monkeypatch.setenv("LLM_MAX_CALLS", "8")
+    monkeypatch.setenv("LLM_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("LLM_RETRIES", "1")
+    _, alone, _, alone_results = run(tmp_path / "alone", "builtin", parallel=1)
+    step = {"slow": {"sleep": 2.0, "text": "late"}, "wrong": {"text": answer("02_unit_check_fails", "llm_1")},
+            "hostile": {"text": answer("03_policy_violation", "llm_1")},
+            "truncated": {"text": answer("05_correct_faster", "llm_1")[:120]},
+            "rate_limited": {"status": 429, "retry_after": "0"}}[failure]
+    with ScriptedServer("openai", [step] * 8) as server:
+        point_at(monkeypatch, "openai", server.url)
+        ws, state, log, results = run(tmp_path / "ws", "openai", parallel=3)
+    assert state.best_result.rank() >= alone.best_result.rank()
+    builtin_plans = {json.dumps(c["plan"], sort_keys=True) for c in alone_results["candidates"]}
+    judged = {json.dumps(c["plan"], sort_keys=True) for c in results["candidates"]}
+    assert builtin_plans <= judged   # the builtin walk went on beside the model, all of it
+    assert ws.installed_verdict() is not None
+
+
+def member(plan: Plan, score: float, extra=None, parent=None, origin="builtin"):
+    result = EvalResult(status="passed", stage="done", device="cpu", score=score,
+                        benchmark=[{"case_name": c, "tokens_per_second": 100 * score} for c in CASES])
+    return Candidate(plan, origin, "test", extra or {}, parent), result
+
+
+def test_the_builtin_walk_tunes_an_engine_that_holds_a_model_variant(monkeypatch):
+    from tests.test_loop import _fake_menu
+    _fake_menu(monkeypatch)
+    paged = Plan("paged", {s: "torch" for s in ("norm", "rope_cache", "prefill_attention", "decode_attention",
+                                                  "silu_mul", "linear")}, {"block_size": 16, "graphs": True})
+    text = f"def silu_mul__llm_1(x):\n    return x  # {random.random()}\n"
+    model = Plan(paged.engine, {**paged.slots, "silu_mul": "llm_1"}, paged.params)
+    state = SearchState(spec=None, device="cuda", hardware={})
+    state.history = [member(Plan("recompute"), 0.01), member(paged, 1.0),
+                     member(model, 2.0, {("silu_mul", "llm_1"): text}, parent=2, origin="openai:m")]
+    state.best, state.best_result = state.history[2]
+    proposer, seen = BuiltinProposer("cuda"), []
+    while (candidate := proposer.propose(state)) is not None:
+        seen.append(candidate)
+        state.history.append((candidate, EvalResult.failure("public", "wrong_result", "x", "cuda")))
+    tuned = [c for c in seen if c.plan.params != paged.params]
+    assert tuned and all(c.plan.slots["silu_mul"] == "llm_1" for c in tuned)
+    assert all(c.extra_variants == {("silu_mul", "llm_1"): text} and c.parent == 3 for c in tuned)
+
+
+def test_parents_are_chosen_by_score_with_room_for_exploration():
+    base = Plan("paged", {}, {"x": 0})
+    history = [member(Plan("recompute"), 0.01), member(base, 1.0), member(Plan("paged", {}, {"x": 1}), 0.9)]
+    archive = Archive(history)
+    assert archive.choose_parent().index == 2                      # the best first
+    history += [member(Plan("paged", {}, {"x": i}), 0.5, parent=2) for i in range(2, 6)]
+    assert Archive(history).choose_parent().index == 3             # the best has had its children
+
+
+def test_resume_restores_the_archive(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "render_engine", lambda plan, extra=None, **kw: f"# {plan.key()} {sorted(extra or {})}\n")
+    text = f"def silu_mul__llm_1(x):\n    return x  # {random.random()}\n"
+    plans = [Plan("paged", {"silu_mul": "torch"}), Plan("paged", {"silu_mul": "llm_1"})]
+    scores = {plans[0].key(): 1.0, plans[1].key(): 2.0, Plan("recompute").key(): 0.01}
+
+    class Listed:
+        name = "list"
+
+        def __init__(self):
+            self.todo = [Candidate(plans[0], "builtin", "a", parent=1),
+                         Candidate(plans[1], "openai:m", "b", {("silu_mul", "llm_1"): text}, parent=2)]
+
+        def propose(self, state):
+            return self.todo.pop(0) if self.todo else None
+
+        def feedback(self, candidate, result):
+            pass
+
+    def judge(engine, out, timeout, phase):
+        plan = Plan.from_dict(json.loads((engine.parent / "plan.json").read_text())["plan"])
+        return member(plan, scores[plan.key()])[1]
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    state = SearchState(spec=None, device="cpu", hardware={})
+    loop.run(state, Listed(), judge, ws, report, 600.0)
+    report.finish([])
+    previous = resume.load(ws, {"config": "c", "weights": "w", "device": "cpu"})
+    restored = Archive([(e.candidate, e.result) for e in previous.entries])
+    original = Archive(state.history)
+    assert restored.variants() == original.variants() and restored.variants()[("silu_mul", "llm_1")].text == text
+    assert [(m.index, m.candidate.parent, m.score) for m in restored.passing()] == \
+           [(m.index, m.candidate.parent, m.score) for m in original.passing()]
+    assert restored.choose_parent().index == original.choose_parent().index == 3
+
+
+def timed(score: float, noise: list[float]) -> EvalResult:
+    """A passing timing whose cases move by the given factors (the noise of one evaluation)."""
+    return EvalResult(status="passed", stage="done", device="cpu", score=score, benchmark=[
+        {"case_name": c, "tokens_per_second": 100 * score * f} for c, f in zip(CASES, noise)])
+
+
+def noisy(score: float, spread: float, rng: random.Random):
+    return lambda label: timed(score, [1 + rng.uniform(-spread, spread) for _ in CASES])
+
+
+def test_a_clearly_faster_challenger_is_accepted_with_its_confidence():
+    rng = random.Random()
+    decision = acceptance.contest(timed(1.2, [1, 1, 1]), timed(1.0, [1, 1, 1]),
+                                  noisy(1.2, 0.03, rng), noisy(1.0, 0.03, rng))
+    assert decision.accepted and decision.p <= acceptance.ALPHA and "p=" in decision.reason
+    assert decision.ratio == pytest.approx(1.2, rel=0.07)
+
+
+def test_a_challenger_within_noise_is_rejected_as_such_and_a_slow_one_screened_out():
+    # each pair: two cases a little faster, one a little slower: a mean gain the sign test cannot trust
+    pattern = iter([[1.0, 1.0, 1.0]] + [[1.0, 1.0, 1.0], [1.02, 1.02, 0.99]] * acceptance.MAX_ROUNDS)
+    challenger = lambda label: timed(1.0, next(pattern))  # noqa: E731
+    decision = acceptance.contest(timed(1.0, [1.02, 1.02, 0.99]), timed(1.0, [1, 1, 1]), challenger,
+                                  lambda label: timed(1.0, [1, 1, 1]))
+    assert not decision.accepted and decision.reason.startswith("within noise (p=")
+    slow = acceptance.contest(timed(0.7, [1, 1, 1]), timed(1.0, [1, 1, 1]), None, None)
+    assert not slow.accepted and slow.reason == "screened out: 70% of best"
+
+
+def test_sign_test_matches_its_definition():
+    n = random.randint(3, 12)
+    for wins in range(n + 1):
+        brute = sum(1 for bits in range(2 ** n) if bin(bits).count("1") >= wins) / 2 ** n
+        assert math.isclose(acceptance.sign_p(wins, n), brute)
