@@ -49,9 +49,13 @@ def sign_p(wins: int, n: int) -> float:
 
 
 def paired_log_ratios(challenger: EvalResult, incumbent: EvalResult) -> list[float]:
-    """log(challenger / incumbent) tokens per second, one per benchmark case both timed."""
+    """log(challenger / incumbent) tokens per second, one per benchmark case both timed (or of
+    the scores, for verdicts that carry no cases)."""
     a, b = challenger.tokens_per_second(), incumbent.tokens_per_second()
-    return [math.log(a[c] / b[c]) for c in a if c in b and a[c] > 0 and b[c] > 0]
+    ratios = [math.log(a[c] / b[c]) for c in a if c in b and a[c] > 0 and b[c] > 0]
+    if not ratios and challenger.rank() > 0 and incumbent.rank() > 0:
+        ratios = [math.log(challenger.rank() / incumbent.rank())]
+    return ratios
 
 
 def percent(ratio: float) -> str:
@@ -97,7 +101,7 @@ def contest(screen: EvalResult, incumbent: EvalResult | None, time_challenger: T
 def _verdict(samples: list[float], final: bool, remaining: int = 0, why: str = "") -> Decision | None:
     """Accept, reject, or None: another round could still decide."""
     if not samples:
-        return Decision(False, f"not timed against the incumbent ({why})")
+        return Decision(False, f"not timed against the incumbent: {why or 'no benchmark case in common'}")
     ratio = math.exp(sum(samples) / len(samples))
     wins, n = sum(1 for s in samples if s > 0), sum(1 for s in samples if s != 0)
     p = sign_p(wins, n)

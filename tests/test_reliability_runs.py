@@ -50,15 +50,17 @@ def passed(score: float) -> EvalResult:
 
 
 class FakeJudge:
-    """Passes every candidate with a rising score (so each is installed), writing result.json
-    as the real judge does; remembers what it judged."""
+    """Passes every candidate with a score twice the last one's (so each is installed at its
+    screen, agent/acceptance.py CLEAR_WIN), the same again for an engine judged before (the best's
+    repeated timings), writing result.json as the real judge does; remembers what it judged."""
 
     def __init__(self):
         self.judged: list[str] = []
 
     def __call__(self, engine: Path, out_dir: Path, timeout: float, phase) -> EvalResult:
-        self.judged.append(engine.read_text())
-        result = passed(float(len(self.judged)))
+        if engine.read_text() not in self.judged:
+            self.judged.append(engine.read_text())
+        result = passed(2.0 ** self.judged.index(engine.read_text()))
         atomic_write(out_dir / "result.json", json.dumps(result.to_dict()))
         return result
 
