@@ -89,7 +89,7 @@ def test_the_loop_refuses_a_policy_breach_without_judging_it(tmp_path, monkeypat
     judged = []
 
     def judge(engine: Path, out_dir: Path, timeout: float, phase: str) -> EvalResult:
-        judged.append(json.loads((out_dir / "plan.json" if phase == loop.FULL else out_dir.parent / "plan.json")
+        judged.append(json.loads((engine.parent / "plan.json")
                                  .read_text())["plan"]["engine"])
         return EvalResult(status="passed", stage="done", device="cpu", score=1.0, seconds=1.0)
 
