@@ -46,9 +46,6 @@ DEFAULT_BUDGET = {"cpu": 600.0, "cuda": 1800.0}
 BENCH = {"cpu": {"warmup": 0, "repeat": 1, "cases": "prefill,decode,mixed"},
          "cuda": {"warmup": 1, "repeat": 3, "cases": "prefill,decode,mixed,decode128,mixed128"}}
 DEVICES = ("auto", "cuda", "cpu")
-# The stress mode of a finalist's verdict (agent/judge.py FINAL): the long cases on a GPU, where
-# they take seconds; on CPU they take minutes, so the quick suite every candidate got stays.
-FINAL_STRESS = {"cpu": "quick", "cuda": "full"}
 BANDWIDTH, PEAK = "bandwidth GB/s", "peak TFLOP/s"   # keys of the hardware facts handed to the evaluator
 SEED_RANGE = 1_000_000
 ENV = {"config": "MODEL_CONFIG", "weights": "WEIGHT_DIR", "device": "DEVICE", "budget": "BUDGET",
@@ -227,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     bench = BENCH[cfg.device]
     facts = hardware(cfg.device, cfg.config)
     settings = JudgeSettings(sys.executable, cfg.config, cfg.weights, cfg.device, cfg.seed, stress="quick",
-                             final_stress=FINAL_STRESS[cfg.device],
                              cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"],
                              bandwidth_gbs=facts[BANDWIDTH], peak_tflops=facts[PEAK])
     state = SearchState(spec=spec, device=cfg.device, hardware=facts, seconds_left=cfg.budget)

@@ -38,7 +38,9 @@ STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
 # Phases (agent/loop.py): VERIFY the conservative engine's quickest verdict; FULL the run's stress
 # and benchmark (the conservative engine's timing); TIMING the public sequence and the run's
 # benchmark, no stress (the screen and the back-to-back rounds, agent/acceptance.py); FINAL a
-# finalist's verdict: the run's benchmark and the stress suite with its long cases.
+# finalist's verdict, as FULL: the stress suite (its long cases) and the benchmark. The full
+# stress (45 cases) takes minutes on a GPU too (docs/benchmarks.md, twelfth session): the
+# self-test commands results.log prints run it on the engine a run leaves.
 VERIFY, FULL, TIMING, FINAL = "verify", "full", "timing", "final"
 VERIFY_CASES = "prefill"        # the cheapest benchmark case (the evaluator always runs one)
 
@@ -60,17 +62,14 @@ class JudgeSettings:
     bandwidth_gbs: float | None = None   # the floor's hardware, measured once per run;
     peak_tflops: float | None = None     # None: each evaluation measures its own
     triton_cache: Path | None = None   # the run's shared Triton cache (evaluator/triton_cache.py), judge-owned
-    final_stress: str | None = None    # FINAL's stress mode (finalists only); None: `stress`
 
     def for_phase(self, phase: str) -> "JudgeSettings":
         """The settings of one phase (see VERIFY, FULL, TIMING, FINAL); every timed phase but
         VERIFY has the same cases, warm-up and repeats, so their scores compare."""
-        if phase == FULL:
+        if phase in (FULL, FINAL):
             return self
         if phase == TIMING:
             return replace(self, stress="off")
-        if phase == FINAL:
-            return replace(self, stress=self.final_stress or self.stress)
         if phase == VERIFY:
             return replace(self, stress="off", cases=VERIFY_CASES, warmup=0, repeat=1)
         raise ValueError(f"unknown judge phase {phase!r}")
