@@ -450,10 +450,10 @@ def test_unit_check_survives_a_crashing_or_hanging_proposal():
     from agent.providers.proposals import unit_check, variant_template
     crash = variant_template("silu_mul", "llm_9", "cpu", "def silu_mul__llm_9(gate_up):\n    raise SystemExit(3)\n")
     hang = variant_template("silu_mul", "llm_9", "cpu", "def silu_mul__llm_9(gate_up):\n    while True:\n        pass\n")
-    ok, detail, _ = unit_check("silu_mul", hang, "cpu", 3.0, seed=1)
-    assert not ok and detail.startswith("timeout")
-    ok, detail, _ = unit_check("silu_mul", crash, "cpu", 120.0, seed=1)
-    assert not ok and ("crash" in detail or "SystemExit" in detail)
+    result = unit_check("silu_mul", hang, "cpu", 3.0, seed=1)
+    assert not result.passed and result.detail.startswith("timeout")
+    result = unit_check("silu_mul", crash, "cpu", 120.0, seed=1)
+    assert not result.passed and ("crash" in result.detail or "SystemExit" in result.detail)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the unit check's own uid needs a root agent")
@@ -483,8 +483,8 @@ def silu_mul__llm_7(gate_up):
     return torch.nn.functional.silu(gate_up[..., :d]) * gate_up[..., d:]
 '''
     try:
-        ok, detail, _ = unit_check("silu_mul", variant_template("silu_mul", "llm_7", "cpu", code), "cpu", 300.0, seed=3)
-        assert ok, detail
+        result = unit_check("silu_mul", variant_template("silu_mul", "llm_7", "cpu", code), "cpu", 300.0, seed=3)
+        assert result.passed, result.detail
         assert not marker.exists()
         time.sleep(4)
         assert not late.exists()

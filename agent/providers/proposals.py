@@ -23,6 +23,8 @@ from agent.extract import ExtractError, extract_code, extract_json
 from agent.plan import TEMPLATES, Plan, engine_params, engines, menu
 from agent.records import SearchState
 from evaluator.isolation import Jail
+from evaluator.slot_shapes import CallShape
+from evaluator.slot_timing import ShapeTiming, weighted_ratio
 from evaluator.slots import SLOTS
 from evaluator.unit_worker import RESULT_MARK
 
@@ -31,12 +33,27 @@ UNIT_WORKER = REPO / "evaluator" / "unit_worker.py"
 _HEADER_LINE = re.compile(r"^\s*#\s*slot:.*$", re.MULTILINE)
 RESULT_TAIL_BYTES = 1 << 20   # of the unit check's output read back (it may print without end)
 ERROR_LINES = 12  # of a crashed unit check's stderr, sent back to the model
+LOG_LINE = 300    # characters of a timing error kept
 
 # Verdicts: PASSED means "passed every check we can make alone"; the rest are rejections.
 PASSED, NO_CODE, SYNTAX, POLICY, MISSING, DUPLICATE, UNIT_CHECK = (
     "passed unit check", "no code", "syntax error", "policy violation", "missing functions",
     "duplicate", "unit check failed")
 NO_PLAN, INVALID_PLAN = "no plan", "invalid plan"
+# A passed variant this much slower than the current one at the real call shapes (call-weighted,
+# evaluator/slot_timing.py) goes back to the model for refinement: interleaved medians on a
+# busy machine move by tens of percent on microsecond kernels, never by a quarter consistently.
+SLOWER_RATIO = 1.25
+
+
+@dataclass(frozen=True)
+class TimingRequest:
+    """What the unit worker times a passed variant against (evaluator/slot_timing.py)."""
+
+    current_name: str
+    current: str                     # its source: a rendered library module or a model's variant text
+    shapes: tuple[CallShape, ...]    # the engine's call shapes for this slot (evaluator/slot_shapes.py)
+    dtype: str                       # "fp16" | "bf16" (CUDA); the CPU times in fp32
 
 
 @dataclass(frozen=True)
@@ -47,10 +64,20 @@ class Verdict:
     template: str | None = None      # the variant template text, when PASSED
     plan: Plan | None = None         # the proposed plan (plan answers), when PASSED
     max_abs_err: float | None = None
+    timings: tuple[ShapeTiming, ...] = ()   # against the current variant at the real shapes, when timed
+    timing_error: str | None = None
 
     @property
     def passed(self) -> bool:
         return self.verdict == PASSED
+
+    def ratio(self) -> float | None:
+        """Its call-weighted time over the current variant's, when it was timed."""
+        return weighted_ratio(list(self.timings)) if self.timings else None
+
+    def slower(self) -> bool:
+        ratio = self.ratio()
+        return ratio is not None and ratio > SLOWER_RATIO
 
 
 def code_digest(code: str) -> str:
@@ -81,10 +108,12 @@ def _syntax_detail(code: str, e: SyntaxError) -> str:
 
 
 def check_kernel_answer(text: str, slot: str, name: str, functions: tuple[str, ...], device: str,
-                        seen: dict[str, str], timeout: float, seed: int) -> Verdict:
+                        seen: dict[str, str], timeout: float, seed: int,
+                        timing: TimingRequest | None = None) -> Verdict:
     """`seen` maps code digests of earlier proposals (and the current best) to what they were.
     `seed` draws the unit check's inputs: fresh for every check, but derived from the run's
-    seed, so a replayed run sends the model the same feedback."""
+    seed, so a replayed run sends the model the same feedback. With `timing`, a variant that
+    passes is also timed against the current one (Verdict.timings)."""
     wanted = tuple(f"{fn}__{name}" for fn in functions)
     try:
         code = extract_code(text, wanted)
@@ -104,42 +133,75 @@ def check_kernel_answer(text: str, slot: str, name: str, functions: tuple[str, .
     if digest in seen:
         return Verdict(DUPLICATE, f"the code is identical to {seen[digest]}; change something that matters", code)
     template = variant_template(slot, name, device, code)
-    ok, detail, err = unit_check(slot, template, device, timeout, seed)
-    if not ok:
-        return Verdict(UNIT_CHECK, detail, code, max_abs_err=err)
-    return Verdict(PASSED, detail, code, template, max_abs_err=err)
+    result = unit_check(slot, template, device, timeout, seed, timing)
+    if not result.passed:
+        return Verdict(UNIT_CHECK, result.detail, code, max_abs_err=result.max_abs_err)
+    return Verdict(PASSED, result.detail, code, template, max_abs_err=result.max_abs_err,
+                   timings=result.timings, timing_error=result.timing_error)
 
 
-def unit_check(slot: str, template: str, device: str, timeout: float, seed: int) -> tuple[bool, str, float | None]:
+@dataclass(frozen=True)
+class UnitResult:
+    """The unit worker's answer as the agent reads it (advice: see unit_check)."""
+
+    passed: bool
+    detail: str
+    max_abs_err: float | None = None
+    timings: tuple[ShapeTiming, ...] = ()
+    timing_error: str | None = None
+
+
+def _read_timings(result: dict) -> tuple[tuple[ShapeTiming, ...], str | None]:
+    raw = result.get("timings")
+    if raw is None:
+        return (), (str(result["timing_error"])[:LOG_LINE] if result.get("timing_error") else None)
+    try:
+        return tuple(ShapeTiming(str(t["fn"]), str(t["label"]), int(t["calls"]), float(t["candidate_us"]),
+                                 float(t["current_us"])) for t in raw), None
+    except (TypeError, KeyError, ValueError):
+        return (), "the timing result could not be read"
+
+
+def unit_check(slot: str, template: str, device: str, timeout: float, seed: int,
+               timing: TimingRequest | None = None) -> UnitResult:
     """evaluator.slot_check.check_variant on model code, in a confined worker of its own
     (evaluator/unit_worker.py in an evaluator.isolation.Jail: own uid, no network, limits, its
-    output capped, killed whole at the end) → (passed, detail, max abs error). The answer is
-    parsed from the bounded tail of its output; it is advice (the engine holding the variant is
-    judged again by the evaluator), so a variant that forges it gains nothing."""
+    output capped, killed whole at the end), then with `timing` its time against the current
+    variant. The answer is parsed from the bounded tail of its output; it is advice (the engine
+    holding the variant is judged again by the evaluator), so a variant that forges it (its
+    correctness or its speed) gains nothing but a whole-engine benchmark."""
     with Jail(device) as jail:
         src = jail.root / "variant.py"   # the agent's folder: readable by the worker, not replaceable
         src.write_text(template)
+        argv = [str(UNIT_WORKER), slot, str(src), device, str(seed)]
+        if timing is not None:
+            request = jail.root / "timing.json"
+            request.write_text(json.dumps({"current": timing.current, "dtype": timing.dtype,
+                                           "shapes": [s.to_dict() for s in timing.shapes]}))
+            os.chmod(request, 0o644)
+            argv.append(str(request))
         os.chmod(src, 0o644)
-        proc = jail.spawn([str(UNIT_WORKER), slot, str(src), device, str(seed)], pass_fds=())
+        proc = jail.spawn(argv, pass_fds=())
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            return False, f"timeout: the unit check did not finish in {timeout:.0f}s (a hang or far too slow)", None
+            return UnitResult(False, f"timeout: the unit check did not finish in {timeout:.0f}s (a hang or far too slow)")
         tail = jail.log_tail(RESULT_TAIL_BYTES)
     result = _unit_result(tail)
     if result is None:
         lines = "\n".join(line for line in tail.strip().splitlines() if not line.startswith(RESULT_MARK))
         lines = "\n".join(lines.splitlines()[-ERROR_LINES:])
-        return False, f"crash: the unit check process died (exit {proc.returncode}):\n{lines}", None
+        return UnitResult(False, f"crash: the unit check process died (exit {proc.returncode}):\n{lines}")
     err = result.get("max_abs_err")
     err = float(err) if isinstance(err, (int, float)) else None
     cases = result.get("cases") if isinstance(result.get("cases"), list) else []
     passed_cases = sum(1 for c in cases if isinstance(c, dict) and c.get("passed"))
     head = f"{passed_cases}/{len(cases)} cases passed on {device}, max abs error {err:.3g}" if err is not None else ""
     if result.get("passed") is True:
-        return True, f"{head}; closest to tolerance: {result.get('worst_case')}", err
+        timings, timing_error = _read_timings(result)
+        return UnitResult(True, f"{head}; closest to tolerance: {result.get('worst_case')}", err, timings, timing_error)
     reason = result.get("error") or result.get("worst_case") or "failed"
-    return False, f"{reason}" + (f"\n({head})" if head and not result.get("error") else ""), err
+    return UnitResult(False, f"{reason}" + (f"\n({head})" if head and not result.get("error") else ""), err)
 
 
 def _unit_result(tail: str) -> dict | None:
