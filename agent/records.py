@@ -57,6 +57,10 @@ class EvalResult:
     isolation: str | None = None     # the worker's layers, as the evaluator logged them
     seconds: float = 0.0
     decision: str | None = None      # the loop's acceptance against the best (agent/acceptance.py)
+    # The profiled pass (evaluator/slot_profile.py), when asked for: {"source", "case", "total_ms",
+    # "other_ms", "slots": {slot: {"ms", "calls", "shapes": {label: ms}}}}. The worker's claim:
+    # shown to the model, never scored.
+    slot_ms: dict | None = None
 
     @property
     def passed(self) -> bool:

@@ -74,6 +74,32 @@ class CallShape:
                          [str(c) for c in d.get("cases", [])])
 
 
+@dataclass
+class ShapeTiming:
+    """One function at one shape: both medians in microseconds."""
+
+    fn: str
+    label: str
+    calls: int           # how often the benchmark traces make this call
+    candidate_us: float
+    current_us: float
+
+    @property
+    def ratio(self) -> float:
+        return self.candidate_us / self.current_us if self.current_us > 0 else float("inf")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def weighted_ratio(timings: list[ShapeTiming]) -> float | None:
+    """The candidate's time over the current one's, each shape weighted by its calls in the
+    benchmark: the share of the slot's time it would save or cost."""
+    cand = sum(t.candidate_us * max(t.calls, 1) for t in timings)
+    cur = sum(t.current_us * max(t.calls, 1) for t in timings)
+    return cand / cur if cur > 0 else None
+
+
 def _norm(n: int, m: Dims) -> dict:
     return {"N": n, "H": m.hidden, "eps": m.eps, "x_scale": 1.0, "row_strided": False}
 

@@ -14,35 +14,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 
 from evaluator.slot_cases import make_inputs
 from evaluator.slot_check import import_module_text, render_source
-from evaluator.slot_shapes import CallShape
+from evaluator.slot_shapes import CallShape, ShapeTiming
 from evaluator.slots import SLOT_FUNCTIONS, function
 
-REPEATS = {"cuda": 25, "cpu": 5}   # timed calls per variant and shape
-WARMUP = 2                        # untimed calls first (compilation, allocator, caches)
-
-
-@dataclass
-class ShapeTiming:
-    """One function at one shape: both medians in microseconds."""
-
-    fn: str
-    label: str
-    calls: int           # how often the benchmark traces make this call
-    candidate_us: float
-    current_us: float
-
-    @property
-    def ratio(self) -> float:
-        return self.candidate_us / self.current_us if self.current_us > 0 else float("inf")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+REPEATS = {"cuda": 25, "cpu": 3}   # timed calls per variant and shape
+WARMUP = 1                        # untimed calls first (compilation, allocator, caches)
 
 
 def _timer(device: str):
@@ -96,11 +77,3 @@ def time_against(slot: str, candidate: dict, current: dict, shapes: list[CallSha
         out.append(ShapeTiming(shape.fn, shape.label, shape.calls, statistics.median(times["candidate"]),
                                statistics.median(times["current"])))
     return out
-
-
-def weighted_ratio(timings: list[ShapeTiming]) -> float | None:
-    """The candidate's time over the current one's, each shape weighted by its calls in the
-    benchmark: the share of the slot's time it would save or cost."""
-    cand = sum(t.candidate_us * max(t.calls, 1) for t in timings)
-    cur = sum(t.current_us * max(t.calls, 1) for t in timings)
-    return cand / cur if cur > 0 else None

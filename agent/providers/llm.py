@@ -10,9 +10,12 @@ the LLM side stops, says why in the log, and the builtin proposer carries the ru
 An episode: pick the slot with the largest share of the time (fewest attempts first on a
 tie), render the prompt (templates/prompts/), ask, check the answer
 (agent/providers/proposals.py: extraction, syntax, policy, unit check against the slot's
-reference op), and on a rejection send the verdict back for a bounded number of repair
-rounds. Only an answer that passes becomes a Candidate; the loop then judges the whole
-engine and `feedback` records faster / slower / wrong for the next prompt's history.
+reference op, then its time against the current variant at the engine's call shapes), and
+on a rejection send the verdict back for a bounded number of repair rounds. A correct answer
+that timed clearly slower goes back with its numbers for a bounded number of refinement
+rounds (the strongest signal a kernel writer gets); the fastest correct answer of the episode
+becomes the Candidate; the loop then judges the whole engine and `feedback` records faster /
+slower / wrong, with the unit timings, for the next prompt's history.
 """
 from __future__ import annotations
 
@@ -24,16 +27,19 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from agent.plan import ENGINES, KERNELS, Plan
+from agent.plan import ENGINES, Plan
 from agent.providers import prompts
 from agent.providers.budget import Budget, MeteredClient, Usage
 from agent.providers.chat import (AUTH, BUDGET, REPLAY, UNREACHABLE, ChatClient, ChatError, Log,
                                   RecordingClient, RetryingClient)
 from agent.providers.prices import price_for
-from agent.providers.proposals import (DUPLICATE, NO_CODE, Verdict, check_kernel_answer,
+from agent.providers.replay import TimingTape
+from agent.providers.proposals import (DUPLICATE, NO_CODE, TimingRequest, Verdict, check_kernel_answer,
                                        check_plan_answer, code_digest)
 from agent.records import ACCEPTED, Candidate, EvalResult, Proposer, SearchState, improves
 from agent.workspace import RESULTS_LOG  # a file name: workspace.py imports nothing of the agent
+from evaluator.slot_render import render_slot_module
+from evaluator.slot_shapes import timed_shapes
 from evaluator.slots import SLOT_FUNCTIONS, SLOTS
 
 TRANSCRIPTS = "transcripts"
@@ -53,7 +59,8 @@ class LLMSettings:
     model: str
     timeout: float = 180.0          # seconds per request (reasoning models think for minutes)
     max_tokens: int = 16000         # per answer, reasoning included
-    repair_rounds: int = 3          # answers after the first one, per episode
+    repair_rounds: int = 3          # answers after a rejected one, per episode
+    refine_rounds: int = 2          # answers after a correct but slower one, per episode
     retries: int = 3                # per request, on rate limits, server errors, timeouts, empty answers
     retry_delay: float = 2.0        # first backoff, doubled each retry
     plan_every: int = 4             # every n-th episode asks for an engine-level plan change
@@ -69,7 +76,8 @@ def chat_settings(options, model_env: str, default_model: str) -> LLMSettings:
     model = getattr(options, "model", None) or env.get(model_env) or default_model
     s = LLMSettings(model=model)
     for attr, var, kind in (("timeout", "LLM_TIMEOUT_S", float), ("max_tokens", "LLM_MAX_OUTPUT_TOKENS", int),
-                            ("repair_rounds", "LLM_REPAIR_ROUNDS", int), ("retries", "LLM_RETRIES", int),
+                            ("repair_rounds", "LLM_REPAIR_ROUNDS", int), ("refine_rounds", "LLM_REFINE_ROUNDS", int),
+                            ("retries", "LLM_RETRIES", int),
                             ("retry_delay", "LLM_RETRY_DELAY_S", float), ("plan_every", "LLM_PLAN_EVERY", int),
                             ("unit_check_timeout", "LLM_UNIT_CHECK_TIMEOUT_S", float)):
         if env.get(var):
@@ -97,8 +105,10 @@ def transcript_path(workspace: Path, provider: str) -> Path:
 
 
 def build_proposer(options, client: ChatClient, settings: LLMSettings, base_url: str | None = None, *,
-                   record: bool = True, sleep=time.sleep, budget: Budget | None = None) -> "LLMProposer":
-    """Stack the layers (transcript, budget, retries) around `client` and wrap the builtin proposer."""
+                   record: bool = True, sleep=time.sleep, budget: Budget | None = None,
+                   tape: TimingTape | None = None) -> "LLMProposer":
+    """Stack the layers (transcript, budget, retries) around `client` and wrap the builtin proposer.
+    `tape`: the replay's recorded unit timings; a recorded run writes its own into the transcript."""
     log = getattr(options, "log", None) or workspace_log(options.workspace)
     budget = budget or Budget.from_env()
     price, price_source = price_for(client.model)
@@ -109,6 +119,7 @@ def build_proposer(options, client: ChatClient, settings: LLMSettings, base_url:
         inner = RecordingClient(client, path, {"base_url": base_url, "settings": asdict(settings),
                                                "budget": asdict(budget)})
         where = f"transcript {path}"
+        tape = TimingTape(path=path)
     metered = MeteredClient(inner, budget, price)
     stack = RetryingClient(metered, log, retries=settings.retries, base_delay=settings.retry_delay, sleep=sleep,
                            request_timeout=settings.timeout)
@@ -117,7 +128,7 @@ def build_proposer(options, client: ChatClient, settings: LLMSettings, base_url:
     log(f"llm: budget {budget.max_calls} calls, {budget.max_tokens} tokens, ${budget.max_cost_usd:.2f}"
         + (f", {budget.max_seconds:.0f}s" if budget.max_seconds else "") + f"; {where}")
     return LLMProposer(stack, options.builtin, options.device, log, settings, metered.usage,
-                       label=f"{client.provider}:{client.model}", seed=options.seed)
+                       label=f"{client.provider}:{client.model}", seed=options.seed, tape=tape or TimingTape())
 
 
 @dataclass
@@ -132,6 +143,7 @@ class Attempt:
 class _Pending:
     what: str
     baseline: EvalResult | None
+    timing: str = ""     # the unit worker's timing summary of the judged answer
 
 
 @dataclass
@@ -141,6 +153,15 @@ class _Episode:
     messages: list[dict] = field(default_factory=list)
     slot: str = ""
     variant: str = ""
+    timing: TimingRequest | None = None   # what a passed answer is timed against
+
+
+def _timing_note(verdict: Verdict) -> str:
+    """The log's note on a passed answer's unit timing."""
+    if verdict.timing_error:
+        return f" (not timed: {_first_line(verdict.timing_error, 120)})"
+    ratio = verdict.ratio()
+    return f" ({ratio:.2f}x the current variant's time at the call shapes)" if ratio is not None else ""
 
 
 def _first_line(text: str, limit: int = LOG_CHARS) -> str:
@@ -150,8 +171,9 @@ def _first_line(text: str, limit: int = LOG_CHARS) -> str:
 
 class LLMProposer:
     def __init__(self, client: ChatClient, fallback: Proposer, device: str, log: Log, settings: LLMSettings,
-                 usage: Usage, label: str, seed: int = 0):
+                 usage: Usage, label: str, seed: int = 0, tape: TimingTape | None = None):
         self.client = client
+        self.tape = tape or TimingTape()
         self.seed = seed
         self.unit_checks = 0
         self.fallback = fallback
@@ -261,6 +283,8 @@ class LLMProposer:
             verdict, detail = "faster: accepted", scores
         else:
             verdict, detail = "correct but not faster: rejected", scores
+        if pending.timing:
+            detail += f"; unit timing: {pending.timing}"
         self.log(f"llm: {pending.what} judged in the whole engine: {verdict} ({_first_line(detail)})")
         self.history.append(Attempt(pending.what, verdict, _first_line(detail, DETAIL_CHARS)))
 
@@ -309,7 +333,9 @@ class LLMProposer:
         self.episodes += 1
         profile = prompts.profile(state.best_result)
         episode = self._start(state, profile, self._next_kind())
-        rounds = 1 + self.settings.repair_rounds
+        rounds = 1 + self.settings.repair_rounds + (self.settings.refine_rounds if episode.kind == KERNEL else 0)
+        repairs = refinements = 0
+        slower: list[Verdict] = []      # correct answers that timed slower, kept in case none is faster
         verdict: Verdict | None = None
         for r in range(1, rounds + 1):
             if not self._time_for_a_request():
@@ -326,22 +352,48 @@ class LLMProposer:
             if verdict.passed and candidate is None:
                 verdict = Verdict(DUPLICATE, "that exact candidate was already judged; propose something new")
             self.log(f"llm: {episode.what} round {r}/{rounds}: {verdict.verdict}"
-                     + (f": {_first_line(verdict.detail)}" if verdict.detail else "")
+                     + (f": {_first_line(verdict.detail)}" if verdict.detail else "") + _timing_note(verdict)
                      + f"  [{reply.input_tokens}+{reply.output_tokens} tokens; run total {self.usage.summary()}]")
             if verdict.code is not None:
                 self.seen.setdefault(code_digest(verdict.code), f"the answer in round {r} of {episode.what}")
+            if candidate is not None and verdict.slower():
+                slower.append(verdict)
+                if refinements < self.settings.refine_rounds and r < rounds:
+                    refinements += 1
+                    episode.messages += [{"role": "assistant", "content": reply.text},
+                                         {"role": "user", "content": self._refine(episode, verdict, refinements)}]
+                    continue
             if candidate is not None:
-                self.failed_episodes = 0
-                self._pending[candidate.key()] = _Pending(episode.what, state.best_result)
-                return candidate
-            if r < rounds:
-                episode.messages += [{"role": "assistant", "content": reply.text},
-                                     {"role": "user", "content": self._repair(episode, verdict, r, rounds)}]
+                return self._adopt(episode, min(slower, key=Verdict.ratio) if verdict.slower() else verdict, state)
+            if repairs >= self.settings.repair_rounds or r == rounds:
+                break
+            repairs += 1
+            episode.messages += [{"role": "assistant", "content": reply.text},
+                                 {"role": "user", "content": self._repair(episode, verdict, r, rounds)}]
+        if slower:   # every correct answer was slower at the unit level: the whole engine decides
+            return self._adopt(episode, min(slower, key=Verdict.ratio), state)
         self.history.append(Attempt(episode.what, verdict.verdict, _first_line(verdict.detail, DETAIL_CHARS)))
         self.failed_episodes += 1
         if self.failed_episodes >= self.settings.max_failed_episodes:
             self._stop(f"{self.failed_episodes} episodes in a row produced nothing usable")
         return None
+
+    def _adopt(self, episode: _Episode, verdict: Verdict, state: SearchState) -> Candidate | None:
+        """`verdict`'s answer becomes this episode's candidate: its variant joins the run's."""
+        if verdict.plan is None:
+            key = (episode.slot, episode.variant)
+            self.variants[key] = verdict.template
+            self.codes[key] = verdict.code
+        candidate = self._candidate(episode, verdict, state)
+        if candidate is None:
+            return None
+        self.failed_episodes = 0
+        timing = ""
+        if verdict.timings and episode.timing is not None:
+            timing = f"{verdict.ratio():.2f}x the time of `{episode.timing.current_name}` at the call shapes; " + \
+                "; ".join(prompts.timing_lines(verdict.timings, episode.timing.current_name))
+        self._pending[candidate.key()] = _Pending(episode.what, state.best_result, timing)
+        return candidate
 
     def _call_failed(self, episode: _Episode, e: ChatError) -> None:
         self.log(f"llm: {episode.what}: no answer from {self.origin}: {e}")
@@ -360,7 +412,7 @@ class LLMProposer:
             llm_names.setdefault(slot, []).append(name)
         common = {"hardware": prompts.hardware_facts(state), "model": state.spec.summary(),
                   "profile": profile, "history": self.history[-HISTORY_LINES:],
-                  "plan_menu": prompts.plan_menu(state.device, llm_names)}
+                  "plan_menu": prompts.plan_menu(state.device, llm_names), "judged": prompts.judged_lines(state)}
         if kind == PLAN:
             text = prompts.render("plan", best_plan_json=prompts.best_plan_json(best), **common)
             return _Episode(PLAN, f"plan change #{self.episodes}", [{"role": "user", "content": text}])
@@ -370,14 +422,33 @@ class LLMProposer:
         name = f"llm_{self.variants_written}"
         info = prompts.slot_info(slot, name)
         current = best.plan.slots.get(slot, "torch")
-        code = self.codes.get((slot, current)) or (KERNELS / slot / f"{current}.py.j2").read_text()
+        model_variants = {**best.extra_variants, **self.variants}
+        code = self.codes.get((slot, current)) or prompts.current_code(slot, current, best.plan.params, model_variants)
         self.seen.setdefault(code_digest(code), f"the current best variant {current}")
         system = prompts.render("system", variant=name, allowed_imports=prompts.allowed_imports())
+        shapes = prompts.slot_shapes(state, slot)
         user = prompts.render("kernel", slot=info, variant=name, dtype=self._dtype(state),
                               best_plan=best.plan.describe(), current_variant=current, current_code=code.strip("\n"),
-                              **common)
+                              shapes=shapes[:prompts.SHAPES_SHOWN], measured=prompts.measured_shapes(state.best_result, slot),
+                              fused_rows=best.plan.params.get("fused_rows", 64),
+                              tolerance=prompts.tolerance(self._dtype(state)), **common)
         return _Episode(KERNEL, f"{slot}/{name}", [{"role": "system", "content": system},
-                                                  {"role": "user", "content": user}], slot, name)
+                                                  {"role": "user", "content": user}], slot, name,
+                        self._timing_request(state, slot, shapes))
+
+    def _timing_request(self, state: SearchState, slot: str, shapes) -> TimingRequest | None:
+        """The variant a passed answer is timed against: the one the best engine runs for `slot`
+        (on a CPU the torch one, unless it is a model's CPU variant), at the most called shapes."""
+        timed = tuple(timed_shapes(shapes))
+        if not timed:
+            return None
+        best = state.best
+        model_variants = {**best.extra_variants, **self.variants}
+        current = best.plan.slots.get(slot, "torch")
+        if state.device != "cuda" and (slot, current) not in model_variants:
+            current = "torch"
+        dtype = {"bfloat16": "bf16"}.get(state.spec.dtype, "fp16")
+        return TimingRequest(current, render_slot_module(slot, current, best.plan.params, model_variants), timed, dtype)
 
     def _dtype(self, state: SearchState) -> str:
         return state.spec.dtype if state.device == "cuda" else "float32"
@@ -389,7 +460,8 @@ class LLMProposer:
         self.unit_checks += 1
         seed = (self.seed * SEED_STRIDE + self.unit_checks) % 2**31
         verdict = check_kernel_answer(text, episode.slot, episode.variant, SLOT_FUNCTIONS[episode.slot],
-                                      state.device, self.seen, self.settings.unit_check_timeout, seed)
+                                      state.device, self.seen, self.settings.unit_check_timeout, seed, episode.timing)
+        verdict = self.tape(verdict)
         if verdict.verdict == NO_CODE and '"plan"' in text:
             return check_plan_answer(text, state, self.variants)
         return verdict
@@ -399,19 +471,24 @@ class LLMProposer:
         return prompts.render("repair", verdict=verdict.verdict, detail=verdict.detail, round=r, rounds=rounds,
                               kind=episode.kind, functions=functions)
 
+    def _refine(self, episode: _Episode, verdict: Verdict, refinement: int) -> str:
+        functions = [f"{fn}__{episode.variant}" for fn in SLOT_FUNCTIONS[episode.slot]]
+        current = episode.timing.current_name
+        return prompts.render("refine", variant=episode.variant, detail=verdict.detail, ratio=verdict.ratio(),
+                              current=current, lines=prompts.timing_lines(verdict.timings, current),
+                              refinement=refinement, refinements=self.settings.refine_rounds, functions=functions)
+
     def _candidate(self, episode: _Episode, verdict: Verdict, state: SearchState) -> Candidate | None:
-        """The engine to judge: the best plan with the new variant (or the proposed plan), carrying
-        the in-memory variants it uses. None if exactly that was judged already."""
+        """The engine to judge: the best plan with the answer's variant (or the proposed plan),
+        carrying the in-memory variants it uses. None if exactly that was judged already."""
         best = state.best
+        known = {**best.extra_variants, **self.variants}
         if verdict.plan is not None:
             plan, note = verdict.plan, f"model-proposed plan change: {_first_line(verdict.detail, 120)}"
         else:
-            key = (episode.slot, episode.variant)
-            self.variants[key] = verdict.template
-            self.codes[key] = verdict.code
+            known[(episode.slot, episode.variant)] = verdict.template
             plan = Plan(best.plan.engine, {**best.plan.slots, episode.slot: episode.variant}, best.plan.params)
             note = f"{episode.slot}: model-written variant {episode.variant}"
-        known = {**best.extra_variants, **self.variants}
         extra = {(s, v): known[(s, v)] for s, v in plan.slots.items() if (s, v) in known}
         candidate = Candidate(plan, origin=self.origin, note=note, extra_variants=extra)
         return None if state.tried(candidate) else candidate

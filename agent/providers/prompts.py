@@ -1,9 +1,10 @@
 """What the model is told: the prompts in templates/prompts/ and the facts they are filled with.
 
-Everything a prompt contains is derived from the search state and the template tree, never
-from the clock, so the same run state renders the same prompt (a replayed run sends the very
-requests the recorded one did). The per-slot time split is an estimate unless the evaluator
-supplies a measured profile, and the prompt says which.
+Everything a prompt contains is derived from the search state, the template tree and the
+judge's and unit worker's reports, never from the clock, so the same run state renders the same
+prompt (a replayed run sends the very requests the recorded one did). The per-slot time split is
+the evaluator's profiled pass (EvalResult.slot_ms, docs/evaluator.md) when the best engine has
+one, else an estimate from kernel counts, and the prompt says which.
 """
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ import jinja2
 from agent import policy
 from agent.plan import KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_params, engines, menu
 from agent.records import Candidate, EvalResult, SearchState
+from evaluator.slot_render import render_kernel
+from evaluator.slot_shapes import CallShape, Dims, ShapeTiming, call_shapes
 from evaluator.slots import CONTRACTS, SLOT_FUNCTIONS
+from evaluator.traces import PUBLIC_CASES
 
 PROMPTS = TEMPLATES / "prompts"
 # Launch-bound regime (SPEC §6): a layer's time follows its kernel count. Per layer: two
@@ -24,9 +28,14 @@ LAUNCHES_PER_LAYER = {"norm": 2, "rope_cache": 1, "attention": 1, "silu_mul": 1,
 ATTENTION = ("prefill_attention", "decode_attention")
 ESTIMATED = ("estimated from kernel counts per layer (at these sizes a step is launch-bound), "
              "attention split by prefill/decode tokens; not measured")
-MEASURED = "measured by the evaluator's profiler"
+MEASURED = "measured: the evaluator's profiled pass of the best engine"
+OTHER = "other"   # EvalResult.slot_ms's time outside every slot (unfused GEMMs, embedding, lm_head, host)
 # Peak DRAM bandwidth by GPU name, for when the driver does not say (GB/s, vendor figures).
 BANDWIDTH_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "L4": 300, "A10": 600}
+# Dense fp16/bf16 tensor-core peak by GPU name (TFLOP/s, vendor figures without sparsity).
+PEAK_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121, "A10": 125}
+SHAPES_SHOWN = 6      # call shapes per slot in a prompt, most called first
+JUDGED_SHOWN = 10     # judged plans in a prompt, best first
 
 
 @dataclass(frozen=True)
@@ -65,8 +74,21 @@ def hardware_facts(state: SearchState) -> dict[str, object]:
     except Exception:  # noqa: BLE001 - facts are a courtesy; the prompt goes without them
         return facts
     facts.setdefault("gpu", props.name)
+    facts["compute capability"] = f"sm_{props.major}{props.minor}"
     facts["streaming multiprocessors"] = props.multi_processor_count
     facts["memory"] = f"{props.total_memory / 2**30:.0f} GiB"
+    l2 = getattr(props, "L2_cache_size", 0)
+    if l2:
+        facts["L2 cache"] = f"{l2 / 2**20:.0f} MiB"
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in props.name), None)
+    if peak:
+        facts["peak fp16/bf16 tensor throughput"] = f"{peak} TFLOP/s dense (vendor figure)"
+    facts["torch"] = torch.__version__
+    try:
+        import triton
+        facts["triton"] = triton.__version__
+    except ImportError:
+        facts["triton"] = "not installed"
     clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
     if clock_khz and bus_bits:
         facts["peak memory bandwidth"] = f"{2 * clock_khz * 1e3 * bus_bits / 8 / 1e9:.0f} GB/s"
@@ -87,17 +109,29 @@ class Profile:
         return dict(self.shares).get(slot, 0.0)
 
 
+def measured_shares(slot_ms: dict | None) -> list[tuple[str, float]]:
+    """Shares of the profiled pass's time per slot and OTHER (EvalResult.slot_ms), largest first;
+    [] when there is no usable profile."""
+    if not isinstance(slot_ms, dict) or not isinstance(slot_ms.get("slots"), dict):
+        return []
+    ms = {slot: float(v.get("ms") or 0.0) for slot, v in slot_ms["slots"].items() if isinstance(v, dict)}
+    ms[OTHER] = float(slot_ms.get("other_ms") or 0.0)
+    total = sum(ms.values())
+    if total <= 0:
+        return []
+    return sorted(((k, v / total) for k, v in ms.items()), key=lambda kv: -kv[1])
+
+
 def profile(result: EvalResult | None) -> Profile:
-    """Where the best engine's time goes: a profile the evaluator measured, else the estimate."""
+    """Where the best engine's time goes: the evaluator's profiled pass, else the estimate."""
     bench = list(result.benchmark) if result is not None else []
     cases = [{"name": c.get("case_name", "?"), "elapsed_ms": float(c.get("elapsed_ms") or 0.0),
               "tokens": int(c.get("total_tokens") or 0), "floor_fraction": float(c.get("floor_fraction") or 0.0)}
              for c in bench]
-    measured = getattr(result, "profile", None)
+    measured = measured_shares(result.slot_ms if result is not None else None)
     if measured:
-        total = sum(measured.values()) or 1.0
-        shares = sorted(((k, v / total) for k, v in measured.items()), key=lambda kv: -kv[1])
-        return Profile(MEASURED, shares, cases)
+        where = result.slot_ms.get("source", "")
+        return Profile(f"{MEASURED} ({where})" if where else MEASURED, measured, cases)
     prefill = sum(int(c.get("prefill_tokens") or 0) for c in bench)
     decode = sum(int(c.get("decode_tokens") or 0) for c in bench)
     prefill_part = prefill / (prefill + decode) if prefill + decode else 0.5
@@ -147,3 +181,62 @@ def allowed_imports() -> str:
 
 def best_plan_json(best: Candidate | None) -> str:
     return json.dumps(best.plan.to_dict() if best else {}, indent=1, sort_keys=True)
+
+
+def model_dims(state: SearchState) -> Dims:
+    s = state.spec
+    return Dims(s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, s.layers, s.eps, s.theta, s.max_positions)
+
+
+def slot_shapes(state: SearchState, slot: str) -> list[CallShape]:
+    """Where the best engine calls `slot` on the benchmark's public cases, most calls first."""
+    params = state.best.plan.params if state.best is not None else {}
+    shapes = call_shapes(model_dims(state), PUBLIC_CASES, int(params.get("fused_rows", 64)),
+                         int(params.get("block_size", 16)))
+    return shapes.get(slot, [])
+
+
+def measured_shapes(result: EvalResult | None, slot: str) -> dict[str, float]:
+    """The profiled pass's milliseconds per call shape of `slot` ({} without a profile)."""
+    slot_ms = result.slot_ms if result is not None else None
+    if not isinstance(slot_ms, dict):
+        return {}
+    entry = (slot_ms.get("slots") or {}).get(slot)
+    shapes = entry.get("shapes") if isinstance(entry, dict) else None
+    return {str(k): float(v) for k, v in shapes.items()} if isinstance(shapes, dict) else {}
+
+
+def timing_lines(timings: list[ShapeTiming] | tuple[ShapeTiming, ...], current: str) -> list[str]:
+    """"your kernel: 41 us vs current 23 us at N=512, H=768" lines, one per timed shape."""
+    return [f"`{t.fn}` at {t.label} ({t.calls} calls in the benchmark): your kernel {t.candidate_us:.1f} us "
+            f"vs current `{current}` {t.current_us:.1f} us ({t.ratio:.2f}x)" for t in timings]
+
+
+def tolerance(dtype: str) -> str:
+    """The unit check's tolerance at the compute dtype (evaluator/slot_compare.py)."""
+    import torch
+    from evaluator.slot_compare import TOLERANCE
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
+    atol, rtol = TOLERANCE[dt]
+    return f"|out - ref| <= {atol:g} + {rtol:g} * |ref| elementwise ({dtype})"
+
+
+def _by(candidate: Candidate) -> str:
+    """Who proposed it, as the model sees it (not the provider's name: a replay sends the same)."""
+    return "builtin" if candidate.origin == "builtin" else "model"
+
+
+def judged_lines(state: SearchState, limit: int = JUDGED_SHOWN) -> list[str]:
+    """The engines judged so far, passing ones best first, then the failures' kinds."""
+    passed = sorted(((c, r) for c, r in state.history if r.passed), key=lambda cr: -cr[1].rank())
+    lines = [f"{c.plan.describe()} [{_by(c)}]: score {r.rank():.4g}" for c, r in passed[:limit]]
+    failed = [(c, r) for c, r in state.history if not r.passed]
+    lines += [f"{c.plan.describe()} [{_by(c)}]: failed at {r.stage} ({r.error_kind})"
+              for c, r in failed[-max(limit - len(lines), 2):]]
+    return lines
+
+
+def current_code(slot: str, variant: str, params: dict, model_variants: dict[tuple[str, str], str]) -> str:
+    """The current variant's code as the engine holds it: a library template rendered with the
+    plan's params (never raw template syntax), a model's variant as it was written."""
+    return render_kernel(slot, variant, params, model_variants).strip("\n")

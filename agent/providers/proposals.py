@@ -23,8 +23,7 @@ from agent.extract import ExtractError, extract_code, extract_json
 from agent.plan import TEMPLATES, Plan, engine_params, engines, menu
 from agent.records import SearchState
 from evaluator.isolation import Jail
-from evaluator.slot_shapes import CallShape
-from evaluator.slot_timing import ShapeTiming, weighted_ratio
+from evaluator.slot_shapes import CallShape, ShapeTiming, weighted_ratio
 from evaluator.slots import SLOTS
 from evaluator.unit_worker import RESULT_MARK
 

@@ -14,10 +14,14 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from agent.providers.chat import REPLAY, ChatError, Log, Message, Reply, request_hash
+from agent.providers.proposals import Verdict, code_digest
+from evaluator.slot_shapes import ShapeTiming
+
+TIMING = "timing"   # the transcript's record type of a unit timing
 
 SOURCE_ENV, STRICT_ENV = "LLM_REPLAY_FROM", "LLM_REPLAY_STRICT"
 SNIPPET_CHARS = 80
@@ -39,6 +43,36 @@ def first_difference(recorded: list[Message], now: list[Message]) -> str:
                     return (f"message {i} ({b.get('role')}), line {j + 1}: now {y[:SNIPPET_CHARS]!r}, "
                             f"recorded {x[:SNIPPET_CHARS]!r}")
     return "max_tokens differs"
+
+
+class TimingTape:
+    """The unit worker's timings of passed answers, in the transcript: they are measurements
+    (the clock), and the refinement turns and the next prompts depend on them, so a replay must
+    see the recorded ones to make the same decisions. Recording appends one record per timed
+    answer, keyed by its code's digest (parallel episodes may time in another order); replaying
+    hands back the recorded timing of the same code instead of today's."""
+
+    def __init__(self, path: Path | None = None, recorded: list[dict] | None = None):
+        self.path = path
+        self.recorded = None if recorded is None else {r.get("code"): r for r in recorded}
+        self._lock = threading.Lock()
+
+    def __call__(self, verdict: Verdict) -> Verdict:
+        if not (verdict.timings or verdict.timing_error) or verdict.code is None:
+            return verdict
+        digest = code_digest(verdict.code)
+        if self.recorded is not None:
+            record = self.recorded.get(digest)
+            if record is None:
+                return verdict
+            return replace(verdict, timings=tuple(ShapeTiming(**t) for t in record["timings"]),
+                           timing_error=record.get("error"))
+        if self.path is not None:
+            line = json.dumps({"type": TIMING, "code": digest, "timings": [t.to_dict() for t in verdict.timings],
+                               "error": verdict.timing_error})
+            with self._lock, self.path.open("a") as f:
+                f.write(line + "\n")
+        return verdict
 
 
 def load(path: Path) -> tuple[dict, list[dict]]:
@@ -124,4 +158,6 @@ def create(options):
     budget.max_seconds = None  # wall time is not reproducible; the recorded run's calls are the limit
     log(f"replay: {len(client.calls)} recorded requests of {client.start.get('provider', '?')}:{client.model} "
         f"from {path}")
-    return build_proposer(options, client, settings, record=False, sleep=lambda seconds: None, budget=budget)
+    timings = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("type") == TIMING]
+    return build_proposer(options, client, settings, record=False, sleep=lambda seconds: None, budget=budget,
+                          tape=TimingTape(recorded=timings))
