@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     facts = hardware(cfg.device, cfg.config)
     settings = JudgeSettings(sys.executable, cfg.config, cfg.weights, cfg.device, cfg.seed, stress="quick",
                              cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"],
-                             bandwidth_gbs=facts[BANDWIDTH], peak_tflops=facts[PEAK])
+                             bandwidth_gbs=facts[BANDWIDTH], peak_tflops=facts[PEAK],
+                             profile=cfg.provider != "builtin")   # measured slot shares for the model's prompts
     state = SearchState(spec=spec, device=cfg.device, hardware=facts, seconds_left=cfg.budget)
     try:
         # The run's Triton cache: the judge's, shared by its candidates (evaluator/triton_cache.py).

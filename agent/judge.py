@@ -62,16 +62,19 @@ class JudgeSettings:
     bandwidth_gbs: float | None = None   # the floor's hardware, measured once per run;
     peak_tflops: float | None = None     # None: each evaluation measures its own
     triton_cache: Path | None = None   # the run's shared Triton cache (evaluator/triton_cache.py), judge-owned
+    profile: bool = False        # a passing engine's profiled pass (slot_ms, for the model's prompts)
 
     def for_phase(self, phase: str) -> "JudgeSettings":
         """The settings of one phase (see VERIFY, FULL, TIMING, FINAL); every timed phase but
         VERIFY has the same cases, warm-up and repeats, so their scores compare."""
-        if phase in (FULL, FINAL):
+        if phase == FINAL:   # the profiled pass: once per engine that becomes the best
             return self
+        if phase == FULL:    # the conservative engine: no slots to profile
+            return replace(self, profile=False)
         if phase == TIMING:
-            return replace(self, stress="off")
+            return replace(self, stress="off", profile=False)
         if phase == VERIFY:
-            return replace(self, stress="off", cases=VERIFY_CASES, warmup=0, repeat=1)
+            return replace(self, stress="off", cases=VERIFY_CASES, warmup=0, repeat=1, profile=False)
         raise ValueError(f"unknown judge phase {phase!r}")
 
     def command(self, engine: Path, out: Path) -> list[str]:
@@ -84,6 +87,8 @@ class JudgeSettings:
                "--memory-gb", f"{self.memory_bytes / 2**30:.6f}"]
         if self.cases:
             cmd += ["--cases", self.cases]
+        if self.profile:
+            cmd.append("--profile")
         if self.bandwidth_gbs and self.peak_tflops:
             cmd += ["--bandwidth-gbs", str(self.bandwidth_gbs), "--peak-tflops", str(self.peak_tflops)]
         if self.triton_cache is not None:

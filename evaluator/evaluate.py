@@ -3,7 +3,7 @@
     python3 -m evaluator.evaluate --engine PATH --model-config CFG --weight-dir DIR \
         --device cpu|cuda|auto [--stress off|quick|full] [--cases prefill,decode,mixed,...] \
         [--warmup 1] [--repeat 3] [--seed N] [--memory-gb G] [--triton-cache DIR [--triton-cache-update]]
-        --out RESULT.json
+        [--profile] --out RESULT.json
 
 This process is the judge: it holds the inputs, the reference, the comparison, the clock and
 the verdict, and never imports the candidate. The candidate runs in a worker process inside
@@ -16,7 +16,9 @@ Before the worker starts, the judge's own rounding noise on the real weights (ev
 public (SPEC.md §4) → stress → benchmark (tokens from a fresh, unpredictable seed; outputs of
 the timed runs checked too); it stops at the first failing stage, writes RESULT.json (even on
 failure) and exits 0 only when all passed. Progress goes to stderr, a one-line verdict to
-stdout. Timeouts are the caller's to record.
+stdout. Timeouts are the caller's to record. With --profile, a passing engine then gets a
+profiled pass of each benchmark case (evaluator/slot_profile.py): `slot_ms` in the verdict,
+the worker's claim, reported and never scored.
 """
 from __future__ import annotations
 
@@ -39,10 +41,12 @@ from evaluator.common import (CRASH, ConfigError, EvalFailure, Tolerance, comput
 from evaluator.floor import detect_hardware  # noqa: E402
 from evaluator.noise import reference_margin  # noqa: E402
 from evaluator.remote import RemoteModule, Worker  # noqa: E402
+from evaluator.session import draw_op_tokens  # noqa: E402
+from evaluator.slot_profile import merge as merge_profiles  # noqa: E402
 from evaluator.stress import run_stress  # noqa: E402
 from evaluator.test_correctness import run_public_sequence  # noqa: E402
 from evaluator.triton_cache import merge as merge_cache  # noqa: E402
-from evaluator.traces import BENCHMARK_CASES, PUBLIC_CASES  # noqa: E402
+from evaluator.traces import BENCHMARK_CASES, PUBLIC_CASES, benchmark_trace  # noqa: E402
 
 STRESS_MODES = ("off", "quick", "full")
 MEMORY_FRACTION = 0.8   # of physical memory: the worker's default cap (the judge needs the rest)
@@ -60,24 +64,37 @@ def score(benchmark: list[dict]) -> float | None:
     return math.exp(sum(math.log(f) for f in fractions) / len(fractions))
 
 
+def profiled_pass(module: RemoteModule, config: dict, weight_dir: str | Path, cases: list[str]) -> dict:
+    """slot_ms over the benchmark `cases` (fresh tokens), summed case by case."""
+    import torch
+    gen = torch.Generator().manual_seed(secrets.randbits(62))
+    total: dict | None = None
+    for case in cases:
+        trace = benchmark_trace(case)
+        tokens = [draw_op_tokens(op, gen, int(config["vocab_size"]), "cpu") for op in trace]
+        total = merge_profiles(total, module.profile(config, str(weight_dir), trace, tokens))
+    return {**(total or {}), "cases": list(cases)}
+
+
 def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: str | Path,
              device: str = "auto", stress: str = "quick", cases=PUBLIC_CASES, warmup: int = 1,
              repeat: int = 3, seed: int | None = None, bandwidth_gbs: float | None = None,
              peak_tflops: float | None = None, tol: Tolerance = Tolerance(),
              log=lambda line: None, memory_bytes: int | None = None, triton_cache: Path | None = None,
-             update_cache: bool = False) -> dict:
+             update_cache: bool = False, profile: bool = False) -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
     `triton_cache` the worker starts from a copy of that (judge-owned) cache, and with
     `update_cache` (the caller vouches that the engine's code is all its own) a passing worker's
-    new entries are added to it (evaluator/triton_cache.py)."""
+    new entries are added to it (evaluator/triton_cache.py). `profile`: a passing engine's
+    profiled pass goes into `slot_ms` (a failure of the pass is logged; the verdict stands)."""
     if stress not in STRESS_MODES:
         raise ValueError(f"stress must be one of {STRESS_MODES}")
     start = time.perf_counter()
     device = resolve_device(device)
     result = {"status": "failed", "stage": "import", "error_kind": None, "error": None, "device": device,
               "public": None, "stress": None, "benchmark": None, "score": None, "reference_margin": None,
-              "isolation": None, "seconds": 0.0}
+              "isolation": None, "slot_ms": None, "seconds": 0.0}
     try:
         config = load_config(model_config)
         hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
@@ -108,6 +125,11 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                                                 seed=secrets.randbits(62), hardware=hardware, tol=tol)
             result["score"] = score(result["benchmark"])
             result["stage"], result["status"] = "done", "passed"
+            if profile:
+                try:
+                    result["slot_ms"] = profiled_pass(module, config, weight_dir, list(cases))
+                except EvalFailure as e:
+                    log(f"profiled pass failed ({e.kind}): {str(e).splitlines()[0] if str(e) else ''}")
             if triton_cache is not None and update_cache:
                 added = merge_cache(worker.jail.compile_cache, triton_cache)
                 log(f"shared Triton cache: {added} compiled kernels added")
@@ -148,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--triton-cache", type=Path, help="the judge's shared Triton cache: the worker starts from a copy")
     p.add_argument("--triton-cache-update", action="store_true",
                    help="add a passing worker's new entries to --triton-cache (only for engines of trusted code)")
+    p.add_argument("--profile", action="store_true",
+                   help="a passing engine's profiled pass: per-slot time in slot_ms (reported, not scored)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     # SIGTERM (the agent's timeout) unwinds like an interrupt, so the worker's jail is torn down.
@@ -162,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                       a.seed, a.bandwidth_gbs, a.peak_tflops,
                       log=lambda line: print(line, file=sys.stderr, flush=True),
                       memory_bytes=int(a.memory_gb * 2**30) if a.memory_gb else None,
-                      triton_cache=a.triton_cache, update_cache=a.triton_cache_update)
+                      triton_cache=a.triton_cache, update_cache=a.triton_cache_update, profile=a.profile)
     write_json(result, a.out)
     score_text = "untimed" if result["score"] is None else f"{result['score']:.4g}"
     verdict = f"score {score_text}" if result["status"] == "passed" else \

@@ -211,6 +211,18 @@ class RemoteModule:
                             "device": device}, what="create_engine")
         return RemoteEngine(w, int(answer["engine"]), int(model_config["vocab_size"]), device)
 
+    def profile(self, config: dict, weight_dir: str, trace: list[Op], tokens: list[list[torch.Tensor]]) -> dict:
+        """The worker's profiled pass of `trace` on an engine of its own (evaluator/slot_profile.py):
+        its slot_ms as the worker reports it, unchecked: for the model's prompt, never a score."""
+        ops = [{"kind": op.kind, "ids": [int(i) for i in op.request_ids],
+                "lengths": [int(t.numel()) for t in drawn] if op.kind == PREFILL else []}
+               for op, drawn in zip(trace, tokens)]
+        w = self.worker
+        answer = w.request({"op": "profile", "ops": ops, "config": config, "weight_dir": w.readable(weight_dir),
+                            "device": w.device}, _flat_tokens([t for drawn in tokens for t in drawn]),
+                           what="profiled pass")
+        return answer.get("slot_ms") if isinstance(answer.get("slot_ms"), dict) else {}
+
 
 def _flat_tokens(tensors: list[torch.Tensor]) -> bytes:
     if not tensors:

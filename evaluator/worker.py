@@ -5,7 +5,7 @@
 First it confines itself (evaluator/isolation.py: own uid, no network, limits, death with the
 judge), then it imports torch, says hello with the layers it holds, and serves the judge's
 requests one at a time: load the candidate, create an engine, run one call, run a whole timed
-trace, release an engine. Token ids arrive with each request; logits go into the output buffer
+trace, run a profiled pass (evaluator/slot_profile.py), release an engine. Token ids arrive with each request; logits go into the output buffer
 the judge lent it. Nothing here is trusted by the judge: a candidate can rewrite any of it in
 this process, and all it gains is a worker that answers wrongly, which the judge checks.
 """
@@ -168,6 +168,37 @@ class Worker:
         # Moments on the machine-wide monotonic clock, for the judge's overhead breakdown.
         return {"inner_seconds": seconds, "moments": [received, start, start + seconds, time.perf_counter()]}, digests
 
+    def profile(self, req: dict, payload: bytes) -> dict:
+        """The profiled pass of one trace on an engine of its own, created while the module's slot
+        functions are wrapped in profiler ranges (evaluator/slot_profile.py): once untimed, once
+        under torch.profiler. Its slot_ms is this worker's claim, reported and never scored."""
+        from evaluator import slot_profile
+        torch, device = self.torch, req["device"]
+        if self.module is None:
+            raise Refusal(self.common.CRASH, "profile before load")
+        namespace = vars(self.module)
+        saved = slot_profile.wrap_slots(namespace, torch.profiler.record_function)
+        try:
+            engine = self.common.call_engine("create_engine", self.module.create_engine, req["config"],
+                                             req["weight_dir"], device)
+        finally:
+            namespace.update(saved)
+        flat = self._tokens(payload, device)
+
+        def run() -> None:
+            at = 0
+            with torch.no_grad():
+                for index, op in enumerate(req["ops"]):
+                    fn, args, _, at = self._bind(engine, op["kind"], list(op["ids"]), list(op["lengths"]), flat, at)
+                    self.common.call_engine(f"profiled pass, call {index + 1}", fn, *args)
+
+        run()
+        result = slot_profile.profile_trace(torch, run, device)
+        engine = None
+        self.release([])
+        gc.collect()
+        return {"slot_ms": result}
+
     def flush(self, req: dict, _: bytes) -> dict:
         """After a timed trace, outside the clock: its outputs into the buffer, its peak memory."""
         rows, vocab = self.staging.shape
@@ -179,7 +210,7 @@ class Worker:
 
     def serve(self) -> None:
         handlers = {"load": self.load, "create": self.create, "call": self.call, "arm": self.arm,
-                    "trace": self.trace, "flush": self.flush}
+                    "trace": self.trace, "flush": self.flush, "profile": self.profile}
         while True:
             if self.armed:
                 self.armed = False

@@ -1,0 +1,138 @@
+"""The profiled pass: where one benchmark trace's time goes, per kernel slot and call shape.
+
+Runs in the worker (evaluator/worker.py, `profile` request), on an engine of its own: before
+that engine is created, every slot function of the candidate's module (`<fn>__<variant>`, the
+names templates/engine/paged/binding.py.j2 binds, evaluator/slots.py's contract) is replaced by
+a wrapper that runs it inside `torch.profiler.record_function("slot:<slot>:<fn> <arg>[shape]")`;
+the module's globals are restored right after, so the engines that are timed never see a
+wrapper and the rendered engine is unchanged (no cost when the pass is not asked for).
+
+The trace then runs once untimed (compilation, CUDA-graph capture), and once under
+torch.profiler. Attribution:
+* on CUDA, each kernel goes to the slot range it was launched from; kernels launched from no
+  slot range (a replayed CUDA graph launches them all from one cudaGraphLaunch) go to the slot
+  whose ranges launched a kernel of that name in the same pass, else to `other`;
+* on the CPU, each outermost slot range's CPU time (its ops ran inside it).
+`other_ms` is the pass's wall time less the slots' (GEMMs of unfused passes, embedding,
+lm_head, host work, the profiler's own overhead). The numbers are the worker's claim: shown to
+the model, never scored (docs/reliability.md).
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from typing import Callable
+
+from evaluator.slots import CONTRACTS
+
+RANGE = "slot:"
+_RANGE = re.compile(r"^slot:(\w+):(\w+) (.*)$")
+# every function a slot may define -> (slot, the name of its first argument)
+_FUNCTIONS = {f.name: (slot, f.arg_names[0]) for slot, fns in CONTRACTS.items() for f in fns}
+_SLOT_NAME = re.compile(r"^(\w+?)__(\w+)$")
+
+
+def _shape(value) -> str:
+    shape = getattr(value, "shape", None)
+    return "[" + ",".join(str(int(d)) for d in shape) + "]" if shape is not None else ""
+
+
+def wrap_slots(namespace: dict, record_function: Callable) -> dict:
+    """Replace every slot function in `namespace` (a module's globals) by a profiled wrapper;
+    return the originals to put back."""
+    saved = {}
+    for name, value in list(namespace.items()):
+        m = _SLOT_NAME.match(name)
+        if not m or m.group(1) not in _FUNCTIONS or not callable(value):
+            continue
+        slot, first = _FUNCTIONS[m.group(1)]
+        fn = m.group(1)
+
+        def profiled(*args, __f=value, __slot=slot, __fn=fn, __first=first, **kwargs):
+            arg = args[0] if args else kwargs.get(__first)
+            with record_function(f"{RANGE}{__slot}:{__fn} {__first}{_shape(arg)}"):
+                return __f(*args, **kwargs)
+        saved[name] = value
+        namespace[name] = profiled
+    return saved
+
+
+def _slot_of(event) -> tuple[str, str] | None:
+    """(slot, "fn arg[shape]") of the outermost slot range `event` runs in, or None."""
+    found = None
+    while event is not None:
+        m = _RANGE.match(event.name)
+        if m:
+            found = (m.group(1), f"{m.group(2)} {m.group(3)}")
+        event = event.cpu_parent
+    return found
+
+
+def attribute(events, device: str, wall_ms: float) -> dict:
+    """EvalResult.slot_ms from a profiler's events (torch.profiler.profile().events())."""
+    ms: dict[str, float] = defaultdict(float)
+    shapes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    calls: dict[str, int] = defaultdict(int)
+    for e in events:
+        m = _RANGE.match(e.name)
+        if m and (e.cpu_parent is None or _slot_of(e.cpu_parent) is None):
+            calls[m.group(1)] += 1
+    if device == "cuda":
+        by_name: dict[str, tuple[str, str]] = {}
+        orphans: list[tuple[str, float]] = []
+        for e in events:
+            for k in getattr(e, "kernels", []):
+                where = _slot_of(e)
+                if where is None:
+                    orphans.append((k.name, k.duration / 1e3))
+                    continue
+                by_name.setdefault(k.name, where)
+                ms[where[0]] += k.duration / 1e3
+                shapes[where[0]][where[1]] += k.duration / 1e3
+        for name, kernel_ms in orphans:
+            where = by_name.get(name)
+            if where is not None:
+                ms[where[0]] += kernel_ms
+                shapes[where[0]][where[1]] += kernel_ms
+    else:
+        for e in events:
+            m = _RANGE.match(e.name)
+            if m and (e.cpu_parent is None or _slot_of(e.cpu_parent) is None):
+                t = e.cpu_time_total / 1e3
+                ms[m.group(1)] += t
+                shapes[m.group(1)][f"{m.group(2)} {m.group(3)}"] += t
+    slots = {s: {"ms": ms[s], "calls": calls[s], "shapes": dict(shapes[s])} for s in sorted(set(ms) | set(calls))}
+    return {"slots": slots, "total_ms": wall_ms, "other_ms": max(wall_ms - sum(ms.values()), 0.0)}
+
+
+def profile_trace(torch, run: Callable[[], None], device: str) -> dict:
+    """Run `run` (the whole trace, one pass) under torch.profiler and attribute its time."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    result = attribute(prof.events(), device, wall_ms)
+    result["source"] = f"torch.profiler, {'CUDA kernels' if device == 'cuda' else 'CPU ops'}"
+    return result
+
+
+def merge(total: dict | None, part: dict) -> dict:
+    """Two passes' slot_ms as one (the benchmark cases profiled one after another)."""
+    if not total:
+        return part
+    out = {"source": part.get("source", total.get("source", "")),
+           "total_ms": total["total_ms"] + part["total_ms"], "other_ms": total["other_ms"] + part["other_ms"],
+           "slots": {}}
+    for slot in sorted(set(total["slots"]) | set(part["slots"])):
+        a, b = total["slots"].get(slot, {}), part["slots"].get(slot, {})
+        shapes = dict(a.get("shapes", {}))
+        for k, v in b.get("shapes", {}).items():
+            shapes[k] = shapes.get(k, 0.0) + v
+        out["slots"][slot] = {"ms": a.get("ms", 0.0) + b.get("ms", 0.0),
+                              "calls": a.get("calls", 0) + b.get("calls", 0), "shapes": shapes}
+    return out
