@@ -345,7 +345,7 @@ class LLMProposer:
                     reply = self.client.complete(episode.messages, self.settings.max_tokens)
             except ChatError as e:
                 self._call_failed(episode, e)
-                return None
+                return self._adopt(episode, min(slower, key=Verdict.ratio), state) if slower else None
             self.failed_calls = 0
             verdict = self._check(episode, reply.text, state)
             candidate = self._candidate(episode, verdict, state) if verdict.passed else None

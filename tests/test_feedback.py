@@ -1,0 +1,128 @@
+"""What the model is told and how its kernels are measured (issue 23), offline on the CPU: the
+engine's call shapes, the unit worker's timing of a proposal against the current variant, the
+refinement turn of a correct but slower answer, the profiled pass's per-slot attribution, and
+the picture of the search. Scripted answers go through the real parsing, checking and timing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent.plan import Plan, engine_params, reference_slots
+from agent.providers import ProviderOptions, prompts
+from agent.render import render_engine
+from evaluator.evaluate import profiled_pass
+from evaluator.remote import RemoteModule, Worker
+from evaluator.slot_shapes import Dims, call_shapes
+from tests.conftest import TINY_CONFIG
+from tests.test_providers import Empty, ScriptedServer, answer, clean_env, paged_state, point_at  # noqa: F401 (clean_env: autouse)
+
+PROFILE = {"source": "torch.profiler, CUDA kernels", "total_ms": 100.0, "other_ms": 30.0, "cases": ["decode"],
+           "slots": {"decode_attention": {"ms": 9.0, "calls": 12, "shapes": {"decode_attention q[8,4,192]": 9.0}},
+                     "linear": {"ms": 5.0, "calls": 48, "shapes": {}},
+                     "silu_mul": {"ms": 56.0, "calls": 12, "shapes": {"silu_mul gate_up[256,6144]": 56.0}}}}
+
+
+def profiled_state():
+    state = paged_state()
+    state.best_result.slot_ms = PROFILE
+    return state
+
+
+def test_call_shapes_follow_the_engine_fused_rows_and_traces():
+    dims = Dims.from_config(TINY_CONFIG)
+    shapes = call_shapes(dims, ["prefill", "decode"], fused_rows=64)
+    # decode steps (B=8 <= 64) run the fused linear functions and no norm/rope/silu kernels after the first norm
+    assert {s.fn for s in shapes["linear"]} == {"linear_rope_cache", "linear_add_norm", "linear_silu"}
+    assert all(s.spec["N"] == 8 for s in shapes["linear"])
+    assert sorted(s.spec["N"] for s in shapes["silu_mul"]) == [256, 512]
+    assert sum(s.calls for s in shapes["decode_attention"]) == 16 * dims.layers
+    # with fused_rows 0, every pass runs the unfused path
+    assert "linear" not in call_shapes(dims, ["decode"], fused_rows=0)
+
+
+def test_prompt_carries_measured_shares_shapes_tolerance_and_judged_engines(tmp_path, monkeypatch):
+    """The kernel prompt, as the model receives it: measured shares (not the estimate), this
+    slot's call shapes and the measured per-shape time, the tolerance, the engines judged so far,
+    the current code rendered (no template syntax)."""
+    monkeypatch.setenv("LLM_REFINE_ROUNDS", "0")
+    with ScriptedServer("openai", [{"text": answer("05_correct_faster", "llm_1")}]) as server:
+        point_at(monkeypatch, "openai", server.url)
+        from agent.providers.openai import create
+        options = ProviderOptions("cpu", 0, tmp_path, Empty())
+        options.log = lambda line: None
+        proposer = create(options)
+        proposer.episodes = 1   # a kernel episode, not the first (plan) one
+        candidate = proposer.propose(profiled_state())
+    assert candidate is not None and candidate.extra_variants
+    prompt = server.requests[0]["body"]["messages"][1]["content"]
+    for needle in ("measured: the evaluator's profiled pass", "- silu_mul: 56%", "- other: 30%", "- decode_attention: 9%",
+                   "## Where the engine calls `silu_mul`", "| `silu_mul` | N=512, I=3072 | 12 |",
+                   "`silu_mul gate_up[256,6144]`: 56.000 ms", "## Tolerance", "|out - ref| <=",
+                   "## Engines judged so far", "paged", "[builtin]: score 1"):
+        assert needle in prompt, needle
+    assert "estimated" not in prompt and "{{" not in prompt and "{%" not in prompt
+
+
+def test_current_code_is_rendered_not_template_syntax():
+    code = prompts.current_code("norm", "triton", {"pdl": False}, {})
+    assert "def rmsnorm__triton" in code and "{{" not in code and "{%" not in code
+
+
+def test_a_correct_but_slower_variant_is_refined_with_its_numbers(tmp_path, monkeypatch):
+    """Round 1: correct, but about 40 copies slower than torch at the engine's shapes: the
+    refinement turn carries its measured time against the current variant's per shape. Round 2:
+    correct and about as fast as torch: it becomes the candidate. The slow variant is tens of
+    times slower by construction, far past SLOWER_RATIO whatever the machine's load."""
+    monkeypatch.setenv("LLM_REFINE_ROUNDS", "1")
+    log: list[str] = []
+    steps = [{"text": answer("06_correct_much_slower", "llm_1")}, {"text": answer("05_correct_faster", "llm_1")}]
+    with ScriptedServer("openai", steps) as server:
+        point_at(monkeypatch, "openai", server.url)
+        from agent.providers.openai import create
+        options = ProviderOptions("cpu", 0, tmp_path, Empty())
+        options.log = log.append
+        proposer = create(options)
+        proposer.episodes = 1
+        candidate = proposer.propose(profiled_state())
+    assert len(server.requests) == 2
+    refine = server.requests[1]["body"]["messages"][-1]["content"]
+    assert "is correct" in refine and "the time of the current variant `torch`" in refine
+    assert "`silu_mul` at N=256, I=3072 (36 calls in the benchmark): your kernel" in refine
+    assert "us vs current `torch`" in refine and "refinement 1 of 1" in refine
+    assert any("round 1/5: passed unit check" in line and "x the current variant's time" in line for line in log)
+    assert candidate is not None
+    (text,) = candidate.extra_variants.values()
+    assert "chunk(2, dim=-1)" in text and "range(40)" not in text
+    # the transcript tapes both timings, for replay
+    (transcript,) = (tmp_path / "transcripts").glob("*.jsonl")
+    tapes = [r for r in map(json.loads, transcript.read_text().splitlines()) if r["type"] == "timing"]
+    assert len(tapes) == 2 and tapes[0]["timings"][0]["candidate_us"] > tapes[0]["timings"][0]["current_us"]
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_profiled_pass_attributes_time_to_slots_on_cpu(tiny_model, tmp_path):
+    """The worker's profiled pass of a paged engine: every slot the traces call shows up, with as
+    many calls as the engine's call shapes predict, and the slots' time within the pass's."""
+    plan = Plan("paged", reference_slots(), {k: p.default for k, p in engine_params("paged").items()})
+    engine = tmp_path / "engine.py"
+    engine.write_text(render_engine(plan))
+    with Worker("cpu") as worker:
+        worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
+        slot_ms = profiled_pass(RemoteModule(worker), tiny_model.config, tiny_model.weight_dir, ["prefill", "decode"])
+    expected = {s: sum(c.calls for c in v) for s, v in call_shapes(Dims.from_config(tiny_model.config),
+                                                                   ["prefill", "decode"]).items()}
+    assert {s: v["calls"] for s, v in slot_ms["slots"].items()} == expected
+    in_slots = sum(v["ms"] for v in slot_ms["slots"].values())
+    assert 0 < in_slots <= slot_ms["total_ms"] * 1.01
+    assert slot_ms["other_ms"] == pytest.approx(max(slot_ms["total_ms"] - in_slots, 0.0), abs=1e-6)
+    for v in slot_ms["slots"].values():
+        assert v["ms"] > 0 and sum(v["shapes"].values()) == pytest.approx(v["ms"])
+    assert "norm" in slot_ms["slots"] and any("x[512," in k for k in slot_ms["slots"]["norm"]["shapes"])
+    # the engine file is untouched and the prompt reads the pass as measured shares
+    assert engine.read_text() == render_engine(plan)
+    state = paged_state()
+    state.best_result.slot_ms = slot_ms
+    profile = prompts.profile(state.best_result)
+    assert profile.source.startswith(prompts.MEASURED) and sum(s for _, s in profile.shares) == pytest.approx(1.0)
