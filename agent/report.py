@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent import plot
 from agent.plan import Plan, engine_params
 from agent.records import Candidate, EvalResult
 from agent.workspace import ENGINE, RESULTS_JSON, RESULTS_LOG, atomic_write
@@ -29,10 +30,12 @@ class Entry:
     directory: Path
     result: EvalResult | None = None     # None while it is being judged
     accepted: bool = False
+    seconds: float = 0.0                 # since the run started, when its verdict was final
 
     def to_dict(self, root: Path) -> dict:
         return {"index": self.index, "dir": str(self.directory.relative_to(root)), **self.candidate.to_dict(),
-                "result": self.result.to_dict() if self.result else None, "accepted": self.accepted}
+                "result": self.result.to_dict() if self.result else None, "accepted": self.accepted,
+                "seconds": round(self.seconds, 3)}
 
 
 def describe(plan: Plan) -> str:
@@ -103,6 +106,8 @@ class Reporter:
         self.isolation: str | None = None   # the last worker-isolation line shown
         self.seconds_left: Callable[[], float] = lambda: 0.0
         self._log = open(self.root / RESULTS_LOG, "a", buffering=1)
+        self._started = time.monotonic()
+        self._plot = True       # False once drawing was found impossible (said once in the log)
         self._live = None
         if live if live is not None else sys.stdout.isatty():
             self._start_live()
@@ -141,6 +146,7 @@ class Reporter:
         self.line(f"# inference agent run, {time.strftime('%Y-%m-%d %H:%M:%S')}")
         for text in header_lines:
             self.line(text)
+        self.line(f"picture of the search: {self.root / plot.SEARCH_PNG} (rewritten after each candidate)")
         self._write_json(finished=False)
 
     def started(self, entry: Entry) -> None:
@@ -160,7 +166,20 @@ class Reporter:
         self.line(f"     ACCEPTED -> {self.root / ENGINE}{again}")
 
     def finished(self, entry: Entry) -> None:
+        entry.seconds = time.monotonic() - self._started
         self._write_json(finished=False)
+        self._draw()
+
+    def _draw(self) -> None:
+        """workspace/search.png (agent/plot.py); a parent is known when the candidate names one."""
+        if not self._plot:
+            return
+        index_of = {e.candidate.key(): e.index for e in self.entries}
+        points = [plot.Point(e.index, e.seconds, 100 * (e.result.score or 0.0) if e.result.passed else None,
+                             e.candidate.origin, e.accepted, None if e.result.passed else e.result.error_kind,
+                             index_of.get(getattr(e.candidate, "parent", None)))
+                  for e in self.entries if e.result is not None]
+        self._plot = plot.draw(self.root / plot.SEARCH_PNG, points, self.line)
 
     def finish(self, closing_lines: list[str]) -> None:
         if self._live is not None:

@@ -126,3 +126,18 @@ def test_profiled_pass_attributes_time_to_slots_on_cpu(tiny_model, tmp_path):
     state.best_result.slot_ms = slot_ms
     profile = prompts.profile(state.best_result)
     assert profile.source.startswith(prompts.MEASURED) and sum(s for _, s in profile.shares) == pytest.approx(1.0)
+
+
+def test_search_picture_is_drawn_or_skipped_with_a_log_line(tmp_path):
+    from agent import plot
+    points = [plot.Point(1, 1.0, 1.0, "builtin", True), plot.Point(2, 2.0, None, "openai:gpt", False, "wrong_result", 1),
+              plot.Point(3, 3.0, 2.5, "openai:gpt", True, parent=1), plot.Point(4, 4.0, 2.0, "builtin", False)]
+    lines: list[str] = []
+    drawn = plot.draw(tmp_path / plot.SEARCH_PNG, points, lines.append)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not drawn and "matplotlib is not installed" in lines[0]
+        return
+    png = (tmp_path / plot.SEARCH_PNG).read_bytes()
+    assert drawn and not lines and png.startswith(b"\x89PNG") and len(png) > 5000
