@@ -405,9 +405,12 @@ def test_prompt_carries_contract_hardware_model_profile_and_code():
     assert profile.share("prefill_attention") > 0 and profile.share("decode_attention") == 0
     text = prompts.render("kernel", slot=info, variant="llm_1", dtype="float32", best_plan="paged",
                           current_variant="torch", current_code="", hardware={"gpu": "H100", "SMs": 132},
-                          model=state.spec.summary(), profile=profile, history=[], plan_menu="")
+                          model=state.spec.summary(), profile=profile, history=[], plan_menu="",
+                          shapes=prompts.slot_shapes(state, "norm"), measured={}, fused_rows=64,
+                          tolerance=prompts.tolerance("float32"), judged=prompts.judged_lines(state))
     for needle in ("## Contract", "`rmsnorm__llm_1(x, w, eps) -> y[N,H]`; arguments x[N,H], w[H]", "gpu: H100", "12 layers, hidden 768",
-                   "| prefill | 5.000 | 512 | 0.0300 |", "estimated", "def rmsnorm__torch"):
+                   "| prefill | 5.000 | 512 | 0.0300 |", "estimated", "def rmsnorm__torch",
+                   "| `add_rmsnorm` | N=256, H=768 | 72 |", "paged"):
         assert needle in text
 
 
