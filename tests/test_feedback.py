@@ -91,7 +91,7 @@ def test_a_correct_but_slower_variant_is_refined_with_its_numbers(tmp_path, monk
     assert "is correct" in refine and "the time of the current variant `torch`" in refine
     assert "`silu_mul` at N=256, I=3072 (36 calls in the benchmark): your kernel" in refine
     assert "us vs current `torch`" in refine and "refinement 1 of 1" in refine
-    assert any("round 1/5: passed unit check" in line and "x the current variant's time" in line for line in log)
+    assert any("round 1/5: passed unit check" in line and "x the current variant's time" in line for line in log), log
     assert candidate is not None
     (text,) = candidate.extra_variants.values()
     assert "chunk(2, dim=-1)" in text and "range(40)" not in text
@@ -99,6 +99,20 @@ def test_a_correct_but_slower_variant_is_refined_with_its_numbers(tmp_path, monk
     (transcript,) = (tmp_path / "transcripts").glob("*.jsonl")
     tapes = [r for r in map(json.loads, transcript.read_text().splitlines()) if r["type"] == "timing"]
     assert len(tapes) == 2 and tapes[0]["timings"][0]["candidate_us"] > tapes[0]["timings"][0]["current_us"]
+
+    # replay (strict: any request that differs ends it) sends the same prompts, refinement
+    # numbers included, and picks the same candidate: the taped timings stand in for today's
+    monkeypatch.setenv("LLM_REPLAY_STRICT", "1")
+    monkeypatch.setenv("LLM_REPLAY_FROM", str(transcript))
+    from agent.providers.replay import create as replay
+    options = ProviderOptions("cpu", 0, tmp_path / "replayed", Empty())
+    replay_log: list[str] = []
+    options.log = replay_log.append
+    again = replay(options)
+    again.episodes = 1
+    replayed = again.propose(profiled_state())
+    assert not any("differs from the recording" in line for line in replay_log)
+    assert replayed is not None and replayed.extra_variants == candidate.extra_variants
 
 
 @pytest.mark.usefixtures("single_thread")
