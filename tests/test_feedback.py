@@ -5,7 +5,6 @@ the picture of the search. Scripted answers go through the real parsing, checkin
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,8 @@ from evaluator.evaluate import profiled_pass
 from evaluator.remote import RemoteModule, Worker
 from evaluator.slot_shapes import Dims, call_shapes
 from tests.conftest import TINY_CONFIG
-from tests.test_providers import Empty, ScriptedServer, answer, clean_env, paged_state, point_at  # noqa: F401 (clean_env: autouse)
+from tests.test_providers import clean_env  # noqa: F401 - autouse: the LLM environment of those tests
+from tests.test_providers import Empty, ScriptedServer, answer, paged_state, point_at
 
 PROFILE = {"source": "torch.profiler, CUDA kernels", "total_ms": 100.0, "other_ms": 30.0, "cases": ["decode"],
            "slots": {"decode_attention": {"ms": 9.0, "calls": 12, "shapes": {"decode_attention q[8,4,192]": 9.0}},
@@ -149,9 +149,19 @@ def test_search_picture_is_drawn_or_skipped_with_a_log_line(tmp_path):
     lines: list[str] = []
     drawn = plot.draw(tmp_path / plot.SEARCH_PNG, points, lines.append)
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 - only whether it is there
     except ImportError:
         assert not drawn and "matplotlib is not installed" in lines[0]
         return
     png = (tmp_path / plot.SEARCH_PNG).read_bytes()
     assert drawn and not lines and png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_the_profiled_pass_is_asked_for_once_per_new_best(tmp_path):
+    """Only the FINAL phase (an engine about to become the best) carries --profile: the screens
+    and repeated timings that decide acceptance are never profiled."""
+    from agent.judge import FINAL, FULL, TIMING, VERIFY, JudgeSettings
+    settings = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cpu", 0, profile=True)
+    flags = {phase: "--profile" in settings.for_phase(phase).command(tmp_path / "engine.py", tmp_path / "r.json")
+             for phase in (VERIFY, FULL, TIMING, FINAL)}
+    assert flags == {VERIFY: False, FULL: False, TIMING: False, FINAL: True}
