@@ -3,7 +3,7 @@
 Every judged candidate is a point: its score (% of the physical floor, the evaluator's geometric
 mean) against the run's time when its verdict came; its proposer by colour (the builtin search
 or a model); accepted ones (written to engine.py) ringed; failures along the bottom, marked by
-kind; a line from a parent to its child where the candidate names its parent. matplotlib is
+kind; a line from a parent to its child where the archive chose the parent (agent/archive.py). matplotlib is
 imported only here and only when drawing: without it the run says so once and goes on.
 """
 from __future__ import annotations

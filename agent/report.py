@@ -171,13 +171,12 @@ class Reporter:
         self._draw()
 
     def _draw(self) -> None:
-        """workspace/search.png (agent/plot.py); a parent is known when the candidate names one."""
+        """workspace/search.png (agent/plot.py); parent lines where the archive chose a parent."""
         if not self._plot:
             return
-        index_of = {e.candidate.key(): e.index for e in self.entries}
         points = [plot.Point(e.index, e.seconds, 100 * (e.result.score or 0.0) if e.result.passed else None,
                              e.candidate.origin, e.accepted, None if e.result.passed else e.result.error_kind,
-                             index_of.get(getattr(e.candidate, "parent", None)))
+                             e.candidate.parent)
                   for e in self.entries if e.result is not None]
         self._plot = plot.draw(self.root / plot.SEARCH_PNG, points, self.line)
 
