@@ -1,6 +1,6 @@
 """One device call: Hugging Face checkpoints of real shapes through run.sh, timed beside transformers.
 
-    python3 -m scripts.gpu hf [--models llama-3.2-1b,qwen2.5-0.5b] [--budget 900] [--max-candidates N]
+    python3 -m scripts.gpu hf [--models llama-3.2-1b,qwen2.5-0.5b] [--budget 200] [--max-candidates N]
         [--cases prefill-long,decode-wide] [--repeat 3] [--tiny] [--device cuda|cpu] [--out DIR]
 
 Issue 21's GPU targets. Each model is built here by transformers from its config, with random
@@ -11,7 +11,9 @@ to the bf16 criterion, evaluator/hf_judge.py); the engine it wrote is timed on -
 (evaluator/benchmark_throughput.py, --no-verify: the judge checked it) and transformers' own
 forward (sdpa, cached decode, last-token logits) is timed on the same work on the same device,
 side by side. --tiny builds tiny models of the same architectures on the CPU (fp32 compute) to
-prove the plumbing. Outputs under --out/<model>/ ($OUT when set); a summary table last.
+prove the plumbing. Outputs under --out/<model>/ ($OUT when set); a summary table last. A
+device call lasts at most 10 minutes: the default budget fits both models in one; for a longer
+search run one model a call (`--models llama-3.2-1b --budget 420`).
 """
 from __future__ import annotations
 
@@ -101,7 +103,7 @@ def sync(device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
-    p.add_argument("--budget", type=int, default=900, help="run.sh's budget per model, seconds")
+    p.add_argument("--budget", type=int, default=200, help="run.sh's budget per model, seconds")
     p.add_argument("--max-candidates", type=int, help="run.sh's --max-candidates")
     p.add_argument("--cases", default=",".join(CASE_SHAPES), help=f"comma-separated, of: {', '.join(CASE_SHAPES)}")
     p.add_argument("--repeat", type=int, default=3)
