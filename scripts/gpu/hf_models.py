@@ -10,8 +10,8 @@ Then `bash run.sh --weights <folder>` writes and judges its engine (on CUDA the 
 to the bf16 criterion, evaluator/hf_judge.py); the engine it wrote is timed on --cases
 (evaluator/benchmark_throughput.py, --no-verify: the judge checked it) and transformers' own
 forward (sdpa, cached decode, last-token logits) is timed on the same work on the same device,
-side by side. --tiny builds tiny models of the same architectures on the CPU (fp32 compute) to
-prove the plumbing. Outputs under --out/<model>/ ($OUT when set); a summary table last. A
+side by side. --tiny builds tiny models of the same architectures on the CPU (fp32 compute) and
+times the small public cases, to prove the plumbing. Outputs under --out/<model>/ ($OUT when set); a summary table last. A
 device call lasts at most 10 minutes: the default budget fits both models in one; for a longer
 search run one model a call (`--models llama-3.2-1b --budget 420`).
 """
@@ -47,7 +47,10 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             num_key_value_heads=2, head_dim=16, vocab_size=257, max_position_embeddings=4096)
 # Benchmark cases as (batch, prompt tokens, decode steps), the work of evaluator/traces.py's
 # BENCHMARK_CASES of the same name (tests/test_scripts.py holds the two together).
-CASE_SHAPES = {"prefill-long": (8, 2048, 0), "decode-wide": (64, 512, 32)}
+CASE_SHAPES = {"prefill-long": (8, 2048, 0), "decode-wide": (64, 512, 32), "prefill": (4, 128, 0),
+               "decode": (8, 32, 16)}
+SCALE_CASES = "prefill-long,decode-wide"   # issue 21's targets
+TINY_CASES = "prefill,decode"              # --tiny: the plumbing, fast even for the recompute engine
 SEED = 0
 
 
@@ -105,13 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
     p.add_argument("--budget", type=int, default=200, help="run.sh's budget per model, seconds")
     p.add_argument("--max-candidates", type=int, help="run.sh's --max-candidates")
-    p.add_argument("--cases", default=",".join(CASE_SHAPES), help=f"comma-separated, of: {', '.join(CASE_SHAPES)}")
+    p.add_argument("--cases", help=f"comma-separated, of: {', '.join(CASE_SHAPES)} "
+                                   f"(default {SCALE_CASES}; {TINY_CASES} with --tiny)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU: the plumbing, not the targets")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cpu with --tiny, else cuda")
     p.add_argument("--out", default=out_dir("/tmp/gpu_hf"))
     a = p.parse_args(argv)
-    models, cases = [m for m in a.models.split(",") if m], [c for c in a.cases.split(",") if c]
+    cases = [c for c in (a.cases or (TINY_CASES if a.tiny else SCALE_CASES)).split(",") if c]
+    models = [m for m in a.models.split(",") if m]
     unknown = [m for m in models if m not in SHAPES] + [c for c in cases if c not in CASE_SHAPES]
     if unknown:
         p.error(f"unknown model or case {unknown[0]!r}")
