@@ -224,7 +224,7 @@ def verify(checks: list[LastOutput], config: dict, weight_dir: str, device: str,
     """Compare the kept last outputs with the reference, after all timing is done."""
     if not checks:
         return
-    reference = ReferenceModel.load(config, weight_dir, device)
+    reference = ReferenceModel.load(config, weight_dir, device, tol.reference_dtype)
     for c in checks:
         expected = reference_rows(reference, c.histories, c.request_ids)
         cmp = compare(c.got, expected, tol)
@@ -254,7 +254,8 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
     measured = [_Case(name, benchmark_trace(name), make_generator(seed, device)) for name in cases]
     # All warm-ups first, with the reference (checked passes), which is then freed: it must not
     # count in the timed runs' peak memory.
-    reference = ReferenceModel.load(config, weight_dir, device) if verify_outputs and measured else None
+    reference = (ReferenceModel.load(config, weight_dir, device, tol.reference_dtype)
+                 if verify_outputs and measured else None)
     for case in measured:
         _warm_up(module, config, str(weight_dir), device, case, warmup, reference, tol, identities.threads)
         identities.check(f"after warming up benchmark case {case.name}")

@@ -53,8 +53,13 @@ class WrongResult(EvalFailure, AssertionError):
 
 @dataclass(frozen=True)
 class Tolerance:
+    """What a logit row is compared with, and how closely. reference_dtype None: the compute
+    dtype (SPEC.md §3, the course judge); torch.float32 under the bf16 criterion for Hugging
+    Face models in half precision (evaluator/hf_judge.py), with atol measured on the model."""
+
     atol: float = 1e-2
     rtol: float = 1e-2
+    reference_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     python3 -m evaluator.evaluate --engine PATH --model-config CFG --weight-dir DIR \
         --device cpu|cuda|auto [--stress off|quick|full] [--cases prefill,decode,mixed,...] \
         [--warmup 1] [--repeat 3] [--seed N] [--memory-gb G] [--triton-cache DIR [--triton-cache-update]]
-        [--profile] --out RESULT.json
+        [--profile] [--criterion auto|course|bf16] --out RESULT.json
 
 This process is the judge: it holds the inputs, the reference, the comparison, the clock and
 the verdict, and never imports the candidate. The candidate runs in a worker process inside
@@ -13,12 +13,14 @@ docs/reliability.md for what each layer stops.
 
 Before the worker starts, the judge's own rounding noise on the real weights (evaluator/noise.py:
 `reference_margin`, what the loop's safety margin is read against). Stages in order: import →
-public (SPEC.md §4) → stress → benchmark (tokens from a fresh, unpredictable seed; outputs of
-the timed runs checked too); it stops at the first failing stage, writes RESULT.json (even on
-failure) and exits 0 only when all passed. Progress goes to stderr, a one-line verdict to
-stdout. Timeouts are the caller's to record. With --profile, a passing engine then gets a
-profiled pass of each benchmark case (evaluator/slot_profile.py): `slot_ms` in the verdict,
-the worker's claim, reported and never scored.
+[criterion →] public (SPEC.md §4) → stress → benchmark (tokens from a fresh, unpredictable seed;
+outputs of the timed runs checked too); it stops at the first failing stage, writes RESULT.json
+(even on failure) and exits 0 only when all passed. A Hugging Face model in bf16/fp16 is judged
+by the bf16 criterion (evaluator/hf_judge.py: the criterion stage first, then the others against
+fp32 at the tolerance it measured); the course format's judge is unchanged. Progress goes to
+stderr, a one-line verdict to stdout. Timeouts are the caller's to record. With --profile, a
+passing engine then gets a profiled pass of each benchmark case (evaluator/slot_profile.py):
+`slot_ms` in the verdict, the worker's claim, reported and never scored.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
 from evaluator.common import (CRASH, ConfigError, EvalFailure, Tolerance, compute_dtype,  # noqa: E402
                               harness_parser, load_config, parse_cases, resolve_device)
 from evaluator.floor import detect_hardware  # noqa: E402
+from evaluator.hf_judge import CRITERIA, CRITERION_MARGIN, run_criterion, uses_bf16_criterion  # noqa: E402
 from evaluator.noise import reference_margin  # noqa: E402
 from evaluator.remote import RemoteModule, Worker  # noqa: E402
 from evaluator.session import draw_op_tokens  # noqa: E402
@@ -81,38 +84,50 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              repeat: int = 3, seed: int | None = None, bandwidth_gbs: float | None = None,
              peak_tflops: float | None = None, tol: Tolerance = Tolerance(),
              log=lambda line: None, memory_bytes: int | None = None, triton_cache: Path | None = None,
-             update_cache: bool = False, profile: bool = False) -> dict:
+             update_cache: bool = False, profile: bool = False, criterion: str = "auto") -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
     `triton_cache` the worker starts from a copy of that (judge-owned) cache, and with
     `update_cache` (the caller vouches that the engine's code is all its own) a passing worker's
     new entries are added to it (evaluator/triton_cache.py). `profile`: a passing engine's
-    profiled pass goes into `slot_ms` (a failure of the pass is logged; the verdict stands)."""
+    profiled pass goes into `slot_ms` (a failure of the pass is logged; the verdict stands).
+    criterion: evaluator/hf_judge.py (auto: the bf16 criterion for Hugging Face models in half precision)."""
     if stress not in STRESS_MODES:
         raise ValueError(f"stress must be one of {STRESS_MODES}")
     start = time.perf_counter()
     device = resolve_device(device)
     result = {"status": "failed", "stage": "import", "error_kind": None, "error": None, "device": device,
-              "public": None, "stress": None, "benchmark": None, "score": None, "reference_margin": None,
-              "isolation": None, "slot_ms": None, "seconds": 0.0}
+              "criterion": None, "public": None, "stress": None, "benchmark": None, "score": None,
+              "reference_margin": None, "isolation": None, "slot_ms": None, "seconds": 0.0}
     try:
         config = load_config(model_config)
         hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
-        result["reference_margin"] = reference_margin(config, weight_dir, device, tol, seed)
+        bf16_criterion = uses_bf16_criterion(config, device, criterion)
+        result["reference_margin"] = (CRITERION_MARGIN if bf16_criterion
+                                      else reference_margin(config, weight_dir, device, tol, seed))
         log(f"the judge's own margin against fp32 on these weights: {result['reference_margin']:.3f}")
+        target_tol = tol
         with Worker(device, memory_bytes or default_memory_cap(), log, triton_cache) as worker:
             result["isolation"] = worker.layers
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
             module = RemoteModule(worker)
+            if bf16_criterion:
+                result["stage"] = "criterion"
+                verdict, target_tol = run_criterion(module, config, weight_dir, device, seed)
+                result["criterion"] = {"tolerance": verdict.tolerance, "reference_error": verdict.reference_error,
+                                       "engine_error": verdict.engine_error, "agreement": verdict.agreement,
+                                       "decided": verdict.decided}
+                log(f"criterion: {verdict.line()}")
             result["stage"] = "public"
-            public = run_public_sequence(module, config, weight_dir, device, tol.atol, tol.rtol)
+            public = run_public_sequence(module, config, weight_dir, device, target_tol.atol, target_tol.rtol,
+                                         reference_dtype=target_tol.reference_dtype)
             result["public"] = {"status": public["status"], "max_abs_err": public["max_abs_err"],
                                 "cases": public["cases"], "worst_margin": public["worst_margin"]}
             log(f"public: passed, max abs err {public['max_abs_err']:.3g}")
             if stress != "off":
                 result["stage"] = "stress"
                 report = run_stress(module, device, seed, quick=stress == "quick", target=(config, weight_dir),
-                                    fail_fast=True, tol=tol, log=log)
+                                    fail_fast=True, tol=tol, log=log, target_tol=target_tol)
                 result["stress"] = report.to_dict()
                 failure = report.first_failure
                 if failure is not None:
@@ -122,7 +137,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             result["stage"] = "benchmark"
             # A fresh seed the worker never sees: it gets each trace's tokens when the clock starts.
             result["benchmark"] = run_benchmark(module, config, weight_dir, device, list(cases), warmup, repeat,
-                                                seed=secrets.randbits(62), hardware=hardware, tol=tol)
+                                                seed=secrets.randbits(62), hardware=hardware, tol=target_tol)
             result["score"] = score(result["benchmark"])
             result["stage"], result["status"] = "done", "passed"
             if profile:
@@ -172,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="add a passing worker's new entries to --triton-cache (only for engines of trusted code)")
     p.add_argument("--profile", action="store_true",
                    help="a passing engine's profiled pass: per-slot time in slot_ms (reported, not scored)")
+    p.add_argument("--criterion", choices=CRITERIA, default="auto",
+                   help="auto: the bf16 criterion for Hugging Face models in bf16/fp16, else the course judge "
+                        "(evaluator/hf_judge.py); bf16 or course forces one (tests force bf16 on the CPU)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     # SIGTERM (the agent's timeout) unwinds like an interrupt, so the worker's jail is torn down.
@@ -186,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                       a.seed, a.bandwidth_gbs, a.peak_tflops,
                       log=lambda line: print(line, file=sys.stderr, flush=True),
                       memory_bytes=int(a.memory_gb * 2**30) if a.memory_gb else None,
-                      triton_cache=a.triton_cache, update_cache=a.triton_cache_update, profile=a.profile)
+                      triton_cache=a.triton_cache, update_cache=a.triton_cache_update, profile=a.profile,
+                      criterion=a.criterion)
     write_json(result, a.out)
     score_text = "untimed" if result["score"] is None else f"{result['score']:.4g}"
     verdict = f"score {score_text}" if result["status"] == "passed" else \

@@ -86,8 +86,9 @@ class ReferenceModel:
         self.w = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
 
     @classmethod
-    def load(cls, model_config: dict, weight_dir: str | Path, device: str = "auto") -> "ReferenceModel":
-        return cls(model_config, load_weights(weight_dir, model_config), device)
+    def load(cls, model_config: dict, weight_dir: str | Path, device: str = "auto",
+             dtype: torch.dtype | None = None) -> "ReferenceModel":
+        return cls(model_config, load_weights(weight_dir, model_config), device, dtype=dtype)
 
     @torch.no_grad()
     def final_hidden(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -235,9 +235,11 @@ class _Runner:
     threads: ThreadWatch
 
     def model(self, name: str, config: dict, weight_dir: str, weights: dict[str, torch.Tensor],
-              scenarios: list[str], trace_seed: int) -> bool:
+              scenarios: list[str], trace_seed: int, tol: Tolerance | None = None) -> bool:
         """Every scenario on one model, one engine shared while it keeps passing (a failure
-        leaves its state suspect, so the next scenario gets a fresh one). False: stop."""
+        leaves its state suspect, so the next scenario gets a fresh one). False: stop.
+        tol: this model's, if not the run's (the target's under the bf16 criterion)."""
+        tol = tol or self.tol
         rng = random.Random(trace_seed)
         gen = make_generator(rng.randrange(2**31), self.device)
         engine = reference = None
@@ -249,8 +251,8 @@ class _Runner:
                 if engine is None:  # the engine first, then the reference (as the harness does)
                     engine = call_engine("create_engine", self.module.create_engine, config, weight_dir, self.device)
                 if reference is None:
-                    reference = ReferenceModel(config, weights, self.device)
-                session = CheckedSession(engine, reference, gen, self.tol, label=f"{scenario}: ",
+                    reference = ReferenceModel(config, weights, self.device, dtype=tol.reference_dtype)
+                session = CheckedSession(engine, reference, gen, tol, label=f"{scenario}: ",
                                          threads=self.threads)
                 session.run(STRESS_SCENARIOS[scenario](rng, self.size))
                 case.passed = True
@@ -271,9 +273,11 @@ class _Runner:
 def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int | None = None,
                quick: bool = True, target: tuple[dict | str | Path, str | Path] | None = None,
                fail_fast: bool = False, tol: Tolerance = Tolerance(),
-               log: Callable[[str], None] = lambda line: None) -> StressReport:
+               log: Callable[[str], None] = lambda line: None,
+               target_tol: Tolerance | None = None) -> StressReport:
     """Run the stress suite on `engine` (a module or a path). `target` = (model config, weight
-    dir) adds the real model: its churn scenario in quick mode, every scenario in full mode.
+    dir) adds the real model: its churn scenario in quick mode, every scenario in full mode,
+    judged at `target_tol` if given (the bf16 criterion's), the random models at `tol`.
     Never raises for a wrong engine: failures are in the report (EvalFailure only if the
     module cannot be imported). The same seed draws the same models and traces."""
     identities = FunctionIdentities()
@@ -292,7 +296,7 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
         weight_dir = str(target[1])
         scenarios = ["churn"] if quick else list(STRESS_SCENARIOS)
         go_on = run.model(TARGET, target_config, weight_dir, load_weights(weight_dir, target_config), scenarios,
-                          target_trace_seed)
+                          target_trace_seed, target_tol)
     for model in models if go_on else []:
         weights = judge_safe_weights(model, device, tol, log)
         with tempfile.TemporaryDirectory(prefix="stress-weights-") as tmp:

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -29,16 +31,18 @@ PUBLIC_SEED = 7
 
 def run_public_sequence(engine: ModuleType | str | Path, model_config: dict | str | Path,
                         weight_dir: str | Path, device: str = "auto", atol: float = 1e-2,
-                        rtol: float = 1e-2, seed: int = PUBLIC_SEED) -> dict:
+                        rtol: float = 1e-2, seed: int = PUBLIC_SEED,
+                        reference_dtype: torch.dtype | None = None) -> dict:
     """Run SPEC.md §4 on `engine` (a module or a path); return the passed JSON object or raise
-    EvalFailure (WrongResult is an AssertionError) naming the step that failed."""
+    EvalFailure (WrongResult is an AssertionError) naming the step that failed. reference_dtype:
+    the reference's, if not the compute dtype (the bf16 criterion's fp32, evaluator/hf_judge.py)."""
     identities = FunctionIdentities()
     config = load_config(model_config)
     device = resolve_device(device)
     module = load_engine_module(engine)
     candidate = call_engine("create_engine", module.create_engine, config, str(weight_dir), device)
-    reference = ReferenceModel.load(config, weight_dir, device)
-    tol = Tolerance(atol, rtol)
+    tol = Tolerance(atol, rtol, reference_dtype)
+    reference = ReferenceModel.load(config, weight_dir, device, tol.reference_dtype)
     stats = CheckedSession(candidate, reference, make_generator(seed, device), tol,
                            threads=identities.threads).run(public_sequence())
     identities.check("after the public sequence")

@@ -133,5 +133,20 @@ def test_the_paged_engines_part_files_are_used_and_are_not_engines():
         assert alias, f"{part.name} is not imported by {entry.name}"
         body = part.read_text()
         for name in re.findall(r"{% macro (\w+)\(", body):
-            called = f"{{{{ {alias.group(1)}.{name}() }}}}" in text or re.search(rf"{{{{ *{name}\(", body)
+            called = re.search(rf"{{{{ {alias.group(1)}\.{name}\(", text) or re.search(rf"{{{{ *{name}\(", body)
             assert called, f"{part.name}: macro {name} is never called"
+
+
+def test_every_hf_skeleton_prints_the_shared_hf_part():
+    """templates/engine/hf/weights.py.j2 is the one Hugging Face loader: every skeleton that
+    declares the hf format imports it and prints each of its macros."""
+    import re
+    part = plan_module.ENGINES / "hf" / "weights.py.j2"
+    macros = re.findall(r"{% macro (\w+)\(", part.read_text())
+    hf_engines = [e for e in plan_module.engines() if "hf" in plan_module.engine_models(e)]
+    assert macros and set(hf_engines) == {"paged", "recompute"}
+    for engine in hf_engines:
+        text = (plan_module.ENGINES / f"{engine}.py.j2").read_text()
+        alias = re.search(r'{% import "engine/hf/weights.py.j2" as (\w+)', text)
+        assert alias, f"{engine} does not import the hf part"
+        assert all(f"{{{{ {alias.group(1)}.{m}() }}}}" in text for m in macros), engine

@@ -3,6 +3,7 @@ runs, the docs list each subcommand with the line its module opens with, and scr
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -74,3 +75,25 @@ def test_toy_weights_are_made_once_with_the_seeded_toy_init(tmp_path):
     stamp = path.stat().st_mtime_ns
     ensure_toy_weights(str(config), str(tmp_path / "w"))
     assert path.stat().st_mtime_ns == stamp    # present: left alone
+
+
+def test_hf_case_shapes_are_the_benchmark_cases():
+    """scripts.gpu hf times transformers on the work of the benchmark's cases of the same name."""
+    from evaluator.traces import BENCHMARK_CASES, DECODE, PREFILL
+    from scripts.gpu.hf_models import CASE_SHAPES
+    for case, (batch, prompt, steps) in CASE_SHAPES.items():
+        ops = BENCHMARK_CASES[case]()
+        prefills = [op for op in ops if op.kind == PREFILL]
+        assert [op.lengths for op in prefills] == [(prompt,) * batch]
+        assert [len(op.request_ids) for op in ops if op.kind == DECODE] == [batch] * steps
+
+
+@pytest.mark.skipif(os.environ.get("HF_E2E") != "1", reason="slow (minutes): set HF_E2E=1")
+def test_hf_subcommand_runs_tiny_on_the_cpu(tmp_path):
+    """The plumbing of `python3 -m scripts.gpu hf --tiny`: build, run.sh, both timings."""
+    pytest.importorskip("transformers")
+    done = subprocess.run([sys.executable, "-m", "scripts.gpu", "hf", "--tiny", "--models", "qwen2.5-0.5b",
+                           "--budget", "90", "--max-candidates", "2", "--repeat", "1", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "speed-up" in done.stdout, done.stdout[-2000:]
