@@ -264,9 +264,10 @@ def test_builtin_proposer_on_the_real_menu_never_repeats():
     assert len(state.history) >= 1 and state.history[0][0].plan.engine == "paged"
 
 
-def test_builtin_walk_tries_the_library_plan_right_after_all_torch(monkeypatch):
-    """Where the preferred variants run, the second proposal jumps to all of them at once;
-    on a device where none runs, there is no jump."""
+def test_builtin_walk_starts_from_the_library_plan_where_it_runs(monkeypatch):
+    """Where the preferred variants run, the first proposal is all of them at once and the
+    all-torch engine comes only when no library plan was kept; on a device where none runs, the
+    all-torch engine comes first and there is no jump."""
     import agent.providers.builtin as builtin
     from agent import search
     preferred = next(iter(search.PREFERRED.items()))
@@ -275,14 +276,14 @@ def test_builtin_walk_tries_the_library_plan_right_after_all_torch(monkeypatch):
     monkeypatch.setattr(builtin, "menu", lambda: fake)
     monkeypatch.setattr(builtin, "engine_params", lambda engine: {})
     monkeypatch.setattr(builtin, "engines", lambda: ["paged", "recompute"])
-    for device, expected in (("cuda", name), ("cpu", None)):
+    for device, first_variant, second_variant in (("cuda", name, "torch"), ("cpu", "torch", None)):
         state = SearchState(spec=None, device=device, hardware={})
         proposer = BuiltinProposer(device)
         first = proposer.propose(state)
         state.history.append((first, failed()))
         second = proposer.propose(state)
-        assert first.plan.slots[slot] == "torch"
-        assert (second.plan.slots[slot] if second else None) == expected
+        assert first.plan.slots[slot] == first_variant
+        assert (second.plan.slots[slot] if second else None) == second_variant
 
 
 def test_builtin_walk_falls_back_to_the_faithful_library_plan_only_when_the_library_plan_is_not_kept(monkeypatch):
@@ -302,11 +303,10 @@ def test_builtin_walk_falls_back_to_the_faithful_library_plan_only_when_the_libr
     for library_verdict, expect_faithful in ((failed(), True), (thin, True), (passed(50.0), False)):
         state = SearchState(spec=None, device="cuda", hardware={})
         proposer = BuiltinProposer("cuda")
-        for verdict in (passed(1.0), library_verdict):
-            candidate = proposer.propose(state)
-            state.history.append((candidate, verdict))
-            if improves(verdict, state.best_result):   # as the loop keeps its best
-                state.best, state.best_result = candidate, verdict
-        library, third = state.history[1][0].plan, proposer.propose(state).plan
+        candidate = proposer.propose(state)
+        state.history.append((candidate, library_verdict))
+        if improves(library_verdict, state.best_result):   # as the loop keeps its best
+            state.best, state.best_result = candidate, library_verdict
+        library, after = candidate.plan, proposer.propose(state).plan
         assert {slot: library.slots[slot] for slot in attention} == {s: search.PREFERRED[s] for s in attention}
-        assert ({slot: third.slots[slot] for slot in attention} == faithful) == expect_faithful, third.slots
+        assert ({slot: after.slots[slot] for slot in attention} == faithful) == expect_faithful, after.slots
