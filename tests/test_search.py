@@ -180,12 +180,21 @@ def noisy(score: float, spread: float, rng: random.Random):
     return lambda label: timed(score, [1 + rng.uniform(-spread, spread) for _ in CASES])
 
 
-def test_a_clearly_faster_challenger_is_accepted_with_its_confidence():
+def test_a_faster_challenger_is_accepted_with_its_confidence():
     rng = random.Random()
-    decision = acceptance.contest(timed(1.2, [1, 1, 1]), timed(1.0, [1, 1, 1]),
-                                  noisy(1.2, 0.03, rng), noisy(1.0, 0.03, rng))
+    decision = acceptance.contest(timed(1.07, [1, 1, 1]), timed(1.0, [1, 1, 1]),
+                                  noisy(1.07, 0.01, rng), noisy(1.0, 0.01, rng))
     assert decision.accepted and decision.p <= acceptance.ALPHA and "p=" in decision.reason
-    assert decision.ratio == pytest.approx(1.2, rel=0.07)
+    assert decision.ratio == pytest.approx(1.07, rel=0.03)
+
+
+def test_a_clear_win_in_every_case_needs_no_rounds_and_no_time_falls_back_to_the_record():
+    never = lambda label: pytest.fail("timed again")  # noqa: E731
+    clear = acceptance.contest(timed(1.3, [1, 1, 1]), timed(1.0, [1, 1, 1]), never, never)
+    assert clear.accepted and clear.p is None and "every case" in clear.reason
+    # one case short of the bound: rounds, and with no time for them the recorded timing is the pair
+    mixed = acceptance.contest(timed(1.3, [1, 1, 0.8]), timed(1.0, [1, 1, 1]), never, lambda label: None)
+    assert "recorded timing" in mixed.reason and mixed.p is not None
 
 
 def test_a_challenger_within_noise_is_rejected_as_such_and_a_slow_one_screened_out():
