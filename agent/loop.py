@@ -20,7 +20,7 @@ from pathlib import Path
 
 from agent import acceptance, policy, search
 from agent.archive import Archive
-from agent.judge import FINAL, FULL, TIMING, VERIFY
+from agent.judge import FINAL, FULL, RESULT as RESULT_FILE, TIMING, VERIFY
 from agent.pipeline import Pipeline
 from agent.records import Candidate, EvalResult, Proposer, SearchState
 from agent.render import render_engine
@@ -84,6 +84,9 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
         entry.result = judge_conservative(entry, source, judge, ws, report, left)
     elif entry.result is None:
         entry.result = challenge(entry, source, state, judge, ws, report, left)
+        # The candidate's folder holds its verdict whichever phase gave it (a rejected screen
+        # lives in timing/ with its logs): one place to look, as the README's layout says.
+        atomic_write(entry.directory / RESULT_FILE, json.dumps(entry.result.to_dict(), indent=2) + "\n")
     else:
         report.verdict(entry, entry.result)
     report.finished(entry)

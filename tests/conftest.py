@@ -20,6 +20,12 @@ from agent.render import render_engine
 from evaluator.common import WEIGHT_FILE
 from evaluator.weights import TOY_SCALE, random_weights, save_weights
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: an end-to-end run of the agent (tens of seconds); "
+                                       "-m 'not slow' leaves them out")
+
+
 # A small GQA model with head_dim != hidden / heads: cheap, yet not the easy case.
 TINY_CONFIG = {
     "head_dim": 24,

@@ -198,6 +198,7 @@ def in_order(log: str, needles: list[str]) -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
 def test_five_proposals_only_the_correct_faster_one_is_accepted(tmp_path, monkeypatch, protocol):
     monkeypatch.setenv("LLM_REFINE_ROUNDS", "0")   # the whole engine's verdicts here; refinement has its test

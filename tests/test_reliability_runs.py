@@ -208,6 +208,7 @@ BUDGET_SECONDS = 36.0       # the conservative engine (about 10 s on 2 cores) an
 BUDGET_OVERRUN_SECONDS = 15.0   # killing and sweeping the hung evaluator, on a loaded machine
 
 
+@pytest.mark.slow
 def test_the_budget_holds_when_a_candidate_hangs(cli_env, tmp_path, monkeypatch, recompute_source):
     hang = Plan("paged", params={"hangs": True})
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -259,6 +260,7 @@ def judged_results(ws: Path) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_then_resume(tiny_model, tmp_path, test_seed):
     rng = random.Random(test_seed)
     ws = tmp_path / "ws"

@@ -3,10 +3,14 @@ official `openai` client, the benchmark client against it, then terminated; bad 
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,11 +26,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_starts_answers_and_stops(tiny_model, recompute_engine_path, tmp_path):
+@contextmanager
+def served(engine: Path, weights: Path):
+    """`python -m serve` on a free loopback port until the block ends: its base URL."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "serve", "--engine", str(recompute_engine_path),
-                             "--weights", str(tiny_model.weight_dir), "--port", str(port), "--device", "cpu",
-                             "--max-context", "64", "--log-level", "warning"],
+    proc = subprocess.Popen([sys.executable, "-m", "serve", "--engine", str(engine), "--weights", str(weights),
+                             "--port", str(port), "--device", "cpu", "--max-context", "64", "--log-level", "warning"],
                             env=SINGLE_THREAD_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -40,6 +45,14 @@ def test_serve_starts_answers_and_stops(tiny_model, recompute_engine_path, tmp_p
                 assert time.monotonic() < deadline, "the server did not come up"
                 time.sleep(0.2)
         assert health.status_code == 200 and health.json()["status"] == "ok"
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_starts_answers_and_stops(tiny_model, recompute_engine_path, tmp_path):
+    with served(recompute_engine_path, tiny_model.weight_dir) as base:
         openai = pytest.importorskip("openai")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
@@ -55,9 +68,32 @@ def test_serve_starts_answers_and_stops(tiny_model, recompute_engine_path, tmp_p
         report = json.loads(out.read_text())
         assert [r["output_tokens"] for r in report["levels"]] == [18, 18]   # ignore_eos: every token counted
         assert report["classes"]["short"]["clipped"] and report["classes"]["short"]["input_len"] == 32
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+
+
+CONCURRENT = 32
+
+
+def test_32_concurrent_greedy_requests_answer_as_one_at_a_time(tiny_model, recompute_engine_path):
+    """The official client, 32 requests at once on loopback (batched by the scheduler): each greedy
+    answer and its usage equal the same request sent alone. (The recompute engine computes each
+    request on its own, so batching may not change a bit; the paged engine's CPU GEMMs round by
+    batch size, docs/serving.md.)"""
+    openai = pytest.importorskip("openai")
+    rng = random.Random()
+    prompts = ["".join(rng.choice("abcdefghij ") for _ in range(rng.randint(3, 20))) for _ in range(CONCURRENT)]
+    with served(recompute_engine_path, tiny_model.weight_dir) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+
+        def ask(prompt: str):
+            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+            return answer.choices[0].text, answer.usage.prompt_tokens, answer.usage.completion_tokens
+
+        alone = [ask(p) for p in prompts]
+        with ThreadPoolExecutor(CONCURRENT) as pool:
+            together = list(pool.map(ask, prompts))
+    assert together == alone
+    assert [u for _, u, _ in alone] == [len(p.encode()) for p in prompts]   # the byte tokenizer
+    assert all(n == 8 for _, _, n in alone)
 
 
 def test_serve_bad_inputs_exit_2(tmp_path, tiny_model):
