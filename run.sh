@@ -52,7 +52,7 @@ for line in open("requirements.txt"):
 EOF
 )
 if [ -n "$missing" ]; then
-  echo "run.sh: installing missing packages: $(echo $missing)" >&2
+  echo "run.sh: installing what requirements.txt lists and $PY lacks (for the agent, the server and the tests): $(echo $missing)" >&2
   # shellcheck disable=SC2086
   "$PY" -m pip install --quiet --retries 1 --timeout 15 $missing >&2 \
     || "$PY" -m pip install --quiet --retries 1 --timeout 15 --user $missing >&2 \
