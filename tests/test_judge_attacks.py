@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import site
 import stat
 import subprocess
@@ -138,30 +137,6 @@ def _is_zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True   # gone
-
-
-def kill_uid(uid: int) -> None:
-    """Kill every process of `uid` for good (a test's cleanup after a hole): a child of ours takes
-    the uid and signals -1, which reaches them all at once, even a process forking without end."""
-    for _ in range(50):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
-                os.kill(-1, signal.SIGKILL)
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
-        time.sleep(0.02)
-        if not live_pids_of_uid(uid):
-            break
-    assert live_pids_of_uid(uid) == [], "a process of the worker's uid survived the test's own cleanup"
-    for pid in pids_of_uid(uid):   # the dead, re-parented to this process (a subreaper once it judged)
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
 
 
 def sha256(path: Path) -> str:
@@ -550,7 +525,7 @@ def test_daemons_do_not_outlive_the_verdict(recompute_source, write_engine, tiny
         time.sleep(HOP_SECONDS + 0.5)   # each daemon writes within 0.1 s of being free
         assert live_pids_of_uid(uid) == [] and not mark.exists() and not hopper_mark.exists()
     finally:
-        kill_uid(uid)
+        sweep.kill_uid(uid)
 
 
 HANGS_IN_CREATE = """
@@ -592,7 +567,7 @@ def test_a_daemon_of_a_killed_judge_does_not_outlive_the_next_judge(recompute_so
         judge.kill()
         judge.wait()
         if uid is not None:
-            kill_uid(uid)
+            sweep.kill_uid(uid)
         for folder in stale:
             shutil.rmtree(folder, ignore_errors=True)
 
