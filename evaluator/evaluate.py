@@ -37,6 +37,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from evaluator.isolation import quiet_threads  # noqa: E402  (the standard library only)
+
+quiet_threads()   # before torch is imported: see QUIET_THREADS
+
 from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
 from evaluator.common import (CRASH, ConfigError, EvalFailure, Tolerance, compute_dtype,  # noqa: E402
                               harness_parser, load_config, parse_cases, resolve_device)

@@ -68,8 +68,22 @@ PROCESS_LIMIT = 2048              # processes and threads of the worker's uid
 UID_RANGE = (3_000_000, 2**31 - 2)  # fresh uids are drawn here: far above any account's
 # What of the judge's environment the worker may see (everything else is dropped).
 ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-            "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES",
+            "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES",
             "NVIDIA_DRIVER_CAPABILITIES", "TRITON_PTXAS_PATH", "TRITON_INTERPRET", "TORCH_CUDA_ARCH_LIST")
+# OpenMP threads that sleep, not spin, while they wait: with the judge and the worker each
+# holding a pool of torch threads on a CPU, spinning waiters take the cores from the threads
+# doing the work, and one busy process beside them made a CPU evaluation 9x slower (103 s
+# against 11-13 s, docs/benchmarks.md, fifteenth session); unloaded it costs nothing measurable.
+# A default: a caller's own OMP_WAIT_POLICY is kept. Set before torch is imported (libgomp reads
+# it once): by the judge (evaluator/evaluate.py) for itself, here for the worker.
+QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def quiet_threads(env: dict[str, str] | None = None) -> None:
+    """QUIET_THREADS into `env` (default os.environ) where the caller has not chosen."""
+    env = os.environ if env is None else env
+    for key, value in QUIET_THREADS.items():
+        env.setdefault(key, value)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -263,6 +277,7 @@ def enter(spec: JailSpec) -> list[str]:
 def _clean_env(home: Path) -> dict[str, str]:
     env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
     env.setdefault("PATH", os.defpath)
+    quiet_threads(env)
     tmp = home / "tmp"
     env.update(HOME=str(home), TMPDIR=str(tmp), TRITON_CACHE_DIR=str(home / ".triton"),   # Jail.compile_cache
                TRITON_HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), CUDA_CACHE_PATH=str(home / ".nv"),

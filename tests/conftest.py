@@ -13,12 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
-from agent.plan import Plan
-from agent.render import render_engine
-from evaluator.common import WEIGHT_FILE
-from evaluator.weights import TOY_SCALE, random_weights, save_weights
+from evaluator.isolation import quiet_threads
+
+quiet_threads()   # before torch is imported, for this process and every child (see QUIET_THREADS)
+
+import torch  # noqa: E402
+
+from agent.plan import Plan  # noqa: E402
+from agent.render import render_engine  # noqa: E402
+from evaluator.common import WEIGHT_FILE  # noqa: E402
+from evaluator.weights import TOY_SCALE, random_weights, save_weights  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
