@@ -1,4 +1,4 @@
-"""One device call: issue 23's scripted-model check, a good model from an all-torch start against the library's score.
+"""One device call: a scripted good model writes every kernel; its run's score against the library plan's (issue 23).
 
     python3 -m scripts.gpu scripted-search [--budget 300] [--library-score S] [--library-plan NAME]
         [--parallel 4] [--seed N] [--device cuda|cpu] [--out DIR]
