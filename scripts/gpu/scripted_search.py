@@ -7,6 +7,8 @@
      run ends at on the public config) rendered and judged once by `python3 -m evaluator.evaluate`
      with the settings a run uses on this device (the run's cases, warm-up, repeats, quick stress,
      floor facts and seed), as a finalist's verdict is; or --library-score from an earlier call.
+     On a CPU the library plan is the all-torch engine, which the run judges itself: its score
+     is read from the run's results.json instead of a second evaluation.
   2. The agent (`python3 -m agent --provider openai --builtin-walk params`) on the same config
      and seed, within --budget seconds: the builtin proposer judges the all-torch KV-cache engine
      and tunes its parameters only, so every kernel comes from the model, a good model played by
@@ -42,7 +44,7 @@ from scripts.llm_server import GoodModel
 
 TARGET = 0.8               # the issue's bar: the model's run reaches 80% of the library's score
 DEFAULT_BUDGET = 300       # seconds; see the docstring: the CUDA default (1800) does not fit a device call
-SMOKE_BUDGET = 150         # --device cpu: recompute, all-torch, a model episode or two on a tiny model
+SMOKE_BUDGET = 300         # --device cpu: recompute, all-torch, a model episode or two (less on a loaded machine)
 RUN_GRACE_S = 120          # past the budget before the agent is cut (it ends within its budget)
 JUDGE_TIMEOUT_S = 300      # the library's one evaluation
 CPU_LIBRARY_PLAN = "torch" # the library's kernels are CUDA-only: on a CPU the builtin ends all-torch
@@ -88,6 +90,18 @@ def final_score(workspace: Path) -> tuple[float | None, dict]:
     return verdict.get("result", {}).get("score"), verdict
 
 
+def run_score(workspace: Path, plan) -> float | None:
+    """The score the run's own judging gave `plan`'s engine (the slots and engine; any params)."""
+    try:
+        candidates = json.loads((workspace / "results.json").read_text())["candidates"]
+    except (OSError, ValueError, KeyError):
+        return None
+    scores = [(c.get("result") or {}).get("score") for c in candidates
+              if c.get("plan", {}).get("engine") == plan.engine and c.get("plan", {}).get("slots") == plan.slots]
+    scores = [s for s in scores if s]
+    return max(scores, default=None)
+
+
 def judged_per_minute(log: str) -> str:
     lines = [line.strip() for line in log.splitlines() if "candidates judged per minute" in line]
     return lines[-1] if lines else "no pipeline line in results.log"
@@ -127,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     library = a.library_score
-    if library is None:
+    if library is None and not smoke:
         print(f"== the library plan {plan_name!r} through the judge", flush=True)
         library = library_score(plan_name, config, weights, a.device, a.seed, out)
         print(f"library score {library} ({time.monotonic() - started:.0f}s)", flush=True)
@@ -149,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     if (workspace / "transcripts").is_dir():
         shutil.copytree(workspace / "transcripts", out / "transcripts", dirs_exist_ok=True)
 
+    if library is None and smoke:
+        library = run_score(workspace, library_plans()[plan_name])
     score, verdict = final_score(workspace)
     log = (workspace / "results.log").read_text() if (workspace / "results.log").is_file() else ""
     ratio = score / library if score and library else None
