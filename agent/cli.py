@@ -46,11 +46,14 @@ DEFAULT_BUDGET = {"cpu": 600.0, "cuda": 1800.0}
 BENCH = {"cpu": {"warmup": 0, "repeat": 1, "cases": "prefill,decode,mixed"},
          "cuda": {"warmup": 1, "repeat": 3, "cases": "prefill,decode,mixed,decode128,mixed128"}}
 DEVICES = ("auto", "cuda", "cpu")
+# What the builtin proposer walks: the library's kernel variants and the engine parameters
+# (full), or the all-torch engine's parameters only (params: kernels come from a model alone).
+BUILTIN_WALKS = ("full", "params")
 BANDWIDTH, PEAK = "bandwidth GB/s", "peak TFLOP/s"   # keys of the hardware facts handed to the evaluator
 SEED_RANGE = 1_000_000
 ENV = {"config": "MODEL_CONFIG", "weights": "WEIGHT_DIR", "device": "DEVICE", "budget": "BUDGET",
-       "provider": "PROVIDER", "model": "LLM_MODEL", "seed": "SEED", "workspace": "AGENT_WORKSPACE",
-       "max_candidates": "MAX_CANDIDATES", "parallel": PARALLEL_ENV}  # not WORKSPACE: CI servers set it
+       "provider": "PROVIDER", "model": "LLM_MODEL", "seed": "SEED", "workspace": "AGENT_WORKSPACE",  # not WORKSPACE: CI sets it
+       "max_candidates": "MAX_CANDIDATES", "parallel": PARALLEL_ENV, "builtin_walk": "BUILTIN_WALK"}
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class RunConfig:
     workspace: Path
     max_candidates: int | None = None   # stop after this many judged; None: the budget decides
     parallel: int = 1                   # model episodes in flight while the judge works (agent/pipeline.py)
+    builtin_walk: str = "full"          # one of BUILTIN_WALKS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -98,12 +102,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=env("parallel"),
                    help=f"model requests in flight while the judge works, one evaluation at a time "
                         f"[{ENV['parallel']}; default {DEFAULT_PARALLEL} for an LLM provider, 1 for builtin]")
+    p.add_argument("--builtin-walk", default=env("builtin_walk", "full"),
+                   help=f"what the builtin proposer tries [{ENV['builtin_walk']}; default full: the library's kernel "
+                        "variants, then engine parameters; params: the all-torch engine and its parameters only, "
+                        "so that kernels come from the model alone]")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in the workspace (same config, weights and device): "
                         "candidates already judged are not judged again, the best so far is kept")
     args = p.parse_args(argv)
     args.device = "cuda" if str(args.device).startswith("cuda:") else args.device   # DEVICE=cuda:0
-    for name, choices in (("device", DEVICES), ("provider", NAMES)):
+    for name, choices in (("device", DEVICES), ("provider", NAMES), ("builtin_walk", BUILTIN_WALKS)):
         if getattr(args, name) not in choices:  # argparse checks flags, not environment defaults
             p.error(f"{ENV[name]}={getattr(args, name)!r}: choose from {', '.join(choices)}")
     if args.budget is not None and not float(args.budget) > 0:
@@ -132,7 +140,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
                      args.provider, args.model, seed, _absolute(Path(args.workspace), "workspace"),
                      int(args.max_candidates) if args.max_candidates is not None else None,
                      int(args.parallel) if args.parallel is not None
-                     else 1 if resolve_name(args.provider) == "builtin" else DEFAULT_PARALLEL)
+                     else 1 if resolve_name(args.provider) == "builtin" else DEFAULT_PARALLEL,
+                     args.builtin_walk)
 
 
 def _absolute(path: Path, what: str) -> Path:
@@ -274,7 +283,8 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
         report.line(f"resumed: {len(previous.entries)} candidates judged before (not judged again), best "
                     + (f"#{best.index:03d} {describe(best.candidate.plan)}" if best else "none"))
     ws.open_history(warn=report.warn)
-    options = ProviderOptions(cfg.device, cfg.seed, cfg.workspace, BuiltinProposer(cfg.device),
+    builtin = BuiltinProposer(cfg.device, kernels=cfg.builtin_walk == "full")
+    options = ProviderOptions(cfg.device, cfg.seed, cfg.workspace, builtin,
                               log=report.line, model=cfg.model)
     proposer = make_proposer(cfg.provider, options, report.warn)
     report.meta["proposer"] = proposer.name
@@ -305,7 +315,8 @@ def hf_lines(spec: ModelSpec) -> list[str]:
 
 def header_lines(cfg: RunConfig, spec: ModelSpec, hw: dict, settings: JudgeSettings) -> list[str]:
     return [f"config {cfg.config}   weights {cfg.weights}",
-            f"device {cfg.device}   budget {cfg.budget:.0f}s   provider {cfg.provider}   seed {cfg.seed}",
+            f"device {cfg.device}   budget {cfg.budget:.0f}s   provider {cfg.provider}   seed {cfg.seed}"
+            + ("   builtin walk: the all-torch engine's parameters only" if cfg.builtin_walk == "params" else ""),
             f"hardware {', '.join(f'{k} {v}' for k, v in hw.items())}",
             f"model {spec.summary()}",
             *[f"warning: {w}" for w in spec.warnings],

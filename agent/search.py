@@ -9,6 +9,9 @@ A greedy walk over the menu that the templates declare (agent/plan.py):
   2. each slot in turn (WALK_ORDER), each of its variants that runs on this device, applied to the
      best KV-cache plan so far (a variant stays only if it made that plan faster);
   3. each engine parameter in turn, each other value, on the best plan so far.
+With `kernels` off (`--builtin-walk params`) the walk skips 1's library plans and 2: it judges
+the all-torch engine and tunes parameters only, so kernel variants can come from a model alone
+(issue 23's scripted-model check: how far a model gets from an all-torch start).
 Every step starts from the *current* best, so an improvement found in step 2 is kept
 while step 3 tunes around it. Plans already judged are skipped by the proposer.
 """
@@ -54,11 +57,13 @@ def default_plan(engine: str, params: dict[str, Param]) -> Plan:
 
 
 def walk(base: Callable[[], Plan], device: str, menu: dict[str, list[Variant]],
-         params: dict[str, Param], start: Plan) -> Iterator[tuple[Plan, str]]:
+         params: dict[str, Param], start: Plan, kernels: bool = True) -> Iterator[tuple[Plan, str]]:
     """Yield (plan, why) in search order; `base()` is re-read at every step so the walk
     builds on whatever has been kept so far. The library plan goes first where it runs: on a GPU
     the all-torch engine is many times slower and costs a whole evaluation (86 s of a 230 s
     budget on a Llama-3.2-1B shape, fourteenth session) that the library plan makes moot."""
+    if not kernels:
+        menu = {}
     runnable = {slot: {v.name for v in variants if device in v.devices} for slot, variants in menu.items()}
     preferred = {slot: name for slot, name in PREFERRED.items() if name in runnable.get(slot, ())}
     faithful = {slot: name for slot, name in FAITHFUL.items() if name in runnable.get(slot, ())}

@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from agent.records import Candidate, EvalResult, SearchState
 from agent.report import Reporter
 from agent.spec import spec_from_config
 from agent.workspace import RESULTS_JSON, RESULTS_LOG, Workspace
+from scripts.llm_server import ScriptedServer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llm"
 REPO = Path(__file__).resolve().parent.parent
@@ -39,80 +38,6 @@ VARIANT_OF_STEP = ["llm_1", "llm_1", "llm_1", "llm_1", "llm_2"]
 
 def answer(name: str, variant: str) -> str:
     return (FIXTURES / f"{name}.md").read_text().replace("VARIANT", variant)
-
-
-# --------------------------------------------------------------------------- the scripted server
-class ScriptedServer:
-    """OpenAI chat-completions or Anthropic messages on 127.0.0.1, answering from a script.
-
-    A step is {"text": str} (an answer), {"status": int, "retry_after": str} (an error),
-    or either with "sleep": seconds first (a slow server, for client timeouts). When the
-    script runs out every request gets HTTP 500."""
-
-    def __init__(self, protocol: str, steps: list[dict]):
-        self.protocol = protocol
-        self.steps = list(steps)
-        self.requests: list[dict] = []
-        self.lock = threading.Lock()
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with owner.lock:
-                    owner.requests.append({"path": self.path, "body": body})
-                    step = owner.steps.pop(0) if owner.steps else {"status": 500}
-                time.sleep(step.get("sleep", 0))
-                status, payload = owner.respond(step, body)
-                data = json.dumps(payload).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    if "retry_after" in step:
-                        self.send_header("Retry-After", step["retry_after"])
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (a timeout test)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        host, port = self.httpd.server_address
-        return f"http://{host}:{port}" + ("/v1" if self.protocol == "openai" else "")
-
-    def respond(self, step: dict, body: dict) -> tuple[int, dict]:
-        status = step.get("status", 200)
-        if status != 200:
-            if self.protocol == "openai":
-                return status, {"error": {"message": f"scripted {status}", "type": "server_error", "code": None}}
-            return status, {"type": "error", "error": {"type": "api_error", "message": f"scripted {status}"}}
-        text = step["text"]
-        n_in = sum(len(str(m.get("content", ""))) for m in body.get("messages", [])) // 4 + 1
-        n_out = len(text) // 4
-        if self.protocol == "openai":
-            return 200, {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
-                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": "stop"}],
-                         "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
-        return 200, {"id": "msg_1", "type": "message", "role": "assistant", "model": body["model"],
-                     "content": [{"type": "text", "text": text}] if text else [],
-                     "stop_reason": "end_turn", "stop_sequence": None,
-                     "usage": {"input_tokens": n_in, "output_tokens": n_out}}
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def closed_port_url() -> str:

@@ -13,13 +13,15 @@ class BuiltinProposer:
     """The walk builds on the loop's best of its engine, model-written variants included (their
     texts come from the archive), and starts over from the best once it has run out, if the best
     changed since it started: the library's variants and the engine parameters are then tried on
-    whatever the model (or the walk itself) made best."""
+    whatever the model (or the walk itself) made best. `kernels` False: the all-torch engine and
+its parameters only (agent/search.py, `--builtin-walk params`)."""
 
     name = "builtin"
 
-    def __init__(self, device: str, engine: str = search.FAST_ENGINE):
+    def __init__(self, device: str, engine: str = search.FAST_ENGINE, kernels: bool = True):
         self.device = device
         self.engine = engine
+        self.kernels = kernels
         self._state: SearchState | None = None
         self._walk: Iterator[tuple[Plan, str]] | None = None
         self._walked_from: str | None = None      # the best's key when the current walk started
@@ -30,7 +32,7 @@ class BuiltinProposer:
         params = engine_params(self.engine)
         start = search.default_plan(self.engine, params)
         base = lambda: self._base().plan if self._base() is not None else start  # noqa: E731
-        return search.walk(base, self.device, menu(), params, start)
+        return search.walk(base, self.device, menu(), params, start, self.kernels)
 
     def _base(self) -> Candidate | None:
         """The loop's best, when it is an engine of the walk (its plan is what the walk varies)."""

@@ -1,0 +1,167 @@
+"""Servers on 127.0.0.1 that play a model, over the OpenAI chat-completions or Anthropic messages
+protocol, for the real SDK clients and everything behind them (retries, budget, transcript,
+extraction, policy, unit check, the loop).
+
+* ScriptedServer answers from a script of steps (answers, errors, delays): the tests' model.
+* GoodModel answers the agent's real prompts as a capable kernel writer would, from the answers
+  kept in tests/fixtures/llm/good/ (the library's own kernels for the slot asked, written as a
+  model's answer): issue 23's scripted-model check (`python3 -m scripts.gpu scripted-search`)
+  and its CPU test (tests/test_scripted_search.py).
+
+Standard library only; nothing of agent/ or evaluator/ imports it.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+GOOD_ANSWERS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llm" / "good"
+VARIANT_MARK = "VARIANT"    # the fixtures' placeholder for the variant name the prompt asks for
+# The first line of templates/prompts/kernel.j2: the variant and the slot asked for.
+KERNEL_ASK = re.compile(r"Write a faster variant `(\w+)` of the slot `(\w+)`")
+# A line of the plan menu (agent/providers/prompts.py plan_menu) naming a slot's variants.
+MENU_LINE = re.compile(r"^  - `(\w+)`: (.+)$", re.MULTILINE)
+MODEL_VARIANT = re.compile(r"llm_\d+")
+NOTHING_BETTER = ("I have no faster version of this slot than the one I already gave; the current "
+                  "variant is as far as I can take it at these shapes.")
+
+
+class ScriptedServer:
+    """OpenAI chat-completions or Anthropic messages on 127.0.0.1, answering from a script.
+
+    A step is {"text": str} (an answer), {"status": int, "retry_after": str} (an error),
+    or either with "sleep": seconds first (a slow server, for client timeouts). When the
+    script runs out every request gets HTTP 500."""
+
+    def __init__(self, protocol: str, steps: list[dict]):
+        self.protocol = protocol
+        self.steps = list(steps)
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with owner.lock:
+                    owner.requests.append({"path": self.path, "body": body})
+                    step = owner.steps.pop(0) if owner.steps else {"status": 500}
+                time.sleep(step.get("sleep", 0))
+                status, payload = owner.respond(step, body)
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    if "retry_after" in step:
+                        self.send_header("Retry-After", step["retry_after"])
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (a timeout test)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address
+        return f"http://{host}:{port}" + ("/v1" if self.protocol == "openai" else "")
+
+    def respond(self, step: dict, body: dict) -> tuple[int, dict]:
+        status = step.get("status", 200)
+        if status != 200:
+            if self.protocol == "openai":
+                return status, {"error": {"message": f"scripted {status}", "type": "server_error", "code": None}}
+            return status, {"type": "error", "error": {"type": "api_error", "message": f"scripted {status}"}}
+        text = step["text"]
+        n_in = sum(len(str(m.get("content", ""))) for m in body.get("messages", [])) // 4 + 1
+        n_out = len(text) // 4
+        if self.protocol == "openai":
+            return 200, {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
+        return 200, {"id": "msg_1", "type": "message", "role": "assistant", "model": body["model"],
+                     "content": [{"type": "text", "text": text}] if text else [],
+                     "stop_reason": "end_turn", "stop_sequence": None,
+                     "usage": {"input_tokens": n_in, "output_tokens": n_out}}
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class GoodModel(ScriptedServer):
+    """A good model: for a kernel prompt, the slot's fixture answer under the variant name asked
+    for. A slot with a `<slot>.slow.md` fixture first gets that (correct, clearly slower: the
+    refinement turn that follows gets the fast one); any later turn of an episode gets the fast
+    one. Once a slot's fast answer was sent, a new episode on it gets a plan change instead, the
+    best plan with the newest model variant of every slot the prompt's menu lists (a good model
+    stacks its own kernels), or, with none to stack, a plain sentence (no code). A plan prompt
+    gets the same plan change. It never names a library variant: kernels come from it alone.
+    `answers`: (slot or "plan", what it sent) in order, for the report."""
+
+    def __init__(self, protocol: str = "openai", fixtures: Path = GOOD_ANSWERS):
+        super().__init__(protocol, [])
+        self.fixtures = fixtures
+        self.answers: list[tuple[str, str]] = []
+        self._fast_sent: set[str] = set()
+
+    def respond(self, step: dict, body: dict) -> tuple[int, dict]:
+        return super().respond({"text": self.reply(body.get("messages", []))}, body)
+
+    def reply(self, messages: list[dict]) -> str:
+        prompts = [_text(m) for m in messages if m.get("role") == "user"]
+        asked = KERNEL_ASK.search(prompts[0]) if prompts else None
+        if asked is None:
+            return self._record("plan", _stack(prompts[0] if prompts else ""))
+        variant, slot = asked.groups()
+        follow_up = any(m.get("role") == "assistant" for m in messages)
+        with self.lock:
+            slow = self.fixtures / f"{slot}.slow.md"
+            if not follow_up and slot not in self._fast_sent and slow.is_file():
+                return self._record(slot, slow.read_text().replace(VARIANT_MARK, variant), "slow")
+            fast = self.fixtures / f"{slot}.md"
+            if slot not in self._fast_sent and fast.is_file():
+                self._fast_sent.add(slot)
+                return self._record(slot, fast.read_text().replace(VARIANT_MARK, variant), "fast")
+        return self._record(slot, _stack(prompts[0]), "plan change")
+
+    def _record(self, what: str, text: str, kind: str = "") -> str:
+        self.answers.append((what, kind or ("plan change" if "```json" in text else "no plan")))
+        return text
+
+
+def _text(message: dict) -> str:
+    """A message's text (Anthropic's may be a list of blocks)."""
+    content = message.get("content", "")
+    if isinstance(content, list):
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict))
+    return str(content)
+
+
+def _stack(prompt: str) -> str:
+    """The plan change that puts the newest model-written variant of each slot the prompt's menu
+    lists into the best plan; a sentence without a plan when the menu lists none."""
+    menu = prompt[prompt.find("- slot variants on this device:"):]
+    slots = {}
+    for slot, names in MENU_LINE.findall(menu):
+        ours = MODEL_VARIANT.findall(names)
+        if ours:
+            slots[slot] = max(ours, key=lambda n: int(n.split("_")[1]))
+    if not slots:
+        return NOTHING_BETTER
+    plan = {"plan": {"slots": slots}, "why": "combine the variants I wrote, each checked on its own"}
+    return f"Together they should add up:\n\n```json\n{json.dumps(plan)}\n```\n"
