@@ -441,8 +441,10 @@ def test_no_request_without_run_time_to_judge_its_answer(tmp_path, monkeypatch):
         options.log = log.append
         state = paged_state()
         state.seconds_left = 100.0   # less than a request's timeout plus an evaluation
-        assert create(options).propose(state) is None
-    assert server.requests == [] and any("not enough for a request" in line for line in log)
+        proposer = create(options)
+        assert proposer.propose(state) is None
+        assert [proposer.ask(state) for _ in range(3)] == [None] * 3   # the parallel workers' asks
+    assert server.requests == [] and sum("not enough for a request" in line for line in log) == 1
 
 
 def test_a_bug_on_the_llm_side_stops_the_llm_not_the_run(tmp_path, monkeypatch):

@@ -215,8 +215,11 @@ class LLMProposer:
 
     def ask(self, state: SearchState) -> Candidate | None:
         """One model episode on `state.best`, with no builtin turn (the pipeline draws the builtin
-        itself). Safe to call from several threads at once: their requests overlap."""
+        itself). Safe to call from several threads at once: their requests overlap. None once the
+        LLM side has stopped (another episode may have stopped it while this one waited)."""
         with self._lock:
+            if not self.active:
+                return None
             self._set_deadline(state)
             return self._guarded_episode(state)
 
