@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -317,6 +318,17 @@ def test_rate_limit_and_server_errors_are_retried(protocol):
         assert body["system"] == "be brief" and body["messages"] == [{"role": "user", "content": "hello"}]
     else:
         assert body["messages"] == MESSAGES and body["max_tokens"] == 100  # a compatible server: max_tokens
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_a_body_that_does_not_parse_is_a_server_error_and_retried(protocol):
+    log = []
+    cut = random.randint(1, 40)   # a JSON body cut short anywhere
+    with ScriptedServer(protocol, [{"raw": '{"id": "x", "choices": [{"message": {"content": "hi"}}]}'[:cut]},
+                                   {"text": "ok"}]) as server:
+        client, metered = stack(protocol, server.url, log)
+        assert client.complete(MESSAGES, 100).text == "ok"
+    assert "server" in log[0] and "did not parse" in log[0] and metered.usage.calls == 2
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
