@@ -459,6 +459,26 @@ def test_no_request_without_run_time_to_judge_its_answer(tmp_path, monkeypatch):
     assert server.requests == [] and sum("not enough for a request" in line for line in log) == 1
 
 
+def test_an_episode_in_flight_sends_no_further_round_once_the_llm_side_stopped(tmp_path, monkeypatch):
+    """Parallel episodes: one stops the LLM side (a fatal error, an internal one) while another
+    waits for its answer; that one's repair rounds are not sent."""
+    with ScriptedServer("openai", [{"text": "no code in this answer"}] * 4) as server:
+        point_at(monkeypatch, "openai", server.url)
+        from agent.providers.openai import create
+        options = ProviderOptions("cpu", 0, tmp_path, Empty())
+        options.log = lambda line: None
+        proposer = create(options)
+        answer_of = proposer.client.complete
+
+        def complete(messages, max_tokens):
+            reply = answer_of(messages, max_tokens)
+            proposer._stop("stopped by another episode")   # as that episode would, under the lock
+            return reply
+        monkeypatch.setattr(proposer.client, "complete", complete)
+        assert proposer.ask(paged_state()) is None
+    assert len(server.requests) == 1
+
+
 def test_a_bug_on_the_llm_side_stops_the_llm_not_the_run(tmp_path, monkeypatch):
     class Two(Empty):
         sizes = [32, 64]

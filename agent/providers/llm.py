@@ -341,7 +341,7 @@ class LLMProposer:
         slower: list[Verdict] = []      # correct answers that timed slower, kept in case none is faster
         verdict: Verdict | None = None
         for r in range(1, rounds + 1):
-            if not self._time_for_a_request():
+            if not self.active or not self._time_for_a_request():   # another episode may have stopped it
                 return None
             try:
                 with self._unlocked():
