@@ -466,7 +466,8 @@ def test_an_episode_in_flight_sends_no_further_round_once_the_llm_side_stopped(t
         point_at(monkeypatch, "openai", server.url)
         from agent.providers.openai import create
         options = ProviderOptions("cpu", 0, tmp_path, Empty())
-        options.log = lambda line: None
+        log = []
+        options.log = log.append
         proposer = create(options)
         answer_of = proposer.client.complete
 
@@ -476,7 +477,8 @@ def test_an_episode_in_flight_sends_no_further_round_once_the_llm_side_stopped(t
             return reply
         monkeypatch.setattr(proposer.client, "complete", complete)
         assert proposer.ask(paged_state()) is None
-    assert len(server.requests) == 1
+        proposer._stop("a second episode fails")   # the stop is said once
+    assert len(server.requests) == 1 and sum("carries on alone" in line for line in log) == 1
 
 
 def test_a_bug_on_the_llm_side_stops_the_llm_not_the_run(tmp_path, monkeypatch):

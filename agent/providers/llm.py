@@ -302,6 +302,9 @@ class LLMProposer:
         return "kernel_blocks" in (ENGINES / f"{state.best.plan.engine}.py.j2").read_text()
 
     def _stop(self, why: str) -> None:
+        """Ask no more; said once, whichever of the parallel episodes gets here first."""
+        if not self.active:
+            return
         self.active = False
         then = "the builtin proposer carries on alone" if not self.fallback_done else "the LLM proposer stops"
         self.log(f"llm: {why}; {then}. LLM totals: {self.usage.summary()}")
