@@ -29,6 +29,7 @@ from agent.workspace import VARIANTS, Workspace, atomic_write
 from evaluator.checkpoint import Conventions
 
 Judge = Callable[[Path, Path, float, str], EvalResult]   # (engine.py, out dir, timeout s, phase) → verdict
+OnScreen = Callable[[EvalResult], None]                  # told of a challenger's passed screen
 
 RESERVE_SECONDS = 5.0        # kept back from the budget to write the summary and exit
 MIN_EVAL_SECONDS = 10.0      # less than this left: no evaluation can finish, stop proposing
@@ -61,7 +62,9 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
             if state.history and left() < expected_seconds(state):
                 report.line(f"budget: {left():.0f}s left, not enough for another evaluation; stopping")
                 break
-            entry = judge_one(len(state.history) + 1, candidate, state, judge, ws, report, left)
+            index = len(state.history) + 1
+            entry = judge_one(index, candidate, state, judge, ws, report, left,
+                              lambda screen: pipeline.screened(index, candidate, screen))
             state.history.append((candidate, entry.result))
             if entry.accepted:
                 state.best, state.best_result = candidate, entry.result
@@ -74,8 +77,9 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
 
 
 def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge, ws: Workspace,
-              report: Reporter, left: Callable[[], float]) -> Entry:
-    """Render, check, screen, contest the best, and install a finalist that passes in full."""
+              report: Reporter, left: Callable[[], float], on_screen: OnScreen = lambda screen: None) -> Entry:
+    """Render, check, screen, contest the best, and install a finalist that passes in full.
+    `on_screen` hears of a screen that passed, before the contest and the final."""
     entry = Entry(index, candidate, ws.candidate_dir(index, describe(candidate.plan)))
     report.started(entry)
     model = state.spec.conventions if state.spec is not None else Conventions()  # no spec: unit tests
@@ -83,7 +87,7 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
     if entry.result is None and not state.history:
         entry.result = judge_conservative(entry, source, judge, ws, report, left)
     elif entry.result is None:
-        entry.result = challenge(entry, source, state, judge, ws, report, left)
+        entry.result = challenge(entry, source, state, judge, ws, report, left, on_screen)
         # The candidate's folder holds its verdict whichever phase gave it (a rejected screen
         # lives in timing/ with its logs): one place to look, as the README's layout says.
         atomic_write(entry.directory / RESULT_FILE, json.dumps(entry.result.to_dict(), indent=2) + "\n")
@@ -94,7 +98,7 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
 
 
 def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: Workspace, report: Reporter,
-              left: Callable[[], float]) -> EvalResult:
+              left: Callable[[], float], on_screen: OnScreen = lambda screen: None) -> EvalResult:
     """The screen (a timing, no stress), the back-to-back rounds against the best, and for a
     finalist the full verdict (the stress suite's long cases included) that gets installed."""
     engine, folder = entry.directory / "engine.py", entry.directory
@@ -106,6 +110,7 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         report.warn(f"#{entry.index:03d} passed with margin {screen.margin():.2f} < "
                     f"{screen.required_margin():.2f}: too close to the tolerance to keep")
         return decided(screen, "too close to the tolerance")
+    on_screen(screen)
     incumbent = next((e for e in reversed(report.entries) if e.accepted), None)
 
     def timing(path: Path, out: str) -> EvalResult | None:

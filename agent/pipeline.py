@@ -10,6 +10,11 @@ walk, so the builtin lineage keeps going beside the model and a run is never sta
 With `parallel` 1, or a proposer that has no model side, candidates come from `propose` in turn,
 exactly as a serial loop would ask.
 
+A challenger that passed its screen may be built on before its final verdict, while the archive
+offers the model nothing to build on (`screened`): on a CPU the first final of the KV-cache
+engine (its stress suite) can take most of a short budget, and the model would otherwise wait
+it out and never be asked. Its candidates are judged in full like any other.
+
 No worker starts a request the run's deadline cannot hold (the LLM proposer checks its own
 request timeout against it); workers are daemon threads, so a run that ends does not wait for
 an answer nobody will judge.
@@ -22,7 +27,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import replace
 
-from agent.archive import Archive
+from agent.archive import Archive, Member
 from agent.records import Candidate, EvalResult, Proposer, SearchState
 
 MAX_REPEATS = 20      # consecutive already-judged proposals from one side before it is given up
@@ -45,6 +50,7 @@ class Pipeline:
         self.judged = 0
         self.started = time.monotonic()
         self.last_model = False       # the last candidate handed to the judge came from the model
+        self.screen: Member | None = None   # a challenger past its screen, its final verdict to come
         self.stopped = False
         self.cond = threading.Condition()
         self._builtin_keys: set[str] = set()
@@ -84,7 +90,14 @@ class Pipeline:
         self._builtin_keys.discard(key)
         side.feedback(candidate, result)
         with self.cond:
+            self.screen = None   # its verdict is in: the archive holds it, or it failed
             self.cond.notify_all()   # a worker waiting for room (or for a basis) may go on
+
+    def screened(self, index: int, candidate: Candidate, screen: EvalResult) -> None:
+        """Candidate #`index` passed its screen; the model may build on it until its verdict."""
+        with self.cond:
+            self.screen = Member(index, candidate, screen)
+            self.cond.notify_all()
 
     def status(self) -> str:
         minutes = max(time.monotonic() - self.started, 1e-9) / 60
@@ -165,11 +178,15 @@ class Pipeline:
                 self.cond.notify_all()
 
     def _parent(self):
-        """The archive's choice among the engines the model can build on; None: none yet."""
+        """The archive's choice among the engines the model can build on, else the challenger
+        past its screen if the model can build on it; None: none yet."""
         if not self.proposer.active:
             return None
-        return Archive.of(self.state).choose_parent(
-            lambda m: self.proposer.ready(self._view(m.candidate, m.result)))
+        eligible = lambda m: self.proposer.ready(self._view(m.candidate, m.result))  # noqa: E731
+        chosen = Archive.of(self.state).choose_parent(eligible)
+        if chosen is None and self.screen is not None and eligible(self.screen):
+            return self.screen
+        return chosen
 
 
 class _Dry:

@@ -45,15 +45,19 @@ def _rope_cache_inputs(n, kv_heads, head_dim, positions, theta, dtype, device, g
             "k_cache": k_cache, "v_cache": k_cache.clone()}
 
 
-def _view_of_fused(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy [N, H_i, D] tensors into one [N, sum(H_i)*D] buffer and return strided views of it,
-    the way an engine slices q, k, v out of a fused QKV projection."""
-    n, d = parts[0].shape[0], parts[0].shape[2]
+def _qkv(spec: dict, n: int, q_scale: float, kv_scale: float, dtype, device, gen) -> list[torch.Tensor]:
+    """Random q [n, Hq, D], k and v [n, Hkv, D] (drawn in that order); with `spec["fused_qkv"]`,
+    strided views of one [n, (Hq + 2 Hkv) * D] buffer, the way an engine slices them out of a
+    fused QKV projection."""
+    parts = [_randn((n, h, spec["D"]), dtype, device, gen, scale)
+             for h, scale in ((spec["Hq"], q_scale), (spec["Hkv"], kv_scale), (spec["Hkv"], kv_scale))]
+    if not spec["fused_qkv"]:
+        return parts
     fused = torch.cat([p.reshape(n, -1) for p in parts], dim=1)
     out, col = [], 0
     for p in parts:
-        width = p.shape[1] * d
-        out.append(fused[:, col:col + width].view(n, p.shape[1], d))
+        width = p.shape[1] * p.shape[2]
+        out.append(fused[:, col:col + width].view(p.shape))
         col += width
     return out
 
@@ -122,11 +126,10 @@ class _RopeCache(_Slot):
                  "theta": rng.choice([10000.0, 500000.0])} for n, hq, hkv, d, fused in shapes]
 
     def build(self, spec, dtype, device, gen, cpu_gen):
-        n, hq, hkv, d, p = spec["N"], spec["Hq"], spec["Hkv"], spec["D"], spec["P"]
-        q, k, v = (_randn((n, h, d), dtype, device, gen, 2.0) for h in (hq, hkv, hkv))
-        if spec["fused_qkv"]:
-            q, k, v = _view_of_fused([q, k, v])
-        return {"q": q, "k": k, "v": v, **_rope_cache_inputs(n, hkv, d, p, spec["theta"], dtype, device, gen)}
+        n = spec["N"]
+        q, k, v = _qkv(spec, n, 2.0, 2.0, dtype, device, gen)
+        return {"q": q, "k": k, "v": v,
+                **_rope_cache_inputs(n, spec["Hkv"], spec["D"], spec["P"], spec["theta"], dtype, device, gen)}
 
     def run(self, fns, spec, inp, dtype):
         want_q, want_k, want_kc, want_vc = ref_rope_cache(**inp)
@@ -168,15 +171,11 @@ class _PrefillAttention(_Slot):
         return f"seq_lens={shown} {rest}"
 
     def build(self, spec, dtype, device, gen, cpu_gen):
-        lens, hq, hkv, d = spec["seq_lens"], spec["Hq"], spec["Hkv"], spec["D"]
-        n = sum(lens)
-        q = _randn((n, hq, d), dtype, device, gen, spec["q_scale"])
-        k, v = (_randn((n, hkv, d), dtype, device, gen) for _ in range(2))
-        if spec["fused_qkv"]:
-            q, k, v = _view_of_fused([q, k, v])
+        lens = spec["seq_lens"]
+        q, k, v = _qkv(spec, sum(lens), spec["q_scale"], 1.0, dtype, device, gen)
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
         return {"q": q, "k": k, "v": v, "cu_seqlens": cu, "seq_lens": list(lens), "max_seqlen": max(lens),
-                "scale": spec["scale_mult"] / math.sqrt(d)}
+                "scale": spec["scale_mult"] / math.sqrt(spec["D"])}
 
     def run(self, fns, spec, inp, dtype):
         want = ref_prefill_attention(**inp)

@@ -34,31 +34,48 @@ class ScriptedServer:
     """OpenAI chat-completions or Anthropic messages on 127.0.0.1, answering from a script.
 
     A step is {"text": str} (an answer), {"status": int, "retry_after": str} (an error),
-    or either with "sleep": seconds first (a slow server, for client timeouts). When the
-    script runs out every request gets HTTP 500."""
+    {"raw": str} (a body sent as it is, which need not parse), or any of them with "sleep":
+    seconds first (a slow server, for client timeouts) and "headers": {name: value}. When the
+    script runs out every request gets HTTP 500. `max_in_flight`: the most requests it held
+    at once; `spans`: (arrival, end) of each request, time.monotonic()."""
 
     def __init__(self, protocol: str, steps: list[dict]):
         self.protocol = protocol
         self.steps = list(steps)
         self.requests: list[dict] = []
+        self.spans: list[tuple[float, float]] = []
+        self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 - http.server's name
+                arrival = time.monotonic()
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with owner.lock:
-                    owner.requests.append({"path": self.path, "body": body})
+                    owner.requests.append({"path": self.path, "body": body, "arrival": arrival})
                     step = owner.steps.pop(0) if owner.steps else {"status": 500}
-                time.sleep(step.get("sleep", 0))
+                    owner.in_flight += 1
+                    owner.max_in_flight = max(owner.max_in_flight, owner.in_flight)
+                try:
+                    time.sleep(step.get("sleep", 0))
+                    self._send(step, body)
+                finally:
+                    with owner.lock:
+                        owner.in_flight -= 1
+                        owner.spans.append((arrival, time.monotonic()))
+
+            def _send(self, step: dict, body: dict) -> None:
                 status, payload = owner.respond(step, body)
-                data = json.dumps(payload).encode()
+                data = step["raw"].encode() if "raw" in step else json.dumps(payload).encode()
+                headers = {**({"Retry-After": step["retry_after"]} if "retry_after" in step else {}),
+                           **step.get("headers", {})}
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
-                    if "retry_after" in step:
-                        self.send_header("Retry-After", step["retry_after"])
+                    for name, value in headers.items():
+                        self.send_header(name, value)
                     self.end_headers()
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):
@@ -81,7 +98,7 @@ class ScriptedServer:
             if self.protocol == "openai":
                 return status, {"error": {"message": f"scripted {status}", "type": "server_error", "code": None}}
             return status, {"type": "error", "error": {"type": "api_error", "message": f"scripted {status}"}}
-        text = step["text"]
+        text = step.get("text", "")
         n_in = sum(len(str(m.get("content", ""))) for m in body.get("messages", [])) // 4 + 1
         n_out = len(text) // 4
         if self.protocol == "openai":

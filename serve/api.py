@@ -13,6 +13,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import anyio
 
@@ -141,29 +142,45 @@ def create_app(service: Service) -> FastAPI:
     return BodyLimit(app, service.settings.max_body_bytes)
 
 
+@dataclass(frozen=True)
+class _Kind:
+    """What tells a completion from a chat answer on the wire; `_respond` serves both."""
+    id_prefix: str
+    chunk_object: str              # the `object` of a streamed chunk (and of the usage chunk)
+    first_delta: dict | None       # a chunk sent before any text (chat's role announcement)
+    chunk: Callable[[str, str, int, Delta], dict]   # (id, model, created, delta) -> a streamed chunk
+    response: Callable[[str, str, str, str, int, int], dict]
+
+
+def _completion_chunk(rid: str, model: str, created: int, d: Delta) -> dict:
+    return protocol.completion_chunk(rid, model, created, d.text, d.finish_reason)
+
+
+def _chat_chunk(rid: str, model: str, created: int, d: Delta) -> dict:
+    return protocol.chat_chunk(rid, model, created, {"content": d.text} if d.text else {}, d.finish_reason)
+
+
+COMPLETION = _Kind("cmpl", "text_completion", None, _completion_chunk, protocol.completion_response)
+CHAT = _Kind("chatcmpl", "chat.completion.chunk", {"role": "assistant", "content": ""}, _chat_chunk,
+             protocol.chat_response)
+
+
 async def _completion(service: Service, req: CompletionRequest, request: Request):
-    job = service.completion_job(req)
-    rid, model = protocol.new_id("cmpl"), req.model or service.name
-    running = service.submit(job)
-    if req.stream:
-        def chunk(created: int, d: Delta) -> dict:
-            return protocol.completion_chunk(rid, model, created, d.text, d.finish_reason)
-        return _stream(running, job, rid, model, "text_completion", None, chunk, _include_usage(req))
-    text, finish, tokens = await _collect(running, request)
-    return protocol.completion_response(rid, model, text, finish, len(job.prompt_ids), tokens)
+    return await _respond(service, req, request, service.completion_job(req), COMPLETION)
 
 
 async def _chat(service: Service, req: ChatRequest, request: Request):
-    job = service.chat_job(req)
-    rid, model = protocol.new_id("chatcmpl"), req.model or service.name
+    return await _respond(service, req, request, service.chat_job(req), CHAT)
+
+
+async def _respond(service: Service, req: protocol.SamplingFields, request: Request, job: Job, kind: _Kind):
+    """Submit `job`; answer with one JSON body, or with server-sent events if `req.stream`."""
+    rid, model = protocol.new_id(kind.id_prefix), req.model or service.name
     running = service.submit(job)
     if req.stream:
-        def chunk(created: int, d: Delta) -> dict:
-            return protocol.chat_chunk(rid, model, created, {"content": d.text} if d.text else {}, d.finish_reason)
-        first = {"role": "assistant", "content": ""}
-        return _stream(running, job, rid, model, "chat.completion.chunk", first, chunk, _include_usage(req))
+        return _stream(running, job, rid, model, kind, _include_usage(req))
     text, finish, tokens = await _collect(running, request)
-    return protocol.chat_response(rid, model, text, finish, len(job.prompt_ids), tokens)
+    return kind.response(rid, model, text, finish, len(job.prompt_ids), tokens)
 
 
 def _include_usage(req: protocol.SamplingFields) -> bool:
@@ -198,23 +215,24 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-def _stream(running: Running, job: Job, rid: str, model: str, obj: str, first_delta: dict | None,
-            chunk: Callable[[int, Delta], dict], include_usage: bool) -> StreamingResponse:
+def _stream(running: Running, job: Job, rid: str, model: str, kind: _Kind,
+            include_usage: bool) -> StreamingResponse:
     """Server-sent events, ended by `data: [DONE]`."""
     created = int(time.time())
 
     async def events() -> AsyncIterator[str]:
-        if first_delta is not None:
-            yield _sse(protocol.chat_chunk(rid, model, created, first_delta, None))
+        if kind.first_delta is not None:
+            yield _sse(protocol.chat_chunk(rid, model, created, kind.first_delta, None))
         last = None
         try:
             async for d in running.deltas():
                 last = d
-                yield _sse(chunk(created, d))
+                yield _sse(kind.chunk(rid, model, created, d))
         except ApiError as e:   # the engine failed mid-stream: say so in the stream
             yield _sse(e.body())
         if include_usage and last is not None:
-            yield _sse(protocol.usage_chunk(rid, model, created, obj, len(job.prompt_ids), last.completion_tokens))
+            yield _sse(protocol.usage_chunk(rid, model, created, kind.chunk_object, len(job.prompt_ids),
+                                            last.completion_tokens))
         yield "data: [DONE]\n\n"
 
     return CancellingStream(events(), running.cancel)

@@ -6,11 +6,16 @@ session-scoped and read-only: a test that needs other weights writes its own wit
 """
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import json
 import os
 import random
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -71,6 +76,23 @@ def make_model_dir(root: Path, config: dict, scale: float = TOY_SCALE, norm_spre
     weight_dir = root / "weights"
     save_weights(random_weights(config, seed, scale, norm_spread), weight_dir / WEIGHT_FILE)
     return ModelDir(dict(config), config_path, weight_dir)
+
+
+_sources_loaded = itertools.count()
+
+
+def load_source(source: str, prefix: str = "module_under_test") -> ModuleType:
+    """Import `source` as a fresh module: from a file of its own (Triton compiles only functions
+    defined in a file), under a new name registered in sys.modules (dataclasses need it there),
+    so that two loads never share module state."""
+    name = f"{prefix}_{next(_sources_loaded)}"
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}-")) / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

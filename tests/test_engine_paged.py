@@ -8,12 +8,8 @@ slots and for every CUDA variant on disk.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import random
 import sys
-import tempfile
-from itertools import count
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +19,7 @@ from agent.render import render_engine
 from evaluator.reference_model import ReferenceModel
 from evaluator.slots import SLOTS
 from evaluator.weights import random_weights
+from tests.conftest import load_source
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, head_dim=16, vocab_size=256, max_position_embeddings=256,
@@ -36,20 +33,9 @@ CPU_SCALE = 0.2
 GPU_SCALE = {"float16": 0.06, "bfloat16": 0.035}
 SMALL_CACHE = {"cache_tokens": 32, "block_size": 16}   # forces the pool to grow in every trace
 
-_modules = count()
-
-
 def load_engine(plan: Plan):
-    """Render a plan to a file (Triton compiles only functions defined in a file) and import it
-    as a fresh module (dataclasses need it in sys.modules)."""
-    name = f"paged_engine_under_test_{next(_modules)}"
-    path = Path(tempfile.mkdtemp(prefix="paged-engine-")) / f"{name}.py"
-    path.write_text(render_engine(plan))
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The plan's engine, rendered and imported as a fresh module."""
+    return load_source(render_engine(plan), "paged_engine_under_test")
 
 
 def write_weights(weights, weight_dir):

@@ -8,11 +8,7 @@ a model-written variant whose functions raise at their first call (as a Triton k
 not compile raises at its first launch) stands in for the kernel that does not compile."""
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +20,7 @@ from evaluator.slot_render import render_slot_module
 from evaluator.slots import PRELUDE
 from evaluator.test_correctness import run_public_sequence
 from evaluator.weights import random_weights
+from tests.conftest import load_source
 from tests.test_engine_paged import config, write_weights
 
 # Shared memory a program may take (the bound Triton compiles to): an RTX 3090 (sm_86), an
@@ -49,23 +46,13 @@ def silu_mul__llm_ok(gate_up):
 '''
 
 
-def load_module(source: str, stem: str):
-    path = Path(tempfile.mkdtemp(prefix="travel-engine-")) / f"{stem}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[stem] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_compile_fallback_rebinds_the_failing_slot_and_passes_the_public_sequence(tmp_path, monkeypatch):
     """norm's variant raises at its first call: create_engine warns once, naming slot, variant and
     error, binds norm's torch variant, keeps silu_mul's working variant, and the engine passes the
     public correctness sequence."""
     plan = Plan("paged", slots={**{s: "torch" for s in SLOTS}, "norm": "llm_broken", "silu_mul": "llm_ok"})
     extra = {("norm", "llm_broken"): BROKEN_NORM, ("silu_mul", "llm_ok"): WORKING_SILU}
-    module = load_module(render_engine(plan, extra), "travel_engine_fallback")
+    module = load_source(render_engine(plan, extra), "travel_engine_fallback")
     monkeypatch.setattr(module, "bind_kernels", lambda device, dtype: module.plan_kernels(dtype))   # CUDA's binding
     cfg = config(num_key_value_heads=2)
     write_weights(random_weights(cfg, seed=3, scale=0.2, norm_spread=0.5), tmp_path)
@@ -88,7 +75,7 @@ def test_compile_fallback_probes_nothing_when_every_variant_runs(tmp_path, monke
     """The plan's kernels come back unchanged (the same functions, no warning) when every probe
     passes; a plan of torch variants is not probed at all."""
     plan = Plan("paged", slots={**{s: "torch" for s in SLOTS}, "silu_mul": "llm_ok"})
-    module = load_module(render_engine(plan, {("silu_mul", "llm_ok"): WORKING_SILU}), "travel_engine_working")
+    module = load_source(render_engine(plan, {("silu_mul", "llm_ok"): WORKING_SILU}), "travel_engine_working")
     probed = []
     monkeypatch.setattr(module, "bind_kernels", lambda device, dtype: module.plan_kernels(dtype))
     real_probe = module.probe_slot
@@ -113,7 +100,7 @@ TRITON_ARITHMETIC = SimpleNamespace(next_power_of_2=_next_power_of_2, cdiv=lambd
 def slot_namespace(slot: str, variant: str, shared: int) -> dict:
     """The variant's module as Python sees it, with the GPU's shared memory capped at `shared`."""
     # From a file: @triton.jit reads its function's source, which a string exec does not have.
-    namespace = vars(load_module(render_slot_module(slot, variant), f"travel_{slot}_{variant}_{shared}"))
+    namespace = vars(load_source(render_slot_module(slot, variant), f"travel_{slot}_{variant}_{shared}"))
     if namespace["triton"] is None:
         namespace["triton"] = TRITON_ARITHMETIC
     namespace["MAX_SHARED_MEMORY"] = shared

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -228,6 +229,17 @@ def test_rate_limit_and_server_errors_are_retried(protocol):
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_a_body_that_does_not_parse_is_a_server_error_and_retried(protocol):
+    log = []
+    cut = random.randint(1, 40)   # a JSON body cut short anywhere
+    with ScriptedServer(protocol, [{"raw": '{"id": "x", "choices": [{"message": {"content": "hi"}}]}'[:cut]},
+                                   {"text": "ok"}]) as server:
+        client, metered = stack(protocol, server.url, log)
+        assert client.complete(MESSAGES, 100).text == "ok"
+    assert "server" in log[0] and "did not parse" in log[0] and metered.usage.calls == 2
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
 def test_timeouts_and_empty_answers_are_retried(protocol):
     log = []
     with ScriptedServer(protocol, [{"sleep": 1.5, "text": "late"}, {"text": ""}, {"text": "ok"}]) as server:
@@ -349,8 +361,32 @@ def test_no_request_without_run_time_to_judge_its_answer(tmp_path, monkeypatch):
         options.log = log.append
         state = paged_state()
         state.seconds_left = 100.0   # less than a request's timeout plus an evaluation
-        assert create(options).propose(state) is None
-    assert server.requests == [] and any("not enough for a request" in line for line in log)
+        proposer = create(options)
+        assert proposer.propose(state) is None
+        assert [proposer.ask(state) for _ in range(3)] == [None] * 3   # the parallel workers' asks
+    assert server.requests == [] and sum("not enough for a request" in line for line in log) == 1
+
+
+def test_an_episode_in_flight_sends_no_further_round_once_the_llm_side_stopped(tmp_path, monkeypatch):
+    """Parallel episodes: one stops the LLM side (a fatal error, an internal one) while another
+    waits for its answer; that one's repair rounds are not sent."""
+    with ScriptedServer("openai", [{"text": "no code in this answer"}] * 4) as server:
+        point_at(monkeypatch, "openai", server.url)
+        from agent.providers.openai import create
+        options = ProviderOptions("cpu", 0, tmp_path, Empty())
+        log = []
+        options.log = log.append
+        proposer = create(options)
+        answer_of = proposer.client.complete
+
+        def complete(messages, max_tokens):
+            reply = answer_of(messages, max_tokens)
+            proposer._stop("stopped by another episode")   # as that episode would, under the lock
+            return reply
+        monkeypatch.setattr(proposer.client, "complete", complete)
+        assert proposer.ask(paged_state()) is None
+        proposer._stop("a second episode fails")   # the stop is said once
+    assert len(server.requests) == 1 and sum("carries on alone" in line for line in log) == 1
 
 
 def test_a_bug_on_the_llm_side_stops_the_llm_not_the_run(tmp_path, monkeypatch):

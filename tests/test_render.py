@@ -4,7 +4,6 @@ torch/triton/stdlib, passes the engine policy, and carries its plan; in-memory v
 from __future__ import annotations
 
 import ast
-import importlib.util
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ from agent.records import EvalResult, SearchState
 from agent.render import render_engine
 from evaluator.slot_render import kernel_path
 from evaluator.slots import SLOTS
+from tests.conftest import load_source
 
 ALLOWED_TOP_LEVEL = {"torch", "triton", "__future__"} | set(sys.stdlib_module_names)
 
@@ -72,18 +72,13 @@ def test_extra_variant_is_rendered_in():
     compile(source, "<llm>", "exec")
 
 
-def test_looser_variants_name_a_bf16_stand_in_that_the_engine_binds_on_bf16(tmp_path):
+def test_looser_variants_name_a_bf16_stand_in_that_the_engine_binds_on_bf16():
     """triton_split rounds the softmax probabilities otherwise than the reference: fine in fp16,
     no margin in bf16. Its engine keeps it for fp16 models and binds triton_exact for bf16 ones."""
     assert parse_header(kernel_path("decode_attention", "triton_split").read_text()).bf16 == "triton_exact"
     assert parse_header(kernel_path("decode_attention", "triton_exact").read_text()).bf16 is None
     plan = Plan("paged", {s: "torch" for s in SLOTS} | {"decode_attention": "triton_split"})
-    path = tmp_path / "engine_bf16_standin.py"
-    path.write_text(render_engine(plan))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
+    module = load_source(render_engine(plan), "engine_bf16_standin")
     bound = {dtype: module.bind_kernels("cuda", dtype).decode_attention.__name__
              for dtype in (torch.float16, torch.bfloat16)}
     assert bound == {torch.float16: "decode_attention__triton_split",

@@ -5,6 +5,7 @@ goes through our transcript, budget and backoff layers (agent/providers/chat.py)
 """
 from __future__ import annotations
 
+import json
 import os
 
 from agent.providers.chat import (SERVER, TIMEOUT, UNREACHABLE, ChatError, Message, Reply,
@@ -41,6 +42,8 @@ class AnthropicChat:
             raise status_error(e.status_code, e.message, retry_after_of(e)) from e
         except sdk.APIError as e:  # a malformed answer
             raise ChatError(SERVER, str(e)) from e
+        except json.JSONDecodeError as e:  # a body that is not JSON: the SDK lets the parser's error out
+            raise ChatError(SERVER, f"the answer did not parse as JSON: {e}") from e
         text = "".join(getattr(b, "text", "") for b in r.content if getattr(b, "type", "") == "text")
         return Reply(text=text, input_tokens=r.usage.input_tokens, output_tokens=r.usage.output_tokens,
                      model=r.model or self.model, finish_reason=r.stop_reason or "")

@@ -215,8 +215,11 @@ class LLMProposer:
 
     def ask(self, state: SearchState) -> Candidate | None:
         """One model episode on `state.best`, with no builtin turn (the pipeline draws the builtin
-        itself). Safe to call from several threads at once: their requests overlap."""
+        itself). Safe to call from several threads at once: their requests overlap. None once the
+        LLM side has stopped (another episode may have stopped it while this one waited)."""
         with self._lock:
+            if not self.active:
+                return None
             self._set_deadline(state)
             return self._guarded_episode(state)
 
@@ -299,6 +302,9 @@ class LLMProposer:
         return "kernel_blocks" in (ENGINES / f"{state.best.plan.engine}.py.j2").read_text()
 
     def _stop(self, why: str) -> None:
+        """Ask no more; said once, whichever of the parallel episodes gets here first."""
+        if not self.active:
+            return
         self.active = False
         then = "the builtin proposer carries on alone" if not self.fallback_done else "the LLM proposer stops"
         self.log(f"llm: {why}; {then}. LLM totals: {self.usage.summary()}")
@@ -338,7 +344,7 @@ class LLMProposer:
         slower: list[Verdict] = []      # correct answers that timed slower, kept in case none is faster
         verdict: Verdict | None = None
         for r in range(1, rounds + 1):
-            if not self._time_for_a_request():
+            if not self.active or not self._time_for_a_request():   # another episode may have stopped it
                 return None
             try:
                 with self._unlocked():

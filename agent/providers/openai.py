@@ -7,6 +7,7 @@ attempt goes through our transcript, budget and backoff layers (agent/providers/
 """
 from __future__ import annotations
 
+import json
 import os
 
 from agent.providers.chat import (SERVER, TIMEOUT, UNREACHABLE, ChatError, Message, Reply,
@@ -47,6 +48,8 @@ class OpenAIChat:
             raise status_error(e.status_code, e.message, retry_after_of(e)) from e
         except sdk.APIError as e:  # a malformed answer
             raise ChatError(SERVER, str(e)) from e
+        except json.JSONDecodeError as e:  # a body that is not JSON: the SDK lets the parser's error out
+            raise ChatError(SERVER, f"the answer did not parse as JSON: {e}") from e
         choice = r.choices[0] if r.choices else None
         text = (choice.message.content or "") if choice is not None else ""
         usage = r.usage

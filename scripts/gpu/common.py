@@ -141,3 +141,11 @@ def print_floor_table(rows: list[dict]) -> None:
               f"peak {r['peak_memory_mb']:.0f} MiB")
     if rows:
         print(f"geometric mean {100 * geomean([r['floor_fraction'] for r in rows]):.1f}% of floor")
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    """A text table whose columns are as wide as their widest cell: the first (what the row is)
+    aligned left, the others (numbers) right."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    for line in (header, *rows):
+        print(" ".join([line[0].ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(line[1:], widths[1:]))]))

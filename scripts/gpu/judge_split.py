@@ -23,7 +23,7 @@ from evaluator.benchmark_throughput import run_benchmark
 from evaluator.common import load_config
 from evaluator.remote import RemoteModule, Worker
 from scripts.gpu.common import (FINAL_PLAN, PUBLIC_CASES, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights, geomean,
-                                library_plans, out_dir, render_to_file)
+                                library_plans, out_dir, print_table, render_to_file)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,20 +60,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"round {r + 1} done", flush=True)
     print(layers)
     print(f"the channel's round trip (subtracted): {round_trip * 1e3:.3f} ms")
-    print(f"{'case':<10} {'in-process ms':>14} {'judge ms':>9} {'clock ms':>9} {'worker ms':>10} {'overhead':>9} "
-          f"{'% floor in-proc':>16} {'% floor judge':>14}")
     fractions = {"inproc": [], "judge": []}
+    rows = []
     for case, c in runs.items():
         ip, jd, raw, wk, fl = (statistics.median(c[k]) for k in ("inproc", "judge", "raw", "worker", "floor"))
         fractions["inproc"].append(fl / ip)
         fractions["judge"].append(fl / jd)
-        print(f"{case:<10} {ip:14.3f} {jd:9.3f} {raw:9.3f} {wk:10.3f} {100 * (jd / ip - 1):8.1f}% "
-              f"{100 * fl / ip:15.1f}% {100 * fl / jd:13.1f}%")
-    print("where the judge's extra time goes (median ms): send->worker has it, ->calls start, calls, "
-          "->answer sent, ->judge has answer")
-    for case, c in runs.items():
-        parts = [statistics.median(p[i] for p in c["split"]) for i in range(5)]
-        print(f"{case:<10} " + " ".join(f"{x:8.3f}" for x in parts))
+        rows.append([case, f"{ip:.3f}", f"{jd:.3f}", f"{raw:.3f}", f"{wk:.3f}", f"{100 * (jd / ip - 1):.1f}%",
+                     f"{100 * fl / ip:.1f}%", f"{100 * fl / jd:.1f}%"])
+    print_table(["case", "in-process ms", "judge ms", "clock ms", "worker ms", "overhead", "% floor in-proc",
+                 "% floor judge"], rows)
+    print("where the judge's extra time goes (median ms):")
+    print_table(["case", "send->worker has it", "->calls start", "calls", "->answer sent", "->judge has answer"],
+                [[case, *(f"{statistics.median(p[i] for p in c['split']):.3f}" for i in range(5))]
+                 for case, c in runs.items()])
     print(f"geometric mean % of floor: in-process {100 * geomean(fractions['inproc']):.1f}, "
           f"through the worker {100 * geomean(fractions['judge']):.1f}")
     (out / "split.json").write_text(json.dumps({"engine": engine, "layers": layers,

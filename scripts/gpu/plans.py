@@ -25,7 +25,7 @@ from pathlib import Path
 
 from agent.plan import Plan
 from scripts.gpu.common import (FINAL_PLAN, PUBLIC_CASES, ensure_toy_weights, geomean, harness, library_plans,
-                                out_dir, render_to_file)
+                                out_dir, print_table, render_to_file)
 
 
 def merged(base: Plan, d: dict) -> Plan:
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         table[label] = {row["case_name"]: row["floor_fraction"] for row in json.loads(bench.stdout)}
         print(f"  {label}: done", flush=True)
     cases = a.cases.split(",")
-    print(f"\n{'plan':28}" + "".join(f"{c:>11}" for c in cases) + f"{'geomean':>9}")
-    for name, row in table.items():
-        geo = geomean([row[c] for c in cases])
-        print(f"{name:28}" + "".join(f"{100 * row[c]:10.1f}%" for c in cases) + f"{100 * geo:8.1f}%")
+    print()
+    print_table(["plan", *cases, "geomean"],
+                [[name, *(f"{100 * row[c]:.1f}%" for c in cases), f"{100 * geomean([row[c] for c in cases]):.1f}%"]
+                 for name, row in table.items()])
 
