@@ -10,7 +10,8 @@ Then `bash run.sh --weights <folder>` writes and judges its engine (on CUDA the 
 to the bf16 criterion, evaluator/hf_judge.py); the engine it wrote is timed on --cases
 (evaluator/benchmark_throughput.py, --no-verify: the judge checked it) and transformers' own
 forward (sdpa, cached decode, last-token logits) is timed on the same work on the same device,
-side by side. --tiny builds tiny models of the same architectures on the CPU (fp32 compute) and
+side by side. It also records the memory create_engine peaks at on the device against the
+model's size in its compute dtype (issue 21: at most ~1.2x). --tiny builds tiny models of the same architectures on the CPU (fp32 compute) and
 times the small public cases, to prove the plumbing. Outputs under --out/<model>/ ($OUT when set); a summary table last. A
 device call lasts at most 10 minutes: the default budget fits both models in one; for a longer
 search run one model a call (`--models llama-3.2-1b --budget 420`).
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from evaluator.common import load_engine_module
 from scripts.gpu.common import bench_rows, out_dir, prelude, run
 
 # name -> (architecture, config keys). Sizes as the published configs give them.
@@ -98,6 +100,27 @@ def time_transformers(folder: Path, case: str, device: str, repeat: int) -> floa
     return statistics.median(runs[1:])
 
 
+def load_memory(engine: Path, weights: Path) -> str:
+    """create_engine's peak device memory (torch.cuda.max_memory_allocated) over the model's
+    size in its compute dtype (its parameters, as the agent's ModelSpec counts them, at the
+    compute dtype's width)."""
+    from agent.spec import load_spec
+    config = json.loads((weights / "config.json").read_text())
+    width = 2 if torch.cuda.is_available() else 4   # bf16 / fp16 on CUDA, fp32 on CPU
+    model_bytes = width * load_spec(weights / "config.json", weights).parameters
+    if not torch.cuda.is_available():
+        return f"create_engine: model {model_bytes / 2**20:.0f} MiB (peak on CUDA only)"
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    eng = load_engine_module(engine).create_engine(config, str(weights), "cuda")
+    peak, held = torch.cuda.max_memory_allocated() - start, torch.cuda.memory_allocated() - start
+    del eng
+    torch.cuda.empty_cache()
+    return (f"create_engine: peak {peak / 2**20:.0f} MiB, holds {held / 2**20:.0f} MiB after (weights, KV pool, "
+            f"graphs); model {model_bytes / 2**20:.0f} MiB: peak {peak / model_bytes:.2f}x the model")
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -144,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             (line for line in (folder / "runsh.txt").read_text().splitlines() if line.startswith("result:")), ""))
         if not (workspace / "engine.py").is_file():
             continue
+        summary.append("  " + load_memory(workspace / "engine.py", weights))
         bench = folder / "bench.json"
         run([sys.executable, "evaluator/benchmark_throughput.py", "--engine", str(workspace / "engine.py"),
              "--model-config", str(weights / "config.json"), "--weight-dir", str(weights), "--device", device,
