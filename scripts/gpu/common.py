@@ -26,7 +26,7 @@ PUBLIC_CONFIG = "target/model_config.json"
 PUBLIC_WEIGHTS = "target/weights"
 PUBLIC_CASES = "prefill,decode,mixed,decode128,mixed128"
 FINAL_PLAN = "lib split linear"     # run.sh's usual final plan on the public config
-WHEELS = ".whl"                     # pytest wheels carried to the device (its image has no pytest)
+WHEELS = ".whl"                     # wheels carried to the device: what its image lacks (pytest, openai, fastapi, ...)
 WHEEL_SITE = "/tmp/site"
 
 
@@ -71,16 +71,15 @@ def ensure_toy_weights(config: str = PUBLIC_CONFIG, weight_dir: str = PUBLIC_WEI
 
 
 def prelude(out: Path) -> None:
-    """The start of every device call: unbuffered output from the children, pytest from the
-    carried wheels where the image has none (PYTHONPATH for the children), and the GPU, driver,
+    """The start of every device call: unbuffered output from the children, the carried wheels
+    (what the image lacks: pytest, openai, fastapi, ...; PYTHONPATH for the children), and the GPU, driver,
     torch and triton versions into out/gpu.txt."""
     out.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONUNBUFFERED"] = "1"
-    have_pytest = subprocess.run([sys.executable, "-c", "import pytest"], capture_output=True).returncode == 0
     wheels = sorted(Path(WHEELS).glob("*.whl"))
-    if not have_pytest and any(w.name.startswith("pytest-") for w in wheels):
+    if wheels:   # whatever was carried (pytest, openai, fastapi, ...): the children find it first
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--target", WHEEL_SITE, *map(str, wheels)], check=True)
+                        "--upgrade", "--target", WHEEL_SITE, *map(str, wheels)], check=True)
         os.environ["PYTHONPATH"] = WHEEL_SITE
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()

@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -134,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prelude(out)
         config, weights = PUBLIC_CONFIG, PUBLIC_WEIGHTS
+    if subprocess.run([sys.executable, "-c", "import openai"], capture_output=True).returncode != 0:
+        # the agent would warn and carry on with the builtin proposer: a run that checks nothing
+        print("scripted-search: the agent cannot import openai here (carry its wheels in .whl)", file=sys.stderr)
+        return 2
     ensure_toy_weights(config, weights)
     print(f"scripted-search: budget {budget}s, REDUCED from the run's default "
           f"({'600' if smoke else '1800'} s) to fit one device call; the issue's bar is at the default budget",
