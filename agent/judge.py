@@ -23,7 +23,7 @@ from pathlib import Path
 from agent.records import EvalResult
 from agent.workspace import VARIANTS, atomic_write
 from evaluator.isolation import protect_judge
-from evaluator.sweep import children, kill_new_children
+from evaluator.sweep import children, forget_child, kill_new_children, start_child
 
 REPO = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1            # prctl option (linux/prctl.h)
@@ -181,16 +181,19 @@ def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) 
     protect_judge()
     before = children()
     with open(outputs[0], "wb") as so, open(outputs[1], "wb") as se:
-        proc = subprocess.Popen(settings.command(engine, out), cwd=REPO, stdin=subprocess.DEVNULL, stdout=so,
-                                stderr=se, start_new_session=True, preexec_fn=_die_with_parent, env=_evaluator_env())
+        proc = start_child(lambda: subprocess.Popen(
+            settings.command(engine, out), cwd=REPO, stdin=subprocess.DEVNULL, stdout=so, stderr=se,
+            start_new_session=True, preexec_fn=_die_with_parent, env=_evaluator_env()))
         try:
             killed_because = _watch(proc, start + max(timeout, 1.0), settings, outputs)
         except BaseException:
             _kill_group(proc)  # the agent is being interrupted: take the evaluator down with it
+            forget_child(proc.pid)
             kill_new_children(before)
             raise
         if killed_because is not None:
             _kill_group(proc)
+    forget_child(proc.pid)
     kill_new_children(before)   # a worker whose evaluator was killed
     for path in outputs:
         _keep_tail(path)

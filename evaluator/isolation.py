@@ -49,8 +49,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from evaluator import triton_cache
-from evaluator.sweep import (children, jail_prefix, kill_new_children, kill_uid, live_processes_of, processes,
-                             remove_files_of, session_of, sweep_stale_jails)
+from evaluator.sweep import (children, forget_child, jail_prefix, kill_new_children, kill_uid, live_processes_of, processes,
+                             remove_files_of, session_of, start_child, sweep_stale_jails)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -361,9 +361,10 @@ class Jail:
     def spawn(self, argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
         """Start the worker: `python -I <argv...> <spec>`, its output to worker.log."""
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-I", *argv, self.spec.to_json()], cwd=self.home,
-                                         env=_clean_env(self.home), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, pass_fds=pass_fds, start_new_session=True)
+            self.proc = start_child(lambda: subprocess.Popen(
+                [sys.executable, "-I", *argv, self.spec.to_json()], cwd=self.home, env=_clean_env(self.home),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=pass_fds,
+                start_new_session=True))
         return self.proc
 
     def log_tail(self, limit: int = 3000) -> str:
@@ -405,6 +406,7 @@ class Jail:
             except (ProcessLookupError, PermissionError):
                 pass
             self.proc.wait()
+            forget_child(self.proc.pid)
         if self.spec.uid is not None:
             kill_uid(self.spec.uid)
         kill_new_children(self._children_before)

@@ -13,12 +13,15 @@ import shutil
 import signal
 import stat
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 # Where a uid can leave files outside its scratch: the usual world-writable folders (and such
 # folders one level down); `_world_writable()` adds any other found two levels from the root.
 SHARED_TEMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue", "/var/crash")
+T = TypeVar("T")
 KILL_ROUNDS = 50                  # sweeps for processes of the uid (a fork loop races the first ones)
 # A jail's folder names the judge that made it, so a later judge can tell a live jail from one
 # whose judge was SIGKILLed before it could clean up (judge-worker-<pid>-<start time>-XXXX).
@@ -121,19 +124,45 @@ def children() -> set[int]:
     return {pid for pid, f in processes() if f.get("PPid", "").strip() == str(me)}
 
 
+# The children this process started on purpose (an evaluator, a jailed worker), which
+# kill_new_children of another thread must leave alone: the agent judges a candidate while its
+# model episodes run unit checks in jails of their own, each of which sweeps the orphans it left.
+# Without this, a unit check's sweep killed and reaped the evaluator running beside it, whose
+# Popen then read "exited 0" (docs/benchmarks.md, fifteenth session). The lock spans the start
+# and the registration, so no sweep sees a child in between.
+_OWN: set[int] = set()
+_OWN_LOCK = threading.RLock()
+
+
+def start_child(start: Callable[[], T]) -> T:
+    """`start()` (a Popen), its pid kept from every kill_new_children until forget_child."""
+    with _OWN_LOCK:
+        proc = start()
+        _OWN.add(proc.pid)
+    return proc
+
+
+def forget_child(pid: int) -> None:
+    """After the child was waited for: its pid may now be anyone's."""
+    with _OWN_LOCK:
+        _OWN.discard(pid)
+
+
 def kill_new_children(before: set[int]) -> None:
-    """Children of the judge that were not there when the jail was made: orphans of the worker,
-    re-parented here (the judge is a child subreaper). Killed and reaped."""
+    """Children of the judge that were not there when the jail was made, nor started on purpose
+    (start_child): orphans of the worker, re-parented here (the judge is a child subreaper).
+    Killed and reaped."""
     for _ in range(KILL_ROUNDS):
-        orphans = children() - before
-        if not orphans:
-            return
-        for pid in orphans:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
+        with _OWN_LOCK:
+            orphans = children() - before - _OWN
+            if not orphans:
+                return
+            for pid in orphans:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
 
 
 def remove_files_of(uid: int) -> None:

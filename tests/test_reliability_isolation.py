@@ -175,3 +175,28 @@ def test_a_cuda_illegal_address_costs_only_the_candidate(recompute_source, tmp_p
     assert result.status == "failed" and result.error_kind in ("runtime_error", "crash")
     after = judge_fault("recompute", recompute_source, tmp_path, tiny_model, device="cuda")
     assert after.passed, after.error
+
+
+def test_a_jail_closing_in_another_thread_leaves_the_evaluator_beside_it_alone():
+    """The agent judges a candidate while a model episode's unit check closes its jail, which
+    sweeps the orphans it left: the evaluator, a child started on purpose, is not one of them
+    (it was killed and reaped, and its Popen read "exited 0 without a verdict", on the H100);
+    a stray child, what an orphan re-parented to the agent looks like, still is."""
+    import subprocess
+    import threading
+    evaluator = sweep.start_child(lambda: subprocess.Popen(["sleep", "60"]))
+    try:
+        def unit_check():
+            with isolation.Jail("cpu"):
+                stray.append(subprocess.Popen(["sleep", "60"]))
+        stray: list[subprocess.Popen] = []
+        thread = threading.Thread(target=unit_check)
+        thread.start()
+        thread.join(timeout=60)
+        assert evaluator.poll() is None, "the jail's sweep killed a child started on purpose"
+        with pytest.raises(ProcessLookupError):
+            sweep.os.kill(stray[0].pid, 0)   # killed and reaped by the sweep
+    finally:
+        evaluator.kill()
+        evaluator.wait()
+        sweep.forget_child(evaluator.pid)
