@@ -9,10 +9,11 @@ found the same way by `extract_json`.
 """
 from __future__ import annotations
 
-import ast
 import json
 import re
 from dataclasses import dataclass
+
+from agent.policy import parse
 
 # An opening fence: ``` or ~~~ (3 or more), an optional info string, then the body up to
 # a matching closing fence or the end of the text (a reply cut off by the token limit).
@@ -53,7 +54,7 @@ def blocks(text: str) -> list[Block]:
 
 def _parses(code: str) -> bool:
     try:
-        ast.parse(code)
+        parse(code)
         return True
     except SyntaxError:
         return False

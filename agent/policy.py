@@ -20,6 +20,7 @@ aliases built at run time, which is why `getattr` with a computed name, `setattr
 from __future__ import annotations
 
 import ast
+import threading
 from dataclasses import dataclass
 
 KERNEL = "kernel"
@@ -122,12 +123,23 @@ class Violation:
         return f"line {self.line}: {self.message} [{self.rule}]"
 
 
+_PARSE_LOCK = threading.Lock()
+
+
+def parse(source: str) -> ast.Module:
+    """ast.parse, one thread at a time. CPython 3.11 tracks the AST conversion's recursion depth
+    per interpreter, not per thread, so two threads parsing at once can fail with SystemError
+    ("AST constructor recursion depth mismatch"): the agent's parallel model episodes met it."""
+    with _PARSE_LOCK:
+        return ast.parse(source)
+
+
 def check(source: str, level: str = KERNEL) -> list[Violation]:
     """Every rule `source` breaks at `level`, in line order. A syntax error is one violation."""
     if level not in LEVELS:
         raise ValueError(f"unknown policy level {level!r}; one of {LEVELS}")
     try:
-        tree = ast.parse(source)
+        tree = parse(source)
     except SyntaxError as e:
         return [Violation(e.lineno or 0, "syntax", f"syntax error: {e.msg}")]
     checker = _Checker(level, _bound_names(tree))

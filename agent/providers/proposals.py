@@ -119,7 +119,7 @@ def check_kernel_answer(text: str, slot: str, name: str, functions: tuple[str, .
     except ExtractError as e:
         return Verdict(NO_CODE, str(e))
     try:
-        tree = ast.parse(code)
+        tree = policy.parse(code)
     except SyntaxError as e:
         return Verdict(SYNTAX, _syntax_detail(code, e), code)
     violations = policy.check_kernel(code)
