@@ -68,6 +68,25 @@ def test_every_template_passes_the_engine_policy():
     assert checked > len(engines())
 
 
+@pytest.mark.parametrize("conventions", [dict(), dict(qkv_bias=True, tied=True), dict(qk_norm=True)],
+                         ids=["llama", "qwen2", "qwen3"])
+def test_every_hugging_face_render_passes_the_engine_policy(conventions):
+    """A model folder's engines read its files through torch alone: the run judges no engine that
+    breaks the policy (a loader that opened files itself made every HF candidate fail at policy
+    on the H100, fifteenth session)."""
+    from evaluator.checkpoint import Conventions
+    model = Conventions(hf=True, **conventions)
+    checked = 0
+    for plan in all_template_plans():
+        try:
+            source = render_engine(plan, None, model)
+        except Exception:  # noqa: BLE001 - an engine that does not run HF models is not proposed for them
+            continue
+        assert policy.check_engine(source) == [], plan.describe()
+        checked += 1
+    assert checked >= 2   # the recompute and paged skeletons at least
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED_FOR))
 def test_escapes_are_refused_before_they_run(name, recompute_source):
     assert name in ESCAPES or name in FAULTS
