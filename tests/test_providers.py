@@ -4,6 +4,7 @@ extraction, policy and unit-check code, inside the real agent loop (only the who
 judge is faked, so "slower" and "faster" are deterministic on a CPU)."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import random
@@ -226,6 +227,32 @@ def test_rate_limit_and_server_errors_are_retried(protocol):
         assert body["system"] == "be brief" and body["messages"] == [{"role": "user", "content": "hello"}]
     else:
         assert body["messages"] == MESSAGES and body["max_tokens"] == 100  # a compatible server: max_tokens
+
+
+@pytest.mark.parametrize("headers, seconds", [
+    ({"retry-after-ms": "1500", "retry-after": "9"}, 1.5),
+    ({"retry-after": "7"}, 7.0),
+    ({"retry-after": "Wed, 25 Nov 2026 12:00:30 GMT"}, 30.0),
+    ({"x-ratelimit-reset-requests": "6m0s", "x-ratelimit-reset-tokens": "20ms"}, 360.0),
+    ({"anthropic-ratelimit-tokens-reset": "2026-11-25T12:00:04Z"}, 4.0),
+    ({"retry-after": "soon"}, None),
+    ({}, None),
+])
+def test_how_long_a_server_asks_to_wait(headers, seconds):
+    from agent.providers.chat import retry_after
+    now = datetime.datetime(2026, 11, 25, 12, 0, 0, tzinfo=datetime.timezone.utc).timestamp()
+    got = retry_after(headers, now)
+    assert got == pytest.approx(seconds) if seconds is not None else got is None
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+@pytest.mark.parametrize("header", [{"retry-after-ms": "400"}, {"x-ratelimit-reset-requests": "400ms"}])
+def test_a_rate_limit_waits_as_long_as_the_server_asks(protocol, header):
+    log = []
+    with ScriptedServer(protocol, [{"status": 429, "headers": header}, {"text": "hi"}]) as server:
+        client, _ = stack(protocol, server.url, log)
+        assert client.complete(MESSAGES, 100).text == "hi"
+    assert "retry 1/3 in 0.4s" in log[0], log   # not the client's own 0.01 s backoff
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])

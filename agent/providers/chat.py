@@ -13,8 +13,11 @@ replayed run goes through the same budget and retry code and makes the same deci
 """
 from __future__ import annotations
 
+import datetime
+import email.utils
 import hashlib
 import json
+import re
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -157,10 +160,54 @@ def status_error(status: int, message: str, retry_after: float | None = None) ->
     return ChatError(BAD_REQUEST, f"HTTP {status}: {message}")
 
 
-def retry_after_of(error: Exception) -> float | None:
-    """The Retry-After header (seconds) of an SDK status error, if the server sent one."""
-    response = getattr(error, "response", None)
+# How long a server asks a client to wait, in the order trusted: OpenAI's and Anthropic's
+# millisecond header, the standard one (seconds or an HTTP date), then the reset times of the
+# exhausted rate limits (OpenAI: durations such as "1s", "6m0s", "20ms"; Anthropic: RFC 3339 times).
+RESET_HEADERS = ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens",
+                 "anthropic-ratelimit-requests-reset", "anthropic-ratelimit-tokens-reset")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def retry_after(headers, now: float | None = None) -> float | None:
+    """Seconds to wait before retrying, from a response's headers (a case-insensitive mapping);
+    None when they say nothing usable. `now`: time.time(), for the headers that give a time."""
+    now = time.time() if now is None else now
+    value = headers.get("retry-after-ms")
+    if value is not None:
+        try:
+            return max(0.0, float(value) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is not None:
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            at = _time_of(value, email.utils.parsedate_to_datetime)
+            if at is not None:
+                return max(0.0, at - now)
+    resets = [_reset_seconds(headers[name], now) for name in RESET_HEADERS if headers.get(name)]
+    resets = [r for r in resets if r is not None]
+    return max(resets) if resets else None
+
+
+def _reset_seconds(value: str, now: float) -> float | None:
+    parts = _DURATION.findall(value)
+    if parts and "".join(n + u for n, u in parts) == value.strip():
+        return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+    at = _time_of(value, lambda v: datetime.datetime.fromisoformat(v.replace("Z", "+00:00")))
+    return None if at is None else max(0.0, at - now)
+
+
+def _time_of(value: str, parse) -> float | None:
     try:
-        return float(response.headers.get("retry-after")) if response is not None else None
-    except (TypeError, ValueError):
+        return parse(value).timestamp()
+    except (TypeError, ValueError, IndexError):
         return None
+
+
+def retry_after_of(error: Exception) -> float | None:
+    """How long the server asked to wait (retry_after) in an SDK status error's response."""
+    response = getattr(error, "response", None)
+    return retry_after(response.headers) if response is not None else None
