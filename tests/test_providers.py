@@ -243,6 +243,7 @@ def test_how_long_a_server_asks_to_wait(headers, seconds):
     now = datetime.datetime(2026, 11, 25, 12, 0, 0, tzinfo=datetime.timezone.utc).timestamp()
     got = retry_after(headers, now)
     assert got == pytest.approx(seconds) if seconds is not None else got is None
+    assert retry_after({"x-ratelimit-reset-tokens": "6m0s"}, now, rate_limited=False) is None   # a 5xx
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])

@@ -151,7 +151,7 @@ class RetryingClient:
 
 def status_error(status: int, message: str, retry_after: float | None = None) -> ChatError:
     """An HTTP error status as a ChatError (both SDKs expose the status code)."""
-    if status == 429:
+    if status == RATE_LIMITED_STATUS:
         return ChatError(RATE_LIMIT, f"HTTP 429: {message}", retry_after)
     if status >= 500:  # includes Anthropic's 529 "overloaded"
         return ChatError(SERVER, f"HTTP {status}: {message}", retry_after)
@@ -163,15 +163,17 @@ def status_error(status: int, message: str, retry_after: float | None = None) ->
 # How long a server asks a client to wait, in the order trusted: OpenAI's and Anthropic's
 # millisecond header, the standard one (seconds or an HTTP date), then the reset times of the
 # exhausted rate limits (OpenAI: durations such as "1s", "6m0s", "20ms"; Anthropic: RFC 3339 times).
+RATE_LIMITED_STATUS = 429
 RESET_HEADERS = ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens",
                  "anthropic-ratelimit-requests-reset", "anthropic-ratelimit-tokens-reset")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
-def retry_after(headers, now: float | None = None) -> float | None:
+def retry_after(headers, now: float | None = None, rate_limited: bool = True) -> float | None:
     """Seconds to wait before retrying, from a response's headers (a case-insensitive mapping);
-    None when they say nothing usable. `now`: time.time(), for the headers that give a time."""
+    None when they say nothing usable. `now`: time.time(), for the headers that give a time.
+    The reset headers count only for a rate limit (429): OpenAI sends them with every answer."""
     now = time.time() if now is None else now
     value = headers.get("retry-after-ms")
     if value is not None:
@@ -187,6 +189,8 @@ def retry_after(headers, now: float | None = None) -> float | None:
             at = _time_of(value, email.utils.parsedate_to_datetime)
             if at is not None:
                 return max(0.0, at - now)
+    if not rate_limited:
+        return None
     resets = [_reset_seconds(headers[name], now) for name in RESET_HEADERS if headers.get(name)]
     resets = [r for r in resets if r is not None]
     return max(resets) if resets else None
@@ -210,4 +214,6 @@ def _time_of(value: str, parse) -> float | None:
 def retry_after_of(error: Exception) -> float | None:
     """How long the server asked to wait (retry_after) in an SDK status error's response."""
     response = getattr(error, "response", None)
-    return retry_after(response.headers) if response is not None else None
+    if response is None:
+        return None
+    return retry_after(response.headers, rate_limited=getattr(error, "status_code", None) == RATE_LIMITED_STATUS)
