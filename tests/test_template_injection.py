@@ -32,14 +32,14 @@ JINJA_OS = "cycler.__init__.__globals__.os"   # reaches `os` from any Jinja envi
 # old check. The others are every other form of Jinja syntax, in comments and a string.
 PAYLOAD = [
     '# {%endraw%}{{ JINJA_OS.open("MARKER", 65) }}{{ JINJA_OS.environ.__setitem__("ENV", "1") }}{%raw%}',
-    '# {% endraw %}{{ 7*7 }}{% raw %}',
+    '# {% endraw %}{{ 7777*7777 }}{% raw %}',
     '# {% for i in range(3) %}LOOP{% endfor %} {# a Jinja comment #} {% include "engine/paged.py.j2" %}',
-    'TEMPLATE_TEXT = "{{ 7*7 }} {% endraw %} {%endraw%} {% raw %} {%- if true -%} {{ params }}"',
+    'TEMPLATE_TEXT = "{{ 7777*7777 }} {% endraw %} {%endraw%} {% raw %} {%- if true -%} {{ params }}"',
 ]
 FUNCTION = '''
 
 def silu_mul__llm_1(gate_up):
-    """{{ 6*7 }} in a docstring: SiLU(gate) * up."""
+    """{{ 6666*6667 }} in a docstring: SiLU(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 '''
@@ -97,7 +97,8 @@ def test_engine_and_slot_module_hold_the_code_byte_for_byte(code, tmp_path):
     assert engine == stand_in.replace(placeholder, source)   # inserted as it is, nothing else moved
     compile(engine, "<engine>", "exec")
     module = render_slot_module(SLOT, NAME, None, {(SLOT, NAME): source})
-    assert module.endswith(source) and "49" not in module and "42" not in module
+    # 8-digit products: a temporary path (pytest-342) cannot contain them by chance
+    assert module.endswith(source) and str(7777 * 7777) not in module and str(6666 * 6667) not in module
     checked, name, _ = slot_check.render_source(SLOT, source)
     assert checked == module and name == NAME
     result = slot_check.check_variant(SLOT, source, "cpu", seed=1)   # the evaluator's own rendering
