@@ -82,6 +82,24 @@ class SlotCheckResult:
 _INTERPRET_PRELUDE_LINE = "    if not torch.cuda.is_available():\n        raise ImportError\n"
 
 
+class _InterpretedLibdevice:
+    """Stands in under --interpret for a variant's libdevice module, whose functions are extern
+    stubs that the interpreter cannot run: each name is tl.math's function of that name (div_rn,
+    exp, rsqrt, ...), looked up at call time, when the interpreter has patched tl.math."""
+
+    def __getattr__(self, name: str):
+        import triton.language as tl
+        return getattr(tl.math, name)
+
+
+def _interpretable(module):
+    """`module` with its libdevice imports swapped for _InterpretedLibdevice (see there)."""
+    for name, value in list(vars(module).items()):
+        if getattr(value, "__name__", "").endswith(".libdevice") and type(value).__name__ == "module":
+            setattr(module, name, _InterpretedLibdevice())
+    return module
+
+
 def _module_dir() -> Path:
     d = Path(tempfile.gettempdir()) / f"slot_check_modules_{os.getuid() if hasattr(os, 'getuid') else 0}"
     d.mkdir(parents=True, exist_ok=True)
@@ -225,6 +243,8 @@ def check_variant(slot: str, source=None, device: str = "cpu", seed: int | None 
         module = import_module_text(text, f"{slot}_{name}")
     except Exception as e:  # noqa: BLE001
         return failed(f"import_error: {type(e).__name__}: {e}")
+    if interpret:
+        module = _interpretable(module)
     fns = {}
     for fn in SLOT_FUNCTIONS[slot]:
         f = getattr(module, f"{fn}__{name}", None)
