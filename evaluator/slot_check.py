@@ -82,6 +82,29 @@ class SlotCheckResult:
 _INTERPRET_PRELUDE_LINE = "    if not torch.cuda.is_available():\n        raise ImportError\n"
 
 
+class _InterpretedLibdevice:
+    """Stands in under --interpret for a variant's libdevice module, whose functions are extern
+    stubs that the interpreter cannot run: each name is tl.math's function of that name (div_rn,
+    exp, rsqrt, ...), looked up at call time, when the interpreter has patched tl.math."""
+
+    def __getattr__(self, name: str):
+        import triton.language as tl
+        return getattr(tl.math, name)
+
+
+def import_interpreted(text: str, tag: str = "variant"):
+    """A rendered variant module imported to run its Triton kernels on the CPU: TRITON_INTERPRET=1
+    (set for this process: triton.jit reads it as it decorates), the prelude's CUDA test dropped,
+    libdevice swapped for _InterpretedLibdevice. The interpreter runs a grid's programs one after
+    another, in order."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    module = import_module_text(text.replace(_INTERPRET_PRELUDE_LINE, ""), f"interpret_{tag}")
+    for name, value in list(vars(module).items()):
+        if getattr(value, "__name__", "").endswith(".libdevice") and type(value).__name__ == "module":
+            setattr(module, name, _InterpretedLibdevice())
+    return module
+
+
 def _module_dir() -> Path:
     d = Path(tempfile.gettempdir()) / f"slot_check_modules_{os.getuid() if hasattr(os, 'getuid') else 0}"
     d.mkdir(parents=True, exist_ok=True)
@@ -216,13 +239,10 @@ def check_variant(slot: str, source=None, device: str = "cpu", seed: int | None 
         text, name, devices = render_source(slot, source, variant, params)
     except Exception as e:  # noqa: BLE001 - reported, not raised: the caller is a search loop
         return failed(f"render_error: {type(e).__name__}: {e}")
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-        text = text.replace(_INTERPRET_PRELUDE_LINE, "")
-    elif dev.type not in devices:
+    if not interpret and dev.type not in devices:
         return failed(f"variant {name!r} declares devices {', '.join(devices)}; cannot check it on {dev.type}")
     try:
-        module = import_module_text(text, f"{slot}_{name}")
+        module = (import_interpreted if interpret else import_module_text)(text, f"{slot}_{name}")
     except Exception as e:  # noqa: BLE001
         return failed(f"import_error: {type(e).__name__}: {e}")
     fns = {}

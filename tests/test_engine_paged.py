@@ -150,6 +150,20 @@ def test_params_reach_the_engine():
     assert load_engine(torch_plan(prefill_graphs=True)).PREFILL_GRAPHS is False
 
 
+FUSED_REDUCE_SLOTS = {**{s: "torch" for s in SLOTS}, "linear": "triton", "decode_attention": "triton_split"}
+
+
+def test_fused_reduce_reaches_the_kernels_and_the_cpu_engine_runs(tmp_path):
+    """fused_reduce is read by the linear and split decode kernels (off by default); on the CPU the
+    torch variants run whatever it says, and the engine still matches the reference."""
+    assert engine_params("paged")["fused_reduce"].default is False
+    assert load_engine(Plan("paged", FUSED_REDUCE_SLOTS)).LINEAR_FUSED__triton is False
+    plan = Plan("paged", FUSED_REDUCE_SLOTS, {"fused_reduce": True})
+    module = load_engine(plan)
+    assert module.LINEAR_FUSED__triton is True and module.DECODE_FUSED__triton_split is True
+    public_sequence(Checked(plan, config(), tmp_path))
+
+
 def test_device_resolution_without_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("resolution to cpu is only observable without a GPU")
@@ -471,6 +485,26 @@ def test_cuda(tmp_path, slots, graphs, cfg):
     public_sequence(c)
     ragged_trace(c)
     c.prefill([9, 10, 11, 12, 13, 14], [1100, 3, 64, 65, 2, 16])   # long prompt; batch above the graphs
+    for _ in range(3):
+        c.decode([14, 13, 12, 11, 10, 9])
+        c.decode([9, 11])
+
+
+@cuda_only
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("cfg", [config(), config(num_key_value_heads=2, head_dim=24, num_attention_heads=8)],
+                         ids=["fp16", "fp16-gqa"])
+def test_cuda_fused_reduce(tmp_path, graphs, cfg):
+    """The linear and split decode kernels with fused_reduce (last-program reductions) through the
+    engine's traces, captured graphs and eager passes both; decode batches of 6 and 2 rows."""
+    slots = {**CUDA_PLANS.get("all-cuda", FUSED_REDUCE_SLOTS), **FUSED_REDUCE_SLOTS}
+    plan = Plan("paged", slots=slots, params={**SMALL_CACHE, "decode_graphs": graphs, "max_graph_batch": 4,
+                                              "prefill_graphs": graphs, "max_graph_tokens": 64,
+                                              "fused_reduce": True, "decode_splits": 3})
+    c = Checked(plan, cfg, tmp_path, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL, scale=GPU_SCALE[cfg["torch_dtype"]])
+    public_sequence(c)
+    ragged_trace(c)
+    c.prefill([9, 10, 11, 12, 13, 14], [1100, 3, 64, 65, 2, 16])
     for _ in range(3):
         c.decode([14, 13, 12, 11, 10, 9])
         c.decode([9, 11])

@@ -1,9 +1,10 @@
 """Kernel variants on CUDA: every variant passes evaluator.slot_check in fp16 and bf16 (the full
 case list: long contexts, wide ragged batches), the wrong variants fail, tuning params keep
 the kernels correct, the split decode kernels survive CUDA-graph capture and replay with
-new contexts, and the faithful variants (norm/rope_cache/silu_mul `triton`, attention
-`triton_exact`) round like the torch variants: bit-equal or within one ulp of the compute dtype
-on random inputs. Skipped without CUDA."""
+new contexts (fused_reduce's last-program reductions too, their counters back at zero), and
+the faithful variants (norm/rope_cache/silu_mul `triton`, attention `triton_exact`) round like
+the torch variants: bit-equal or within one ulp of the compute dtype on random inputs.
+Skipped without CUDA."""
 import math
 
 import pytest
@@ -64,6 +65,11 @@ TUNINGS = [
     ("linear", "triton", {"linear_gemm_block_n": 64, "linear_gemm_warps": 2, "linear_stages": 1}),
     ("decode_attention", "triton_exact", {"pdl": True}),
     ("norm", "triton", {"pdl": True}),
+    ("linear", "triton", {"fused_reduce": True}),
+    ("linear", "triton", {"fused_reduce": True, "pdl": True}),
+    ("linear", "triton", {"fused_reduce": True, "linear_splits": 7, "linear_block_n": 16, "linear_block_k": 64}),
+    ("decode_attention", "triton_split", {"fused_reduce": True}),
+    ("decode_attention", "triton_split", {"fused_reduce": True, "decode_splits": 32, "decode_block_n": 16}),
 ]
 
 
@@ -115,7 +121,41 @@ def test_pdl_launches_keep_stream_order_in_a_graph():
         assert torch.equal(got, plain) and torch.equal(now, plain)
 
 
-SPLIT_DECODES = [("triton_split", None), ("triton_exact", None), ("triton_exact", {"decode_splits": 1})]
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_fused_reduce_replays_in_a_graph_and_leaves_counters_zero(pdl):
+    """fused_reduce: the last program of each tile reduces, on counters it resets. A chain of
+    dependent projections, captured and replayed three times, gives the bits of the same chain
+    run eagerly (the sums' order is fixed, not the programs' arrival order), stays within a few
+    ulps of the two-kernel path (only the norm's sum of squares is summed in another order), and
+    leaves every counter at zero."""
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).half()
+
+    hidden, inter, rows = 768, 3072, 8
+    weights = (randn(3 * hidden, hidden, scale=hidden ** -0.5), randn(2 * inter, hidden, scale=hidden ** -0.5),
+               randn(hidden, hidden, scale=hidden ** -0.5), randn(hidden, inter, scale=inter ** -0.5))
+    x, residual, norm_w = randn(rows, hidden), randn(rows, hidden), 1 + randn(hidden, scale=0.1)
+    fns = {fused: [slot_check.variant_function("linear", "triton", fn, {"pdl": pdl, "fused_reduce": fused})
+                   for fn in ("linear", "linear_silu", "linear_add_norm")] for fused in (False, True)}
+    plain = _projection_chain(fns[False], x, weights, residual, norm_w, 4)
+    _projection_chain(fns[True], x, weights, residual, norm_w, 1)     # compile, make the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _projection_chain(fns[True], x, weights, residual, norm_w, 4)
+    eager = _projection_chain(fns[True], x, weights, residual, norm_w, 4)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, now, ref in zip(out, eager, plain):
+            assert torch.equal(got, now)
+            assert (got.float() - ref.float()).abs().max().item() < 0.05 * ref.float().abs().max().item()
+    assert not fns[True][2].__globals__["_COUNTERS__triton"]["cuda:0"].any()
+
+
+SPLIT_DECODES = [("triton_split", None), ("triton_exact", None), ("triton_exact", {"decode_splits": 1}),
+                 ("triton_split", {"fused_reduce": True, "decode_splits": 4})]
 
 
 @pytest.mark.parametrize("variant,params", SPLIT_DECODES)
@@ -158,6 +198,8 @@ def test_split_decode_replays_in_a_cuda_graph_with_new_contexts(variant, params)
     torch.cuda.synchronize()
     err = (out.float() - slot_refs.ref_decode_attention(**b).float()).abs().max().item()
     assert err < 5e-3 and not math.isnan(err), err
+    counters = decode.__globals__.get("_COUNTERS__triton_split", {})
+    assert not any(c.any() for c in counters.values()), "fused_reduce left a counter non-zero"
 
 
 @pytest.mark.parametrize("variant,params", SPLIT_DECODES)

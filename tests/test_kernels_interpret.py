@@ -1,0 +1,34 @@
+"""The `fused_reduce` split reductions on the CPU through Triton's interpreter: the checks of
+tests/fixtures/interpret_fused.py, in a process of their own with TRITON_INTERPRET=1 (see its
+docstring for why and what they check). Skipped where triton is not installed (CI's CPU image)
+or numpy is too new for its interpreter.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 900     # the interpreter is slow; a loaded 2-core machine takes a few minutes
+
+
+def _numpy_too_new() -> bool:
+    """Triton 3.6's interpreter calls int() on one-element arrays (loop bounds), which numpy 2.4
+    refuses: every kernel with a loop fails there, ours or not."""
+    import numpy
+    return tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4)
+
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton installed"),
+              pytest.mark.skipif(_numpy_too_new(), reason="Triton's interpreter needs numpy < 2.4"),
+              pytest.mark.slow]
+
+
+def test_fused_reductions_under_the_interpreter():
+    done = subprocess.run([sys.executable, "-m", "tests.fixtures.interpret_fused"], cwd=REPO,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
