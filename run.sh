@@ -40,7 +40,7 @@ fi
 # is not fatal here: the agent says clearly if something it cannot run without is missing.
 missing=$("$PY" - <<'EOF'
 import importlib.util, re
-MODULE = {"gitpython": "git"}   # distribution name → import name, where they differ
+MODULE = {"gitpython": "git", "pytest-xdist": "xdist"}   # distribution name → import name, where they differ
 for line in open("requirements.txt"):
     req = line.split("#")[0].strip()
     if not req:

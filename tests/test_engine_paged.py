@@ -502,6 +502,9 @@ def test_cuda_fused_reduce(tmp_path, graphs, cfg):
                                               "prefill_graphs": graphs, "max_graph_tokens": 64,
                                               "fused_reduce": True, "decode_splits": 3})
     c = Checked(plan, cfg, tmp_path, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL, scale=GPU_SCALE[cfg["torch_dtype"]])
+    # The fused kernels themselves, not the torch variants a failed compile falls back to (probe_kernels).
+    assert {s: c.engine.kernels.variants[s] for s in ("linear", "decode_attention")} == \
+        {"linear": "triton", "decode_attention": "triton_split"}
     public_sequence(c)
     ragged_trace(c)
     c.prefill([9, 10, 11, 12, 13, 14], [1100, 3, 64, 65, 2, 16])
