@@ -2,7 +2,8 @@
 CPU, where they compute in fp32, the peak resident memory during create_engine is at most
 (1 + LOAD_SLACK) x the model's fp32 size, plus the paged engine's KV pool (kept small here) and a
 fixed allowance. A loader that keeps the stored checkpoint resident beside the cast weights (a
-mapped file, a state dict read whole) peaks at 1.5x, and fails.
+mapped file, a state dict read whole) peaks at 1.5x, and fails. Both formats a folder may hold:
+safetensors, and the legacy pytorch_model.bin (a zip of a pickle and raw records).
 
 Measured in a fresh process, from Linux's own counters: /proc/self/clear_refs resets the peak
 (VmHWM) to the current RSS just before create_engine."""
@@ -19,6 +20,7 @@ import torch
 from agent.plan import Plan, engine_params
 from agent.render import render_engine
 from agent.spec import load_spec
+from evaluator.common import load_engine_module
 from tests.hf_models import build
 
 pytest.importorskip("transformers")
@@ -60,9 +62,11 @@ def fp32_bytes(config: dict) -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+@pytest.mark.parametrize("safetensors", [True, False], ids=["safetensors", "pytorch_model.bin"])
 @pytest.mark.parametrize("engine", ["paged", "recompute"])
-def test_create_engine_holds_a_bf16_checkpoint_once(tmp_path, engine):
-    model = build(tmp_path / "m", "LlamaForCausalLM", seed=0, dtype=torch.bfloat16, sharded=False, **SHAPE)
+def test_create_engine_holds_a_bf16_checkpoint_once(tmp_path, engine, safetensors):
+    model = build(tmp_path / "m", "LlamaForCausalLM", seed=0, dtype=torch.bfloat16, sharded=False,
+                  safetensors=safetensors, **SHAPE)
     spec = load_spec(model.folder / "config.json", model.folder)
     params = {name: p.default for name, p in engine_params(engine).items()}
     pool_mb = 0.0
@@ -85,3 +89,23 @@ def test_create_engine_holds_a_bf16_checkpoint_once(tmp_path, engine):
     assert peak_mb <= bound_mb, (f"create_engine peaked {peak_mb:.1f} MB over its start: more than "
                                  f"{1 + LOAD_SLACK}x the {weights_mb:.1f} MB model + {pool_mb:.1f} MB KV pool "
                                  f"+ {ALLOWANCE_MB} MB")
+
+
+def test_a_pytorch_model_bin_is_read_as_saved(tmp_path):
+    """Each record is located in the zip and copied out: bf16 and fp32, a strided view into a
+    larger storage, two names on one storage; each read is fresh memory of its own."""
+    model = build(tmp_path / "m", "LlamaForCausalLM", seed=0, safetensors=False)
+    spec = load_spec(model.folder / "config.json", model.folder)
+    params = {name: p.default for name, p in engine_params("recompute").items()}
+    path = tmp_path / "engine.py"
+    path.write_text(render_engine(Plan("recompute", {}, params), None, spec.conventions))
+    shared = torch.randn(7, 5, dtype=torch.bfloat16)
+    saved = {"model.shared": shared, "lm_head.weight": shared, "model.vector": torch.randn(11),
+             "model.strided": torch.randn(6, 9)[1:5, 2:7:2], "model.transposed": torch.randn(3, 8).t()}
+    torch.save(saved, model.folder / "pytorch_model.bin")
+    readers = load_engine_module(path).hf_tensors(str(model.folder))
+    assert sorted(readers) == sorted(name.removeprefix("model.") for name in saved)
+    reads = {name: readers[name.removeprefix("model.")]() for name in saved}
+    for name, t in saved.items():
+        assert reads[name].dtype == t.dtype and torch.equal(reads[name], t), name
+    assert reads["model.shared"].data_ptr() != reads["lm_head.weight"].data_ptr()

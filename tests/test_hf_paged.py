@@ -25,7 +25,7 @@ OPTIONS = {
     "LlamaForCausalLM": dict(tied=True, llama3=True, dtype=torch.bfloat16),
     "MistralForCausalLM": dict(sharded=True),
     "Qwen2ForCausalLM": dict(sharded=True, dtype=torch.bfloat16),
-    "Qwen3ForCausalLM": dict(dtype=torch.bfloat16, tied=True),
+    "Qwen3ForCausalLM": dict(dtype=torch.bfloat16, tied=True, safetensors=False),   # a pytorch_model.bin
 }
 
 
