@@ -35,13 +35,15 @@ SECRET_SUFFIXES = ("_API_KEY", "_TOKEN", "_SECRET")
 OUTPUT_CAP_BYTES = 256 * 2**20  # stdout + stderr of one evaluation; past this it is killed
 KEPT_OUTPUT_BYTES = 2**20       # the tail of each output file kept on disk afterwards
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
-# Phases (agent/loop.py): VERIFY the conservative engine's quickest verdict; FULL the run's stress
-# and benchmark (the conservative engine's timing); TIMING the public sequence and the run's
-# benchmark, no stress (the screen and the back-to-back rounds, agent/acceptance.py); FINAL a
-# finalist's verdict, as FULL: the stress suite (its long cases) and the benchmark. The full
-# stress (45 cases) takes minutes on a GPU too (docs/benchmarks.md, twelfth session): the
-# self-test commands results.log prints run it on the engine a run leaves.
-VERIFY, FULL, TIMING, FINAL = "verify", "full", "timing", "final"
+# Phases (agent/loop.py): VERIFY the conservative engine's quickest verdict; TIMING the public
+# sequence and the run's benchmark, no stress (the conservative engine's timing, a challenger's
+# screen and the back-to-back rounds, agent/acceptance.py); FINAL a finalist's stress suite (its
+# long cases) with the public sequence and the profiled pass, no benchmark: its screen timed this
+# very engine, and the loop joins the two into the verdict it installs; STRESS the same without
+# the profiled pass (the conservative engine's, when it stays the result). The full stress (45
+# cases) takes minutes on a GPU too (docs/benchmarks.md, twelfth session): the self-test
+# commands results.log prints run it on the engine a run leaves.
+VERIFY, TIMING, FINAL, STRESS = "verify", "timing", "final", "stress"
 VERIFY_CASES = "prefill"        # the cheapest benchmark case (the evaluator always runs one)
 
 
@@ -63,14 +65,15 @@ class JudgeSettings:
     peak_tflops: float | None = None     # None: each evaluation measures its own
     triton_cache: Path | None = None   # the run's shared Triton cache (evaluator/triton_cache.py), judge-owned
     profile: bool = False        # a passing engine's profiled pass (slot_ms, for the model's prompts)
+    benchmark: bool = True       # False: public sequence and stress only (no score)
 
     def for_phase(self, phase: str) -> "JudgeSettings":
-        """The settings of one phase (see VERIFY, FULL, TIMING, FINAL); every timed phase but
+        """The settings of one phase (see VERIFY, TIMING, FINAL, STRESS); every timed phase but
         VERIFY has the same cases, warm-up and repeats, so their scores compare."""
         if phase == FINAL:   # the profiled pass: once per engine that becomes the best
-            return self
-        if phase == FULL:    # the conservative engine: no slots to profile
-            return replace(self, profile=False)
+            return replace(self, benchmark=False)
+        if phase == STRESS:  # the conservative engine: no slots to profile
+            return replace(self, benchmark=False, profile=False)
         if phase == TIMING:
             return replace(self, stress="off", profile=False)
         if phase == VERIFY:
@@ -89,6 +92,8 @@ class JudgeSettings:
             cmd += ["--cases", self.cases]
         if self.profile:
             cmd.append("--profile")
+        if not self.benchmark:
+            cmd.append("--no-benchmark")
         if self.bandwidth_gbs and self.peak_tflops:
             cmd += ["--bandwidth-gbs", str(self.bandwidth_gbs), "--peak-tflops", str(self.peak_tflops)]
         if self.triton_cache is not None:
