@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from agent import acceptance, policy, search
 from agent.archive import Archive
@@ -35,6 +36,31 @@ from evaluator.checkpoint import Conventions
 Judge = Callable[[Path, Path, float, str], EvalResult]   # (engine.py, out dir, timeout s, phase) → verdict
 OnScreen = Callable[[EvalResult], None]                  # told of a challenger's passed screen
 
+
+class Timings(Protocol):
+    """A contest's repeated timings (agent/judge.py Series): `result(label, timeout)` in order."""
+
+    def result(self, label: str, timeout: float) -> EvalResult: ...
+
+    def close(self) -> None: ...
+
+
+# (every (label, engine.py) a contest may ask for, in order; the candidate's folder) → its Timings
+SeriesFactory = Callable[[list[tuple[str, Path]], Path], Timings]
+
+
+class OneByOne:
+    """Timings as one TIMING evaluation each, through the loop's judge (where no series runs them)."""
+
+    def __init__(self, judge: Judge, timings: list[tuple[str, Path]], folder: Path):
+        self.judge, self.engines, self.folder = judge, dict(timings), folder
+
+    def result(self, label: str, timeout: float) -> EvalResult:
+        return self.judge(self.engines[label], self.folder / label, timeout, TIMING)
+
+    def close(self) -> None:
+        pass
+
 RESERVE_SECONDS = 5.0        # kept back from the budget to write the summary and exit
 MIN_EVAL_SECONDS = 10.0      # less than this left: no evaluation can finish, stop proposing
 HANG_FACTOR, HANG_SLACK_SECONDS = 3.0, 120.0   # a candidate this much slower than any pass is hung
@@ -48,12 +74,14 @@ def conservative_candidate() -> Candidate:
 
 
 def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, report: Reporter,
-        budget: float, started: float | None = None, max_candidates: int | None = None, parallel: int = 1) -> None:
+        budget: float, started: float | None = None, max_candidates: int | None = None, parallel: int = 1,
+        series: SeriesFactory | None = None) -> None:
     """Judge candidates until the proposers run dry, `max_candidates` are judged, or the budget
     (seconds from `started`, a time.monotonic() reading; default now) cannot fit another evaluation.
     `parallel` model episodes are kept going while the judge works (agent/pipeline.py). A state
     that already has a history (a resumed run, agent/resume.py) goes on from it: the conservative
-    engine, always its first entry, is not judged again."""
+    engine, always its first entry, is not judged again. `series` runs a contest's repeated
+    timings (default: one `judge` call each, OneByOne)."""
     deadline = (time.monotonic() if started is None else started) + budget
     left = lambda: deadline - time.monotonic() - RESERVE_SECONDS  # noqa: E731
     report.seconds_left = left
@@ -69,7 +97,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
                 break
             index = len(state.history) + 1
             entry = judge_one(index, candidate, state, judge, ws, report, left,
-                              lambda screen: pipeline.screened(index, candidate, screen))
+                              lambda screen: pipeline.screened(index, candidate, screen), series)
             state.history.append((candidate, entry.result))
             if entry.accepted:
                 state.best, state.best_result = candidate, entry.result
@@ -85,7 +113,8 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
 
 
 def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge, ws: Workspace,
-              report: Reporter, left: Callable[[], float], on_screen: OnScreen = lambda screen: None) -> Entry:
+              report: Reporter, left: Callable[[], float], on_screen: OnScreen = lambda screen: None,
+              series: SeriesFactory | None = None) -> Entry:
     """Render, check, screen, contest the best, and install a finalist that passes in full.
     `on_screen` hears of a screen that passed, before the contest and the final."""
     entry = Entry(index, candidate, ws.candidate_dir(index, describe(candidate.plan)))
@@ -95,7 +124,7 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
     if entry.result is None and not state.history:
         entry.result = judge_conservative(entry, source, judge, ws, report, left)
     elif entry.result is None:
-        entry.result = challenge(entry, source, state, judge, ws, report, left, on_screen)
+        entry.result = challenge(entry, source, state, judge, ws, report, left, on_screen, series)
         # The candidate's folder holds its verdict whichever phase gave it (a rejected screen
         # lives in timing/ with its logs): one place to look, as the README's layout says.
         atomic_write(entry.directory / RESULT_FILE, json.dumps(entry.result.to_dict(), indent=2) + "\n")
@@ -106,7 +135,8 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
 
 
 def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: Workspace, report: Reporter,
-              left: Callable[[], float], on_screen: OnScreen = lambda screen: None) -> EvalResult:
+              left: Callable[[], float], on_screen: OnScreen = lambda screen: None,
+              series: SeriesFactory | None = None) -> EvalResult:
     """The screen (a timing, no stress), the back-to-back rounds against the best, and for a
     finalist the full verdict (the stress suite's long cases included) that gets installed."""
     engine, folder = entry.directory / "engine.py", entry.directory
@@ -122,12 +152,17 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
     on_screen(screen)
     incumbent = next((e for e in reversed(report.entries) if e.accepted), None)
 
-    def timing(path: Path, out: str) -> EvalResult | None:
+    engines = [(label, engine if mine else incumbent.directory / "engine.py") for label, mine in acceptance.order()]
+    timings = (series or (lambda t, f: OneByOne(judge, t, f)))(engines, folder)
+
+    def timing(label: str) -> EvalResult | None:
         if left() < expected_seconds(state):
             return None
-        return spent("repeated timing", judge(path, folder / out, timeout_for(state, left()), TIMING))
-    decision = acceptance.contest(screen, state.best_result, lambda label: timing(engine, label),
-                                  lambda label: timing(incumbent.directory / "engine.py", label))
+        return spent("repeated timing", timings.result(label, timeout_for(state, left())))
+    try:
+        decision = acceptance.contest(screen, state.best_result, timing, timing)
+    finally:
+        timings.close()   # the timings the decision did not need are not run
     if decision.failure is not None:
         report.verdict(entry, decision.failure, label="repeated timing")
         return decided(decision.failure, decision.reason)

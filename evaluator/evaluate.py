@@ -18,7 +18,8 @@ outputs of the timed runs checked too); it stops at the first failing stage, wri
 (even on failure) and exits 0 only when all passed. `--no-benchmark` leaves the benchmark out
 (no score): for a caller that holds this engine's timing from an evaluation of its own (the
 agent's finalist, timed by its screen, gets its stress suite here). `stage_seconds` says where
-the evaluation's time went (judge start, margin, worker, public, stress, benchmark, profile). A Hugging Face model in bf16/fp16 is judged
+the evaluation's time went (judge start, setup: the floor's hardware and the judge's margin,
+worker, public, stress, benchmark, profile). A Hugging Face model in bf16/fp16 is judged
 by the bf16 criterion (evaluator/hf_judge.py: the criterion stage first, then the others against
 fp32 at the tolerance it measured); the course format's judge is unchanged. Progress goes to
 stderr, a one-line verdict to stdout. Timeouts are the caller's to record. With --profile, a
@@ -94,7 +95,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              peak_tflops: float | None = None, tol: Tolerance = Tolerance(),
              log=lambda line: None, memory_bytes: int | None = None, triton_cache: Path | None = None,
              update_cache: bool = False, profile: bool = False, criterion: str = "auto",
-             benchmark: bool = True, started: float | None = None) -> dict:
+             benchmark: bool = True, started: float | None = None, margin: float | None = None) -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
     `triton_cache` the worker starts from a copy of that (judge-owned) cache, and with
@@ -104,7 +105,8 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     criterion: evaluator/hf_judge.py (auto: the bf16 criterion for Hugging Face models in half precision).
     `benchmark` False: no benchmark, no score (see the module's docstring). `started`: a
     time.perf_counter() reading of the process's start, so that stage_seconds counts the judge's
-    own start-up (imports) too."""
+    own start-up (imports) too. `margin`: the judge's own margin on these weights where this
+    process measured it already (evaluator/series.py: once for all its timings)."""
     if stress not in STRESS_MODES:
         raise ValueError(f"stress must be one of {STRESS_MODES}")
     start = time.perf_counter()
@@ -113,15 +115,16 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
               "criterion": None, "public": None, "stress": None, "benchmark": None, "score": None,
               "reference_margin": None, "isolation": None, "slot_ms": None, "seconds": 0.0, "stage_seconds": {}}
     clock = StageClock(result["stage_seconds"], start if started is None else started)
-    clock.lap("judge start")
+    if started is not None:
+        clock.lap("judge start")
     try:
         config = load_config(model_config)
         hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
         bf16_criterion = uses_bf16_criterion(config, device, criterion)
-        result["reference_margin"] = (CRITERION_MARGIN if bf16_criterion
+        result["reference_margin"] = (CRITERION_MARGIN if bf16_criterion else margin if margin is not None
                                       else reference_margin(config, weight_dir, device, tol, seed))
         log(f"the judge's own margin against fp32 on these weights: {result['reference_margin']:.3f}")
-        clock.lap("margin")
+        clock.lap("setup")
         target_tol = tol
         with Worker(device, memory_bytes or default_memory_cap(), log, triton_cache) as worker:
             result["isolation"] = worker.layers

@@ -41,7 +41,7 @@ def test_cli_passes_a_correct_engine(recompute_engine_path, tiny_model, tmp_path
     assert r["score"] == pytest.approx(score(r["benchmark"]))
     assert proc.stdout.startswith("passed: score")
     assert "target/churn" in proc.stderr  # the real model is stressed too
-    assert r["stage_seconds"].keys() >= {"judge start", "margin", "worker", "public", "stress", "benchmark"}
+    assert r["stage_seconds"].keys() >= {"judge start", "setup", "worker", "public", "stress", "benchmark"}
     assert sum(r["stage_seconds"].values()) >= r["seconds"] * 0.99   # the judge's start-up counts too
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import loop
+from agent import acceptance, loop
 from agent.plan import Param, Plan, Variant
 from agent.providers.builtin import BuiltinProposer
 from agent.records import MARGIN_FLOOR, MIN_GAIN, MIN_SAFETY_MARGIN, Candidate, EvalResult, SearchState, improves
@@ -49,7 +49,7 @@ def fake_render(plan, extra_variants=None):
 
 
 def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: str = "cpu", monkeypatch=None,
-             verify=None, calls: list | None = None, stress=None, max_candidates: int | None = None):
+             verify=None, calls: list | None = None, stress=None, max_candidates: int | None = None, series=None):
     """Run the real loop with a judge that looks full verdicts up by plan key (default: fail);
     the conservative engine's VERIFY phase passes when its full verdict does (or as `verify` says).
     Like the evaluator, FINAL and STRESS carry no benchmark, and STRESS gives `stress` if set.
@@ -78,7 +78,7 @@ def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: 
     report = Reporter(ws.root, live=False)
     ws.open_history(warn=report.warn)
     state = SearchState(spec=None, device=device, hardware={})
-    loop.run(state, proposer, judge, ws, report, budget, max_candidates=max_candidates)
+    loop.run(state, proposer, judge, ws, report, budget, max_candidates=max_candidates, series=series)
     report.finish([])
     firsts = [(k, t) for i, (k, t, _) in enumerate(judged) if i == 0 or judged[i - 1][0] != k]
     return ws, state, firsts  # one (plan key, timeout) per candidate, in order
@@ -379,3 +379,34 @@ def test_max_candidates_1_still_judges_the_conservative_in_full(tmp_path, monkey
     run_loop(tmp_path, ListProposer([Plan("paged")]), {CONSERVATIVE: passed(1.0)}, monkeypatch=monkeypatch,
              calls=calls, max_candidates=1)
     assert [phase for _, phase, _ in calls] == [loop.VERIFY, loop.TIMING, loop.STRESS]
+
+
+def test_a_contest_times_through_the_series_in_its_order_and_closes_it(tmp_path, monkeypatch):
+    """The repeated timings go to the series (agent/judge.py Series: one evaluator for all of
+    them), asked in acceptance.order(); once the contest decides, the series is closed."""
+    a = Plan("paged")
+    made = []
+
+    class FakeSeries:
+        def __init__(self, timings, folder):
+            self.timings, self.folder, self.asked, self.closed = timings, folder, [], False
+            made.append(self)
+
+        def result(self, label, timeout):
+            assert not self.closed
+            self.asked.append(label)
+            return passed(1.05 if dict(self.timings)[label].parent.name.startswith("002") else 1.0)
+
+        def close(self):
+            self.closed = True
+    calls = []
+    ws, _, _ = run_loop(tmp_path, ListProposer([a]), {CONSERVATIVE: passed(1.0), a.key(): passed(1.05)},
+                        monkeypatch=monkeypatch, series=FakeSeries, calls=calls)
+    (series,) = made
+    assert [label for label, _ in series.timings] == [label for label, _ in acceptance.order()]
+    assert [path.parent.name for _, path in series.timings] == \
+        ["002-paged" if mine else "001-recompute" for _, mine in acceptance.order()]
+    assert series.asked == ["incumbent-1", "incumbent-2", "challenger-2"] and series.closed   # 6/6 faster: decided
+    assert series.folder.name == "002-paged" and installed_key(ws) == a.key()
+    assert not [c for c in calls if c[2].startswith(("incumbent", "challenger"))]   # none through the judge
+    assert "repeated timing 3x" in (ws.root / "results.log").read_text()
