@@ -185,8 +185,7 @@ def joined(stressed: EvalResult, timed: EvalResult) -> EvalResult:
     engine in an earlier verdict (its screen, its timing); a failure stays what it is."""
     if not stressed.passed:
         return stressed
-    return replace(stressed, benchmark=timed.benchmark, score=timed.score,
-                   stage_seconds={**(timed.stage_seconds or {}), **(stressed.stage_seconds or {})})
+    return replace(stressed, benchmark=timed.benchmark, score=timed.score)   # its own time: stage_seconds
 
 
 def decided(result: EvalResult, why: str) -> EvalResult:

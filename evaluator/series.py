@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
@@ -56,8 +57,11 @@ def run_series(timings: list[tuple[str, Path]], out_dir: Path, config: dict, wei
                cases: list[str], warmup: int, repeat: int, seed: int | None = None,
                bandwidth_gbs: float | None = None, peak_tflops: float | None = None,
                memory_bytes: int | None = None, triton_cache: Path | None = None, criterion: str = "auto",
-               log=lambda line: None, started: float | None = None) -> list[dict]:
-    """Time each engine in turn (stress off), writing out_dir/LABEL/result.json after each."""
+               log=lambda line: None, started: float | None = None,
+               stopped: Callable[[], bool] = lambda: False) -> list[dict]:
+    """Time each engine in turn (stress off), writing out_dir/LABEL/result.json after each.
+    `stopped()` true after a timing: the caller stopped the series (SIGTERM), and what that
+    timing became is the stop's doing, not the engine's: not written, and no timing follows."""
     device = resolve_device(device)
     tol = Tolerance()
     hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)   # once
@@ -72,6 +76,9 @@ def run_series(timings: list[tuple[str, Path]], out_dir: Path, config: dict, wei
                           hardware.bandwidth_gbs, hardware.peak_tflops, tol, log, memory_bytes, triton_cache, update_cache=False,
                           criterion=criterion, started=started, margin=margin)
         started = None   # the judge's start-up counts in the first timing only
+        if stopped():
+            log(f"{label}: stopped by the caller")
+            break
         write_json(result, out_dir / label / RESULT)
         verdict = "passed" if result["status"] == "passed" else f"{result['error_kind']} at {result['stage']}"
         log(f"{label}: {verdict} ({result['seconds']:.1f} s)")
@@ -100,7 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     labels = [label for label, _ in a.timing]
     if len(set(labels)) != len(labels):
         p.error(f"--timing labels must differ, got {', '.join(labels)}")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # the jail is torn down
+    stops: list[int] = []
+
+    def stop(*_) -> None:   # unwinds the timing under way (its jail torn down), then the series ends
+        stops.append(signal.SIGTERM)
+        sys.exit(128 + signal.SIGTERM)
+    signal.signal(signal.SIGTERM, stop)
     try:
         config = load_config(a.model_config)
     except ConfigError as e:
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     run_series(a.timing, a.out_dir, config, a.weight_dir, a.device, parse_cases(a.cases), a.warmup, a.repeat,
                a.seed, a.bandwidth_gbs, a.peak_tflops, int(a.memory_gb * 2**30) if a.memory_gb else None,
                a.triton_cache, a.criterion, log=lambda line: print(line, file=sys.stderr, flush=True),
-               started=STARTED)
+               started=STARTED, stopped=lambda: bool(stops))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -78,3 +78,30 @@ def test_a_bad_timing_flag_is_one_line_and_exit_2(flag, tiny_model, tmp_path):
                            "--model-config", str(tiny_model.config_path), "--weight-dir", str(tiny_model.weight_dir)],
                           capture_output=True, text=True, cwd=REPO_ROOT, env=SINGLE_THREAD_ENV)
     assert proc.returncode == 2 and "LABEL=ENGINE" in proc.stderr
+
+
+def test_a_stopped_series_ends_at_once_and_writes_no_verdict_for_the_timing_it_cut(tiny_model, recompute_engine_path,
+                                                                                 tmp_path):
+    """SIGTERM (Series.close) in the middle of a timing: the timing is unwound (its jail torn
+    down), no verdict is written for it (it would be the stop's, not the engine's), no timing
+    follows, and the process exits by itself rather than waiting for SIGKILL."""
+    import signal
+    import time
+    out = tmp_path / "c"
+    proc = subprocess.Popen([sys.executable, "-m", "evaluator.series", "--timing", f"one={recompute_engine_path}",
+                             "--timing", f"two={recompute_engine_path}", "--out-dir", str(out), "--cases", "prefill",
+                             "--warmup", "0", "--repeat", "1", "--device", "cpu",
+                             "--model-config", str(tiny_model.config_path), "--weight-dir", str(tiny_model.weight_dir)],
+                            stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=SINGLE_THREAD_ENV)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("--- one:"):
+            break
+    time.sleep(0.5)   # into the timing (no verdict depends on how far it got)
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode in (0, 128 + signal.SIGTERM), "".join(lines) + rest
+    assert not (out / "two").exists() and "--- two" not in rest
+    if not (out / "one" / "result.json").exists():
+        assert "one: stopped by the caller" in rest or proc.returncode == 128 + signal.SIGTERM
