@@ -152,17 +152,21 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
     on_screen(screen)
     incumbent = next((e for e in reversed(report.entries) if e.accepted), None)
 
-    engines = [(label, engine if mine else incumbent.directory / "engine.py") for label, mine in acceptance.order()]
-    timings = (series or (lambda t, f: OneByOne(judge, t, f)))(engines, folder)
+    timings: Timings | None = None   # started at the first timing the contest asks for
 
     def timing(label: str) -> EvalResult | None:
+        nonlocal timings
         if left() < expected_seconds(state):
             return None
+        if timings is None:
+            engines = [(name, engine if mine else incumbent.directory / "engine.py") for name, mine in acceptance.order()]
+            timings = (series or (lambda t, f: OneByOne(judge, t, f)))(engines, folder)
         return spent("repeated timing", timings.result(label, timeout_for(state, left())))
     try:
         decision = acceptance.contest(screen, state.best_result, timing, timing)
     finally:
-        timings.close()   # the timings the decision did not need are not run
+        if timings is not None:
+            timings.close()   # the timings the decision did not need are not run
     if decision.failure is not None:
         report.verdict(entry, decision.failure, label="repeated timing")
         return decided(decision.failure, decision.reason)
