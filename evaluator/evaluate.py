@@ -36,6 +36,7 @@ import signal
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
@@ -95,7 +96,8 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              peak_tflops: float | None = None, tol: Tolerance = Tolerance(),
              log=lambda line: None, memory_bytes: int | None = None, triton_cache: Path | None = None,
              update_cache: bool = False, profile: bool = False, criterion: str = "auto",
-             benchmark: bool = True, started: float | None = None, margin: float | None = None) -> dict:
+             benchmark: bool = True, started: float | None = None, margin: float | None = None,
+             reuse: Worker | None = None) -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
     `triton_cache` the worker starts from a copy of that (judge-owned) cache, and with
@@ -106,7 +108,9 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     `benchmark` False: no benchmark, no score (see the module's docstring). `started`: a
     time.perf_counter() reading of the process's start, so that stage_seconds counts the judge's
     own start-up (imports) too. `margin`: the judge's own margin on these weights where this
-    process measured it already (evaluator/series.py: once for all its timings)."""
+    process measured it already (evaluator/series.py: once for all its timings). `reuse`: a
+    worker that holds `engine` already and stays open (the series' consecutive timings of one
+    engine); None: a fresh worker for this evaluation, killed at its end."""
     if stress not in STRESS_MODES:
         raise ValueError(f"stress must be one of {STRESS_MODES}")
     start = time.perf_counter()
@@ -126,9 +130,11 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
         log(f"the judge's own margin against fp32 on these weights: {result['reference_margin']:.3f}")
         clock.lap("setup")
         target_tol = tol
-        with Worker(device, memory_bytes or default_memory_cap(), log, triton_cache) as worker:
+        with (nullcontext(reuse) if reuse is not None else
+              Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)) as worker:
             result["isolation"] = worker.layers
-            worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
+            if reuse is None:
+                worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
             module = RemoteModule(worker)
             clock.lap("worker")
             if bf16_criterion:

@@ -6,9 +6,13 @@
         [--repeat 3] [--seed N] [--memory-gb G] [--bandwidth-gbs B --peak-tflops P] [--triton-cache DIR]
 
 Each timing, in the order given, is exactly an `evaluate --stress off` of its engine (public
-sequence, then the benchmark with its timed outputs checked), in a worker of its own: the
-worker is started for that timing and killed whole before the next one starts, so no candidate
-runs beside another's clock, and the candidate is never imported here (evaluator/evaluate.py).
+sequence, then the benchmark with its timed outputs checked, every timed run on a fresh
+create_engine). Consecutive timings of one engine share its worker; the worker is killed whole
+before another engine's timing starts, so no candidate runs beside another's clock, and the
+candidate is never imported here (evaluator/evaluate.py). In the contest's order (A, B B, A A,
+B: agent/acceptance.py order) each later pair has one timing in a worker that timed before and
+one in a fresh worker, the side alternating from round to round as the order does. A worker
+whose timing failed is not used again.
 Its verdict goes to DIR/LABEL/result.json as soon as it is in, so a caller can decide on the
 first timings and stop the rest. What a series saves is the judge's own start per timing
 (imports, the device's context), the floor's hardware and the judge's margin on the real
@@ -24,6 +28,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
@@ -37,7 +42,9 @@ quiet_threads()
 from evaluator.common import (ConfigError, Tolerance, compute_dtype, load_config, parse_cases,  # noqa: E402
                               resolve_device)
 from evaluator.floor import detect_hardware  # noqa: E402
-from evaluator.evaluate import MEMORY_FRACTION, evaluate, write_json  # noqa: E402
+from evaluator.common import EvalFailure  # noqa: E402
+from evaluator.evaluate import MEMORY_FRACTION, default_memory_cap, evaluate, write_json  # noqa: E402
+from evaluator.remote import Worker  # noqa: E402
 from evaluator.hf_judge import CRITERIA, uses_bf16_criterion  # noqa: E402
 from evaluator.noise import reference_margin  # noqa: E402
 from evaluator.traces import BENCHMARK_CASES, PUBLIC_CASES  # noqa: E402
@@ -70,20 +77,62 @@ def run_series(timings: list[tuple[str, Path]], out_dir: Path, config: dict, wei
         margin = reference_margin(config, weight_dir, device, tol, seed)
         log(f"the judge's own margin against fp32 on these weights: {margin:.3f} (once for the series)")
     results = []
-    for label, engine in timings:
-        log(f"--- {label}: {engine}")
-        result = evaluate(engine, config, weight_dir, device, "off", cases, warmup, repeat, seed,
-                          hardware.bandwidth_gbs, hardware.peak_tflops, tol, log, memory_bytes, triton_cache, update_cache=False,
-                          criterion=criterion, started=started, margin=margin)
-        started = None   # the judge's start-up counts in the first timing only
-        if stopped():
-            log(f"{label}: stopped by the caller")
-            break
-        write_json(result, out_dir / label / RESULT)
-        verdict = "passed" if result["status"] == "passed" else f"{result['error_kind']} at {result['stage']}"
-        log(f"{label}: {verdict} ({result['seconds']:.1f} s)")
-        results.append(result)
+    held: Held | None = None   # the last engine's worker, for that engine's next timing
+    try:
+        for label, engine in timings:
+            if held is not None and held.engine != engine:
+                held.close()
+                held = None
+            if held is None:
+                held = Held.start(engine, device, memory_bytes, triton_cache, log)
+            log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else ""))
+            result = evaluate(engine, config, weight_dir, device, "off", cases, warmup, repeat, seed,
+                              hardware.bandwidth_gbs, hardware.peak_tflops, tol, log, memory_bytes, triton_cache,
+                              update_cache=False, criterion=criterion, started=started, margin=margin,
+                              reuse=held.worker if held else None)
+            started = None   # the judge's start-up counts in the first timing only
+            if stopped():
+                log(f"{label}: stopped by the caller")
+                break
+            if held is not None:
+                held.timed = True
+                if result["status"] != "passed":
+                    held.close()
+                    held = None
+            write_json(result, out_dir / label / RESULT)
+            verdict = "passed" if result["status"] == "passed" else f"{result['error_kind']} at {result['stage']}"
+            log(f"{label}: {verdict} ({result['seconds']:.1f} s)")
+            results.append(result)
+    finally:
+        if held is not None:
+            held.close()
     return results
+
+
+@dataclass
+class Held:
+    """A worker holding one engine, kept open between that engine's consecutive timings."""
+
+    engine: Path
+    worker: Worker
+    timed: bool = False
+
+    @staticmethod
+    def start(engine: Path, device: str, memory_bytes: int | None, triton_cache: Path | None, log) -> "Held | None":
+        """A fresh worker that imported `engine`; None where it failed to start or to import it:
+        then evaluate() starts its own, and its verdict says what failed."""
+        worker = None
+        try:
+            worker = Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)
+            worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
+        except EvalFailure:
+            if worker is not None:
+                worker.close()
+            return None
+        return Held(engine, worker)
+
+    def close(self) -> None:
+        self.worker.close()
 
 
 def main(argv: list[str] | None = None) -> None:

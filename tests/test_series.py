@@ -72,6 +72,30 @@ def test_closing_a_series_stops_the_timings_nobody_asked_for(tiny_model, recompu
     assert not pids   # neither the evaluator nor a worker is left
 
 
+def test_consecutive_timings_of_one_engine_share_its_worker(tiny_model, recompute_engine_path, write_engine,
+                                                            recompute_source, tmp_path):
+    """In the contest's order (A, B B, A): the two B timings in one worker (the same jail, the
+    same uid), each its own verdict on fresh engines; A's timings each in a worker of its own."""
+    other = write_engine(recompute_source, "other")
+    timings = [("incumbent-1", recompute_engine_path), ("incumbent-2", recompute_engine_path),
+               ("challenger-2", other), ("challenger-3", other)]
+    with Series(timings, tmp_path / "c", settings(tiny_model)) as series:
+        results = [series.result(label, 600) for label, _ in timings]
+    assert all(r.passed and r.benchmark for r in results)
+    assert results[0].isolation == results[1].isolation and results[2].isolation == results[3].isolation
+    assert results[1].isolation != results[2].isolation
+    assert "(its worker again)" in (tmp_path / "c" / "series" / "stderr.txt").read_text()
+
+
+def test_a_worker_whose_timing_failed_is_not_used_again(tiny_model, recompute_source, write_engine, tmp_path):
+    broken = write_engine(broken_source("raises_in_decode", recompute_source), "broken")
+    timings = [("challenger-2", broken), ("challenger-3", broken)]
+    with Series(timings, tmp_path / "c", settings(tiny_model)) as series:
+        first, second = (series.result(label, 600) for label, _ in timings)
+    assert first.error_kind == second.error_kind == "runtime_error"
+    assert first.isolation != second.isolation
+
+
 @pytest.mark.parametrize("flag", ["--timing=a/b=engine.py", "--timing=noengine"])
 def test_a_bad_timing_flag_is_one_line_and_exit_2(flag, tiny_model, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "evaluator.series", flag, "--out-dir", str(tmp_path),
