@@ -75,7 +75,15 @@ def verdict_line(r: EvalResult) -> str:
         parts.append(f"public max err {_num(r.public.get('max_abs_err'))}")
     if r.stress:
         parts.append(f"stress {r.stress.get('passed', '?')} ok, margin {_num(r.stress.get('worst_margin'))}")
-    return "  ".join(parts) + f"  [{r.seconds:.1f}s]"
+    return "  ".join(parts) + f"  [{r.seconds:.1f}s{_stages(r)}]"
+
+
+def _stages(r: EvalResult) -> str:
+    """'; judge start 2.5, worker 2.6, benchmark 3.8': where the evaluator's time went (the
+    stages that took a tenth of a second or more)."""
+    stages = [f"{name} {sec:.1f}" for name, sec in (r.stage_seconds or {}).items()
+              if isinstance(sec, (int, float)) and sec >= 0.05]
+    return "; " + ", ".join(stages) if stages else ""
 
 
 def _spent(books: dict[str, list[float]]) -> str:

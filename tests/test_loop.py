@@ -410,3 +410,11 @@ def test_a_contest_times_through_the_series_in_its_order_and_closes_it(tmp_path,
     assert series.folder.name == "002-paged" and installed_key(ws) == a.key()
     assert not [c for c in calls if c[2].startswith(("incumbent", "challenger"))]   # none through the judge
     assert "repeated timing 3x" in (ws.root / "results.log").read_text()
+
+
+def test_a_verdict_line_says_where_the_evaluators_time_went():
+    from agent.report import verdict_line
+    r = passed(1.0, seconds=9.6)
+    r.stage_seconds = {"judge start": 2.54, "setup": 0.002, "worker": 2.6, "benchmark": 3.8}
+    assert verdict_line(r).endswith("[9.6s; judge start 2.5, worker 2.6, benchmark 3.8]")
+    assert verdict_line(passed(1.0, seconds=9.6)).endswith("[9.6s]")
