@@ -65,6 +65,16 @@ def percent(ratio: float) -> str:
     return f"{100 * ratio:.0f}% of best"
 
 
+def order() -> list[tuple[str, bool]]:
+    """Every repeated timing `contest` may ask for, in the order it asks: (label, True for the
+    challenger), so that they can be run ahead of the asking (agent/judge.py Series)."""
+    labels = [("incumbent-1", False)]
+    for round_ in range(2, MAX_ROUNDS + 1):
+        pair = [(f"incumbent-{round_}", False), (f"challenger-{round_}", True)]
+        labels += pair if round_ % 2 == 0 else pair[::-1]
+    return labels
+
+
 def contest(screen: EvalResult, incumbent: EvalResult | None, time_challenger: Timing,
             time_incumbent: Timing) -> Decision:
     """Decide on a challenger whose screen passed (and kept a safe margin). `time_*` run one more

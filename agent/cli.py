@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent import loop, resume
-from agent.judge import REPO, JudgeSettings, judge
+from agent.judge import REPO, JudgeSettings, Series, judge
 from agent.plan import Plan, engine_models, engines
 from agent.pipeline import DEFAULT_PARALLEL, PARALLEL_ENV
 from agent.providers import NAMES, ProviderOptions, make_proposer, resolve_name
@@ -293,7 +293,8 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
     try:
         loop.run(state, proposer, lambda engine, out, timeout, phase: judge(engine, out, timeout,
                                                                              settings.for_phase(phase)),
-                 ws, report, cfg.budget, started, cfg.max_candidates, cfg.parallel)
+                 ws, report, cfg.budget, started, cfg.max_candidates, cfg.parallel,
+                 series=lambda timings, folder: Series(timings, folder, settings))
     except (KeyboardInterrupt, SystemExit):
         interrupted = True
         report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")

@@ -8,6 +8,10 @@ timeout, when it prints without end, or when the agent itself is interrupted, an
 crash or a missing verdict become an EvalResult like any other failure. The agent is a child
 subreaper: a worker orphaned by a killed evaluator is re-parented to it and killed here.
 Output goes to files, of which the agent reads only a bounded tail and keeps a bounded tail.
+
+`Series` runs a contest's repeated timings the same way, in one evaluator process for all of
+them (`python3 -m evaluator.series`, each timing in a fresh worker of its own), and hands each
+verdict over as soon as it is written; closing it stops the timings nobody asked for.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,13 +40,16 @@ SECRET_SUFFIXES = ("_API_KEY", "_TOKEN", "_SECRET")
 OUTPUT_CAP_BYTES = 256 * 2**20  # stdout + stderr of one evaluation; past this it is killed
 KEPT_OUTPUT_BYTES = 2**20       # the tail of each output file kept on disk afterwards
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
-# Phases (agent/loop.py): VERIFY the conservative engine's quickest verdict; FULL the run's stress
-# and benchmark (the conservative engine's timing); TIMING the public sequence and the run's
-# benchmark, no stress (the screen and the back-to-back rounds, agent/acceptance.py); FINAL a
-# finalist's verdict, as FULL: the stress suite (its long cases) and the benchmark. The full
-# stress (45 cases) takes minutes on a GPU too (docs/benchmarks.md, twelfth session): the
-# self-test commands results.log prints run it on the engine a run leaves.
-VERIFY, FULL, TIMING, FINAL = "verify", "full", "timing", "final"
+SERIES_LOGS = "series"          # a Series' stdout/stderr, under its folder (its verdicts: LABEL/result.json)
+# Phases (agent/loop.py): VERIFY the conservative engine's quickest verdict; TIMING the public
+# sequence and the run's benchmark, no stress (the conservative engine's timing, a challenger's
+# screen and the back-to-back rounds, agent/acceptance.py); FINAL a finalist's stress suite (its
+# long cases) with the public sequence and the profiled pass, no benchmark: its screen timed this
+# very engine, and the loop joins the two into the verdict it installs; STRESS the same without
+# the profiled pass (the conservative engine's, when it stays the result). The full stress (45
+# cases) takes minutes on a GPU too (docs/benchmarks.md, twelfth session): the self-test
+# commands results.log prints run it on the engine a run leaves.
+VERIFY, TIMING, FINAL, STRESS = "verify", "timing", "final", "stress"
 VERIFY_CASES = "prefill"        # the cheapest benchmark case (the evaluator always runs one)
 
 
@@ -63,19 +71,37 @@ class JudgeSettings:
     peak_tflops: float | None = None     # None: each evaluation measures its own
     triton_cache: Path | None = None   # the run's shared Triton cache (evaluator/triton_cache.py), judge-owned
     profile: bool = False        # a passing engine's profiled pass (slot_ms, for the model's prompts)
+    benchmark: bool = True       # False: public sequence and stress only (no score)
 
     def for_phase(self, phase: str) -> "JudgeSettings":
-        """The settings of one phase (see VERIFY, FULL, TIMING, FINAL); every timed phase but
+        """The settings of one phase (see VERIFY, TIMING, FINAL, STRESS); every timed phase but
         VERIFY has the same cases, warm-up and repeats, so their scores compare."""
         if phase == FINAL:   # the profiled pass: once per engine that becomes the best
-            return self
-        if phase == FULL:    # the conservative engine: no slots to profile
-            return replace(self, profile=False)
+            return replace(self, benchmark=False)
+        if phase == STRESS:  # the conservative engine: no slots to profile
+            return replace(self, benchmark=False, profile=False)
         if phase == TIMING:
             return replace(self, stress="off", profile=False)
         if phase == VERIFY:
             return replace(self, stress="off", cases=VERIFY_CASES, warmup=0, repeat=1, profile=False)
         raise ValueError(f"unknown judge phase {phase!r}")
+
+    def series_command(self, timings: list[tuple[str, Path]], out_dir: Path) -> list[str]:
+        """evaluator.series' command line: the TIMING phase's settings, for each (label, engine)."""
+        t = self.for_phase(TIMING)
+        cmd = [t.python, "-m", "evaluator.series", "--out-dir", str(out_dir),
+               "--model-config", str(t.model_config), "--weight-dir", str(t.weight_dir), "--device", t.device,
+               "--seed", str(t.seed), "--warmup", str(t.warmup), "--repeat", str(t.repeat),
+               "--memory-gb", f"{t.memory_bytes / 2**30:.6f}"]
+        for label, engine in timings:
+            cmd += ["--timing", f"{label}={engine}"]
+        if t.cases:
+            cmd += ["--cases", t.cases]
+        if t.bandwidth_gbs and t.peak_tflops:
+            cmd += ["--bandwidth-gbs", str(t.bandwidth_gbs), "--peak-tflops", str(t.peak_tflops)]
+        if t.triton_cache is not None:
+            cmd += ["--triton-cache", str(t.triton_cache)]
+        return cmd
 
     def command(self, engine: Path, out: Path) -> list[str]:
         """The evaluator's command line. Every worker reads a copy of the shared Triton cache; only
@@ -89,6 +115,8 @@ class JudgeSettings:
             cmd += ["--cases", self.cases]
         if self.profile:
             cmd.append("--profile")
+        if not self.benchmark:
+            cmd.append("--no-benchmark")
         if self.bandwidth_gbs and self.peak_tflops:
             cmd += ["--bandwidth-gbs", str(self.bandwidth_gbs), "--peak-tflops", str(self.peak_tflops)]
         if self.triton_cache is not None:
@@ -156,19 +184,53 @@ def _keep_tail(path: Path) -> None:
         pass
 
 
-def _watch(proc: subprocess.Popen, deadline: float, settings: JudgeSettings, outputs: list[Path]) -> str | None:
-    """Wait for the evaluator; None once it exited, else why it must be killed."""
-    while True:
+class _Evaluator:
+    """An evaluator process as the agent runs one: its own session, without the agent's secrets,
+    killed with the agent, registered (evaluator/sweep.py) so that no jail's sweep takes it, its
+    output in files (capped), and everything it left behind killed when it is done."""
+
+    def __init__(self, command: list[str], out_dir: Path):
+        self.outputs = [out_dir / STDOUT, out_dir / STDERR]
+        protect_judge()
+        self.before = children()
+        with open(self.outputs[0], "wb") as so, open(self.outputs[1], "wb") as se:
+            self.proc = start_child(lambda: subprocess.Popen(
+                command, cwd=REPO, stdin=subprocess.DEVNULL, stdout=so, stderr=se,
+                start_new_session=True, preexec_fn=_die_with_parent, env=_evaluator_env()))
+        self.done = False
+
+    def watch(self, deadline: float, ready: Callable[[], bool] = lambda: False) -> str | None:
+        """Wait until it exits or `ready()`: None; else why it must be killed (it is not yet).
+        The agent being interrupted meanwhile takes it down."""
         try:
-            proc.wait(timeout=max(min(POLL_SECONDS, deadline - time.monotonic()), 0.01))
-            return None
-        except subprocess.TimeoutExpired:
-            pass
-        if time.monotonic() >= deadline:
-            return "timeout"
-        written = sum(p.stat().st_size for p in outputs if p.exists())
-        if written > OUTPUT_CAP_BYTES:
-            return f"it printed more than {OUTPUT_CAP_BYTES // 2**20} MiB"
+            while True:
+                try:
+                    self.proc.wait(timeout=max(min(POLL_SECONDS, deadline - time.monotonic()), 0.01))
+                    return None
+                except subprocess.TimeoutExpired:
+                    pass
+                if ready():
+                    return None
+                if time.monotonic() >= deadline:
+                    return "timeout"
+                written = sum(p.stat().st_size for p in self.outputs if p.exists())
+                if written > OUTPUT_CAP_BYTES:
+                    return f"it printed more than {OUTPUT_CAP_BYTES // 2**20} MiB"
+        except BaseException:
+            self.finish(kill=True)
+            raise
+
+    def finish(self, kill: bool) -> None:
+        """Kill its group first if `kill` (or if it still runs), then what it left behind."""
+        if self.done:
+            return
+        self.done = True
+        if kill or self.proc.poll() is None:
+            _kill_group(self.proc)
+        forget_child(self.proc.pid)
+        kill_new_children(self.before)   # a worker whose evaluator was killed
+        for path in self.outputs:
+            _keep_tail(path)
 
 
 def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) -> EvalResult:
@@ -177,34 +239,13 @@ def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) 
     out = out_dir / RESULT
     out.unlink(missing_ok=True)
     start = time.monotonic()
-    outputs = [out_dir / STDOUT, out_dir / STDERR]
-    protect_judge()
-    before = children()
-    with open(outputs[0], "wb") as so, open(outputs[1], "wb") as se:
-        proc = start_child(lambda: subprocess.Popen(
-            settings.command(engine, out), cwd=REPO, stdin=subprocess.DEVNULL, stdout=so, stderr=se,
-            start_new_session=True, preexec_fn=_die_with_parent, env=_evaluator_env()))
-        try:
-            killed_because = _watch(proc, start + max(timeout, 1.0), settings, outputs)
-        except BaseException:
-            _kill_group(proc)  # the agent is being interrupted: take the evaluator down with it
-            forget_child(proc.pid)
-            kill_new_children(before)
-            raise
-        if killed_because is not None:
-            _kill_group(proc)
-    forget_child(proc.pid)
-    kill_new_children(before)   # a worker whose evaluator was killed
-    for path in outputs:
-        _keep_tail(path)
+    running = _Evaluator(settings.command(engine, out), out_dir)
+    killed_because = running.watch(start + max(timeout, 1.0))
+    running.finish(kill=killed_because is not None)
     seconds = time.monotonic() - start
     if killed_because is not None:
-        partial = _read(out)
-        kind, why = ("timeout", f"no verdict within {timeout:.0f}s") if killed_because == "timeout" else \
-            ("crash", killed_because)
-        return _record(out, EvalResult.failure(partial.stage if partial else "unknown", kind,
-                                               f"{why}; evaluator killed", settings.device, seconds))
-    rc = proc.returncode
+        return _killed(out, killed_because, timeout, settings.device, seconds)
+    rc = running.proc.returncode
     result = _read(out)
     if result is None:
         return _record(out, EvalResult.failure("unknown", "crash", f"evaluator exited {rc} without a verdict: "
@@ -214,6 +255,69 @@ def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) 
                                                f"verdict: {_tail(out_dir / STDERR)}", settings.device, seconds))
     result.seconds = seconds  # wall time, start-up included: what the budget actually pays
     return result
+
+
+class Series:
+    """A contest's repeated timings in one evaluator (evaluator.series), started at the first
+    `result` asked for. `timings`: every (label, engine) the contest may ask for, in the order
+    it asks; `result(label)` waits for that one (the next in order), so a contest that decides
+    early stops it by `close`. Use as a context manager."""
+
+    def __init__(self, timings: list[tuple[str, Path]], out_dir: Path, settings: JudgeSettings):
+        self.timings, self.out_dir, self.settings = timings, out_dir, settings
+        self.running: _Evaluator | None = None
+        self.next = 0
+        self.since = 0.0
+
+    def __enter__(self) -> "Series":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.running is not None:
+            self.running.finish(kill=True)
+
+    def result(self, label: str, timeout: float) -> EvalResult:
+        """The verdict of timing `label`, within `timeout` seconds from now (else the series is
+        killed and it is a timeout, as for one evaluation)."""
+        labels = [name for name, _ in self.timings]
+        if label not in labels[self.next:]:   # a label skipped is run anyway, before the next one
+            raise ValueError(f"timing {label!r} asked out of the series' order {labels} (at {self.next})")
+        self.next = labels.index(label, self.next) + 1
+        out = self.out_dir / label / RESULT
+        if self.running is None:
+            logs = self.out_dir / SERIES_LOGS
+            logs.mkdir(parents=True, exist_ok=True)
+            for name in labels:
+                (self.out_dir / name / RESULT).unlink(missing_ok=True)
+            self.since = time.monotonic()
+            self.running = _Evaluator(self.settings.series_command(self.timings, self.out_dir), logs)
+        device = self.settings.device
+        killed_because = None if self.running.done else \
+            self.running.watch(time.monotonic() + max(timeout, 1.0), ready=out.exists)
+        seconds, self.since = time.monotonic() - self.since, time.monotonic()
+        if killed_because is not None:
+            self.running.finish(kill=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            return _killed(out, killed_because, timeout, device, seconds)
+        result = _read(out)
+        if result is None:
+            self.running.finish(kill=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            return _record(out, EvalResult.failure("unknown", "crash", f"the series ended without this timing's "
+                                                   f"verdict: {_tail(self.out_dir / SERIES_LOGS / STDERR) or '(no stderr)'}",
+                                                   device, seconds))
+        result.seconds = seconds   # wall time since the previous verdict (the first: since the start)
+        return result
+
+
+def _killed(out: Path, why: str, timeout: float, device: str, seconds: float) -> EvalResult:
+    partial = _read(out)
+    kind, text = ("timeout", f"no verdict within {timeout:.0f}s") if why == "timeout" else ("crash", why)
+    return _record(out, EvalResult.failure(partial.stage if partial else "unknown", kind,
+                                           f"{text}; evaluator killed", device, seconds))
 
 
 def _record(path: Path, result: EvalResult) -> EvalResult:

@@ -3,12 +3,16 @@
 passed. Anytime: workspace/engine.py only ever holds a candidate the evaluator passed, and it is
 replaced only by one that passed in full and beat the best with a stated confidence.
 
-The conservative engine is judged in two phases so that a verified engine is on disk as
-early as possible: VERIFY (the public sequence and one short timing) installs it; FULL (the
-stress suite and the benchmark) then gives it a comparable score, within a share of the budget.
+The conservative engine is judged so that a verified engine is on disk as early as possible:
+VERIFY (the public sequence and one short timing) installs it; TIMING (the benchmark) then gives
+it a comparable score, within a share of the budget; its stress suite (STRESS) only once it is
+clear that it stays the result (`settle_conservative`: a challenger's verdict came and did not
+replace it, or the run ends), since on most targets the first challenger replaces it.
 Every other candidate is a challenger (`challenge`): TIMING first (the public sequence and the
 benchmark, no stress: the screen), then back-to-back timings against the best
-(agent/acceptance.py), and only a finalist gets FINAL (the stress suite with its long cases).
+(agent/acceptance.py), and only a finalist gets FINAL (the stress suite with its long cases);
+the verdict installed joins the final's stress to the screen's benchmark of the same engine, so
+no engine is timed twice for one verdict. Whatever is installed at the end was judged in full.
 """
 from __future__ import annotations
 
@@ -17,10 +21,11 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from agent import acceptance, policy, search
 from agent.archive import Archive
-from agent.judge import FINAL, FULL, RESULT as RESULT_FILE, TIMING, VERIFY
+from agent.judge import FINAL, RESULT as RESULT_FILE, STRESS, TIMING, VERIFY
 from agent.pipeline import Pipeline
 from agent.records import Candidate, EvalResult, Proposer, SearchState
 from agent.render import render_engine
@@ -31,11 +36,37 @@ from evaluator.checkpoint import Conventions
 Judge = Callable[[Path, Path, float, str], EvalResult]   # (engine.py, out dir, timeout s, phase) → verdict
 OnScreen = Callable[[EvalResult], None]                  # told of a challenger's passed screen
 
+
+class Timings(Protocol):
+    """A contest's repeated timings (agent/judge.py Series): `result(label, timeout)` in order."""
+
+    def result(self, label: str, timeout: float) -> EvalResult: ...
+
+    def close(self) -> None: ...
+
+
+# (every (label, engine.py) a contest may ask for, in order; the candidate's folder) → its Timings
+SeriesFactory = Callable[[list[tuple[str, Path]], Path], Timings]
+
+
+class OneByOne:
+    """Timings as one TIMING evaluation each, through the loop's judge (where no series runs them)."""
+
+    def __init__(self, judge: Judge, timings: list[tuple[str, Path]], folder: Path):
+        self.judge, self.engines, self.folder = judge, dict(timings), folder
+
+    def result(self, label: str, timeout: float) -> EvalResult:
+        return self.judge(self.engines[label], self.folder / label, timeout, TIMING)
+
+    def close(self) -> None:
+        pass
+
 RESERVE_SECONDS = 5.0        # kept back from the budget to write the summary and exit
 MIN_EVAL_SECONDS = 10.0      # less than this left: no evaluation can finish, stop proposing
 HANG_FACTOR, HANG_SLACK_SECONDS = 3.0, 120.0   # a candidate this much slower than any pass is hung
 CONSERVATIVE_FULL_SHARE = 0.35   # of the budget left, at most, for timing the (slow) conservative engine
 UNTIMED = "verified on the public sequence, not timed in full"
+UNSTRESSED = "verified and timed; its stress suite runs only if it stays the result"
 
 
 def conservative_candidate() -> Candidate:
@@ -43,12 +74,14 @@ def conservative_candidate() -> Candidate:
 
 
 def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, report: Reporter,
-        budget: float, started: float | None = None, max_candidates: int | None = None, parallel: int = 1) -> None:
+        budget: float, started: float | None = None, max_candidates: int | None = None, parallel: int = 1,
+        series: SeriesFactory | None = None) -> None:
     """Judge candidates until the proposers run dry, `max_candidates` are judged, or the budget
     (seconds from `started`, a time.monotonic() reading; default now) cannot fit another evaluation.
     `parallel` model episodes are kept going while the judge works (agent/pipeline.py). A state
     that already has a history (a resumed run, agent/resume.py) goes on from it: the conservative
-    engine, always its first entry, is not judged again."""
+    engine, always its first entry, is not judged again. `series` runs a contest's repeated
+    timings (default: one `judge` call each, OneByOne)."""
     deadline = (time.monotonic() if started is None else started) + budget
     left = lambda: deadline - time.monotonic() - RESERVE_SECONDS  # noqa: E731
     report.seconds_left = left
@@ -64,20 +97,24 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
                 break
             index = len(state.history) + 1
             entry = judge_one(index, candidate, state, judge, ws, report, left,
-                              lambda screen: pipeline.screened(index, candidate, screen))
+                              lambda screen: pipeline.screened(index, candidate, screen), series)
             state.history.append((candidate, entry.result))
             if entry.accepted:
                 state.best, state.best_result = candidate, entry.result
             if len(state.history) > 1:  # the conservative step is the loop's own, not the proposer's
                 pipeline.feedback(candidate, entry.result)
                 report.line(f"     {pipeline.status()}")
+                settle_conservative(state, judge, ws, report, left)
             state.seconds_left = left()
             candidate = pipeline.next()
+    settle_conservative(state, judge, ws, report, left)
     report.line(Archive.of(state).summary())
+    report.line(report.judge_time())
 
 
 def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge, ws: Workspace,
-              report: Reporter, left: Callable[[], float], on_screen: OnScreen = lambda screen: None) -> Entry:
+              report: Reporter, left: Callable[[], float], on_screen: OnScreen = lambda screen: None,
+              series: SeriesFactory | None = None) -> Entry:
     """Render, check, screen, contest the best, and install a finalist that passes in full.
     `on_screen` hears of a screen that passed, before the contest and the final."""
     entry = Entry(index, candidate, ws.candidate_dir(index, describe(candidate.plan)))
@@ -87,7 +124,7 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
     if entry.result is None and not state.history:
         entry.result = judge_conservative(entry, source, judge, ws, report, left)
     elif entry.result is None:
-        entry.result = challenge(entry, source, state, judge, ws, report, left, on_screen)
+        entry.result = challenge(entry, source, state, judge, ws, report, left, on_screen, series)
         # The candidate's folder holds its verdict whichever phase gave it (a rejected screen
         # lives in timing/ with its logs): one place to look, as the README's layout says.
         atomic_write(entry.directory / RESULT_FILE, json.dumps(entry.result.to_dict(), indent=2) + "\n")
@@ -98,11 +135,13 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
 
 
 def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: Workspace, report: Reporter,
-              left: Callable[[], float], on_screen: OnScreen = lambda screen: None) -> EvalResult:
+              left: Callable[[], float], on_screen: OnScreen = lambda screen: None,
+              series: SeriesFactory | None = None) -> EvalResult:
     """The screen (a timing, no stress), the back-to-back rounds against the best, and for a
     finalist the full verdict (the stress suite's long cases included) that gets installed."""
     engine, folder = entry.directory / "engine.py", entry.directory
-    screen = judge(engine, folder / TIMING, timeout_for(state, left()), TIMING)
+    spent = report.spending(entry)
+    screen = spent("screen", judge(engine, folder / TIMING, timeout_for(state, left()), TIMING))
     report.verdict(entry, screen, label="screen")
     if not screen.passed:
         return screen
@@ -113,19 +152,29 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
     on_screen(screen)
     incumbent = next((e for e in reversed(report.entries) if e.accepted), None)
 
-    def timing(path: Path, out: str) -> EvalResult | None:
+    timings: Timings | None = None   # started at the first timing the contest asks for
+
+    def timing(label: str) -> EvalResult | None:
+        nonlocal timings
         if left() < expected_seconds(state):
             return None
-        return judge(path, folder / out, timeout_for(state, left()), TIMING)
-    decision = acceptance.contest(screen, state.best_result, lambda label: timing(engine, label),
-                                  lambda label: timing(incumbent.directory / "engine.py", label))
+        if timings is None:
+            engines = [(name, engine if mine else incumbent.directory / "engine.py") for name, mine in acceptance.order()]
+            timings = (series or (lambda t, f: OneByOne(judge, t, f)))(engines, folder)
+        return spent("repeated timing", timings.result(label, timeout_for(state, left())))
+    try:
+        decision = acceptance.contest(screen, state.best_result, timing, timing)
+    finally:
+        if timings is not None:
+            timings.close()   # the timings the decision did not need are not run
     if decision.failure is not None:
         report.verdict(entry, decision.failure, label="repeated timing")
         return decided(decision.failure, decision.reason)
     report.line(f"     {'ACCEPT' if decision.accepted else 'REJECT'}: {decision.reason}")
     if not decision.accepted:
         return decided(screen, decision.reason)
-    final = decided(judge(engine, folder, timeout_for(state, left()), FINAL), decision.reason)
+    final = decided(joined(spent("final", judge(engine, folder, timeout_for(state, left()), FINAL)), screen),
+                    decision.reason)
     report.verdict(entry, final, label="final")
     if final.passed and final.safe():
         install(entry, final, source, ws, report)
@@ -133,6 +182,14 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         report.warn(f"#{entry.index:03d} passed with margin {final.margin():.2f} < "
                     f"{final.required_margin():.2f}: too close to the tolerance to keep")
     return final
+
+
+def joined(stressed: EvalResult, timed: EvalResult) -> EvalResult:
+    """A verdict without a benchmark (FINAL, STRESS) completed by the benchmark of the same
+    engine in an earlier verdict (its screen, its timing); a failure stays what it is."""
+    if not stressed.passed:
+        return stressed
+    return replace(stressed, benchmark=timed.benchmark, score=timed.score)   # its own time: stage_seconds
 
 
 def decided(result: EvalResult, why: str) -> EvalResult:
@@ -143,24 +200,54 @@ def decided(result: EvalResult, why: str) -> EvalResult:
 
 def judge_conservative(entry: Entry, source: str, judge: Judge, ws: Workspace, report: Reporter,
                        left: Callable[[], float]) -> EvalResult:
-    """VERIFY, install at once (anytime), then FULL within a share of the budget. If FULL does
-    not pass, the engine stays, ranked 0 (untimed), so any candidate that passes replaces it."""
+    """VERIFY, install at once (anytime), then TIMING within a share of the budget (its stress
+    comes later: settle_conservative). If TIMING does not pass, the engine stays, ranked 0
+    (untimed), so any candidate that passes replaces it."""
     engine = entry.directory / "engine.py"
-    verified = judge(engine, entry.directory / VERIFY, left(), VERIFY)
+    spent = report.spending(entry)
+    verified = spent("conservative", judge(engine, entry.directory / VERIFY, left(), VERIFY))
     if verified.passed:  # its one short timing does not compare with full scores: rank it 0 for now
         verified = replace(verified, score=0.0, error=UNTIMED)
     report.verdict(entry, verified, label="verify")
     if not verified.passed:
         return verified
     install(entry, verified, source, ws, report)
-    full = judge(engine, entry.directory, CONSERVATIVE_FULL_SHARE * left(), FULL)
-    report.verdict(entry, full, label="timing")
-    if full.passed:
-        install(entry, full, source, ws, report)
-        return full
-    report.warn(f"the conservative engine stays installed, ranked 0: its full evaluation did not pass "
-                f"({full.error_kind} at {full.stage})")
-    return replace(verified, error=f"{UNTIMED}: full evaluation {full.error_kind} at {full.stage}")
+    timed = spent("conservative", judge(engine, entry.directory / TIMING, CONSERVATIVE_FULL_SHARE * left(), TIMING))
+    report.verdict(entry, timed, label="timing")
+    if timed.passed:
+        timed = replace(timed, error=UNSTRESSED)
+        install(entry, timed, source, ws, report)
+        return timed
+    report.warn(f"the conservative engine stays installed, ranked 0: its timing did not pass "
+                f"({timed.error_kind} at {timed.stage})")
+    return replace(verified, error=f"{UNTIMED}: timing {timed.error_kind} at {timed.stage}")
+
+
+def settle_conservative(state: SearchState, judge: Judge, ws: Workspace, report: Reporter,
+                        left: Callable[[], float]) -> None:
+    """The conservative engine's stress suite, once it is the best with a challenger judged
+    beside it, or at the run's end: then it is the result and must be judged in full. A pass
+    joins its timing (the verdict installed again, now complete); a failure leaves it installed,
+    verified on the public sequence, ranked 0 (as an untimed one: any passing engine replaces it)."""
+    first = report.entries[0] if report.entries else None
+    if first is None or not first.accepted or state.best is not first.candidate or first.result is None \
+            or first.result.error != UNSTRESSED:
+        return
+    engine = first.directory / "engine.py"
+    stressed = report.spending(first)("conservative", judge(engine, first.directory, max(left(), 1.0), STRESS))
+    report.verdict(first, stressed, label="stress")
+    if stressed.passed:
+        result = joined(stressed, first.result)
+        install(first, result, engine.read_text(), ws, report)
+    else:
+        report.warn(f"the conservative engine stays installed, ranked 0: its stress suite did not pass "
+                    f"({stressed.error_kind} at {stressed.stage})")
+        result = replace(first.result, score=0.0, error=f"{UNTIMED}: stress {stressed.error_kind} at {stressed.stage}")
+        ws.install_engine(engine.read_text(), {"index": first.index, **first.candidate.to_dict(),
+                                               "result": result.to_dict()})   # engine.json says so
+    first.result = state.best_result = result
+    state.history[0] = (first.candidate, result)
+    report.finished(first)
 
 
 def prepare(candidate: Candidate, directory: Path, device: str,

@@ -61,6 +61,9 @@ class EvalResult:
     # "other_ms", "slots": {slot: {"ms", "calls", "shapes": {label: ms}}}}. The worker's claim:
     # shown to the model, never scored.
     slot_ms: dict | None = None
+    # Where the evaluation's time went, as the evaluator clocked it: {"judge start", "setup",
+    # "worker", "public", "stress", "benchmark", "profile", "rest": seconds} (what ran).
+    stage_seconds: dict | None = None
 
     @property
     def passed(self) -> bool:

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent import plot
@@ -31,11 +31,13 @@ class Entry:
     result: EvalResult | None = None     # None while it is being judged
     accepted: bool = False
     seconds: float = 0.0                 # since the run started, when its verdict was final
+    spent: dict[str, list[float]] = field(default_factory=dict)   # judge seconds per kind of evaluation
 
     def to_dict(self, root: Path) -> dict:
         return {"index": self.index, "dir": str(self.directory.relative_to(root)), **self.candidate.to_dict(),
                 "result": self.result.to_dict() if self.result else None, "accepted": self.accepted,
-                "seconds": round(self.seconds, 3)}
+                "seconds": round(self.seconds, 3),
+                "judge_seconds": {kind: [round(x, 3) for x in xs] for kind, xs in self.spent.items()}}
 
 
 def describe(plan: Plan) -> str:
@@ -73,7 +75,20 @@ def verdict_line(r: EvalResult) -> str:
         parts.append(f"public max err {_num(r.public.get('max_abs_err'))}")
     if r.stress:
         parts.append(f"stress {r.stress.get('passed', '?')} ok, margin {_num(r.stress.get('worst_margin'))}")
-    return "  ".join(parts) + f"  [{r.seconds:.1f}s]"
+    return "  ".join(parts) + f"  [{r.seconds:.1f}s{_stages(r)}]"
+
+
+def _stages(r: EvalResult) -> str:
+    """'; judge start 2.5, worker 2.6, benchmark 3.8': where the evaluator's time went (the
+    stages that took a tenth of a second or more)."""
+    stages = [f"{name} {sec:.1f}" for name, sec in (r.stage_seconds or {}).items()
+              if isinstance(sec, (int, float)) and sec >= 0.05]
+    return "; " + ", ".join(stages) if stages else ""
+
+
+def _spent(books: dict[str, list[float]]) -> str:
+    """'screen 20s, repeated timing 3x 61s, final 30s'."""
+    return ", ".join(f"{kind} {f'{len(xs)}x ' if len(xs) > 1 else ''}{sum(xs):.0f}s" for kind, xs in books.items())
 
 
 def summary_rows(entries: list[Entry]) -> tuple[list[str], list[list[str]]]:
@@ -105,6 +120,7 @@ class Reporter:
         self.best_line = "none yet"
         self.isolation: str | None = None   # the last worker-isolation line shown
         self.seconds_left: Callable[[], float] = lambda: 0.0
+        self.spent: dict[str, list[float]] = {}   # the run's judge seconds per kind of evaluation
         self._log = open(self.root / RESULTS_LOG, "a", buffering=1)
         self._started = time.monotonic()
         self._plot = True       # False once drawing was found impossible (said once in the log)
@@ -165,7 +181,25 @@ class Reporter:
         self.best_line = f"#{entry.index:03d} {describe(entry.candidate.plan)} (score {result.rank():.4g})"
         self.line(f"     ACCEPTED -> {self.root / ENGINE}{again}")
 
+    def spending(self, entry: Entry) -> Callable[[str, EvalResult], EvalResult]:
+        """A recorder of where the judge's time goes: `spent(kind, verdict)` books the verdict's
+        wall time under `kind` (screen, repeated timing, final, conservative) for the entry and
+        the run, and returns the verdict."""
+        def spent(kind: str, result: EvalResult) -> EvalResult:
+            for book in (entry.spent, self.spent):
+                book.setdefault(kind, []).append(result.seconds)
+            return result
+        return spent
+
+    def judge_time(self) -> str:
+        """The run's judge time by kind of evaluation, and candidates judged per minute overall."""
+        minutes = max(time.monotonic() - self._started, 1e-9) / 60
+        return (f"judge time: {_spent(self.spent) or 'none'}; {len(self.entries) / minutes:.2f} candidates "
+                f"judged per minute over {60 * minutes:.0f}s")
+
     def finished(self, entry: Entry) -> None:
+        if entry.spent:
+            self.line(f"     judge time: {_spent(entry.spent)}")
         entry.seconds = time.monotonic() - self._started
         self._write_json(finished=False)
         self._draw()

@@ -2,7 +2,7 @@
 
     python3 -m evaluator.evaluate --engine PATH --model-config CFG --weight-dir DIR \
         --device cpu|cuda|auto [--stress off|quick|full] [--cases prefill,decode,mixed,...] \
-        [--warmup 1] [--repeat 3] [--seed N] [--memory-gb G] [--triton-cache DIR [--triton-cache-update]]
+        [--no-benchmark] [--warmup 1] [--repeat 3] [--seed N] [--memory-gb G] [--triton-cache DIR [--triton-cache-update]]
         [--profile] [--criterion auto|course|bf16] --out RESULT.json
 
 This process is the judge: it holds the inputs, the reference, the comparison, the clock and
@@ -15,7 +15,11 @@ Before the worker starts, the judge's own rounding noise on the real weights (ev
 `reference_margin`, what the loop's safety margin is read against). Stages in order: import →
 [criterion →] public (SPEC.md §4) → stress → benchmark (tokens from a fresh, unpredictable seed;
 outputs of the timed runs checked too); it stops at the first failing stage, writes RESULT.json
-(even on failure) and exits 0 only when all passed. A Hugging Face model in bf16/fp16 is judged
+(even on failure) and exits 0 only when all passed. `--no-benchmark` leaves the benchmark out
+(no score): for a caller that holds this engine's timing from an evaluation of its own (the
+agent's finalist, timed by its screen, gets its stress suite here). `stage_seconds` says where
+the evaluation's time went (judge start, setup: the floor's hardware and the judge's margin,
+worker, public, stress, benchmark, profile). A Hugging Face model in bf16/fp16 is judged
 by the bf16 criterion (evaluator/hf_judge.py: the criterion stage first, then the others against
 fp32 at the tolerance it measured); the course format's judge is unchanged. Progress goes to
 stderr, a one-line verdict to stdout. Timeouts are the caller's to record. With --profile, a
@@ -32,12 +36,15 @@ import signal
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evaluator.isolation import quiet_threads  # noqa: E402  (the standard library only)
+
+STARTED = time.perf_counter()   # before torch is imported: the judge's start counts in stage_seconds
 
 quiet_threads()   # before torch is imported: see QUIET_THREADS
 
@@ -88,33 +95,48 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              repeat: int = 3, seed: int | None = None, bandwidth_gbs: float | None = None,
              peak_tflops: float | None = None, tol: Tolerance = Tolerance(),
              log=lambda line: None, memory_bytes: int | None = None, triton_cache: Path | None = None,
-             update_cache: bool = False, profile: bool = False, criterion: str = "auto") -> dict:
+             update_cache: bool = False, profile: bool = False, criterion: str = "auto",
+             benchmark: bool = True, started: float | None = None, margin: float | None = None,
+             reuse: Worker | None = None) -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
     `triton_cache` the worker starts from a copy of that (judge-owned) cache, and with
     `update_cache` (the caller vouches that the engine's code is all its own) a passing worker's
     new entries are added to it (evaluator/triton_cache.py). `profile`: a passing engine's
     profiled pass goes into `slot_ms` (a failure of the pass is logged; the verdict stands).
-    criterion: evaluator/hf_judge.py (auto: the bf16 criterion for Hugging Face models in half precision)."""
+    criterion: evaluator/hf_judge.py (auto: the bf16 criterion for Hugging Face models in half precision).
+    `benchmark` False: no benchmark, no score (see the module's docstring). `started`: a
+    time.perf_counter() reading of the process's start, so that stage_seconds counts the judge's
+    own start-up (imports) too. `margin`: the judge's own margin on these weights where this
+    process measured it already (evaluator/series.py: once for all its timings). `reuse`: a
+    worker that holds `engine` already and stays open (the series' consecutive timings of one
+    engine); None: a fresh worker for this evaluation, killed at its end."""
     if stress not in STRESS_MODES:
         raise ValueError(f"stress must be one of {STRESS_MODES}")
     start = time.perf_counter()
     device = resolve_device(device)
     result = {"status": "failed", "stage": "import", "error_kind": None, "error": None, "device": device,
               "criterion": None, "public": None, "stress": None, "benchmark": None, "score": None,
-              "reference_margin": None, "isolation": None, "slot_ms": None, "seconds": 0.0}
+              "reference_margin": None, "isolation": None, "slot_ms": None, "seconds": 0.0, "stage_seconds": {}}
+    clock = StageClock(result["stage_seconds"], start if started is None else started)
+    if started is not None:
+        clock.lap("judge start")
     try:
         config = load_config(model_config)
         hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
         bf16_criterion = uses_bf16_criterion(config, device, criterion)
-        result["reference_margin"] = (CRITERION_MARGIN if bf16_criterion
+        result["reference_margin"] = (CRITERION_MARGIN if bf16_criterion else margin if margin is not None
                                       else reference_margin(config, weight_dir, device, tol, seed))
         log(f"the judge's own margin against fp32 on these weights: {result['reference_margin']:.3f}")
+        clock.lap("setup")
         target_tol = tol
-        with Worker(device, memory_bytes or default_memory_cap(), log, triton_cache) as worker:
+        with (nullcontext(reuse) if reuse is not None else
+              Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)) as worker:
             result["isolation"] = worker.layers
-            worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
+            if reuse is None:
+                worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
             module = RemoteModule(worker)
+            clock.lap("worker")
             if bf16_criterion:
                 result["stage"] = "criterion"
                 verdict, target_tol = run_criterion(module, config, weight_dir, device, seed)
@@ -128,27 +150,32 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             result["public"] = {"status": public["status"], "max_abs_err": public["max_abs_err"],
                                 "cases": public["cases"], "worst_margin": public["worst_margin"]}
             log(f"public: passed, max abs err {public['max_abs_err']:.3g}")
+            clock.lap("public")
             if stress != "off":
                 result["stage"] = "stress"
                 report = run_stress(module, device, seed, quick=stress == "quick", target=(config, weight_dir),
                                     fail_fast=True, tol=tol, log=log, target_tol=target_tol)
                 result["stress"] = report.to_dict()
+                clock.lap("stress")
                 failure = report.first_failure
                 if failure is not None:
                     result["error_kind"] = failure.error_kind
                     result["error"] = f"stress case {failure.name} (seed {report.seed}): {failure.error}"
                     return result
-            result["stage"] = "benchmark"
-            # A fresh seed the worker never sees: it gets each trace's tokens when the clock starts.
-            result["benchmark"] = run_benchmark(module, config, weight_dir, device, list(cases), warmup, repeat,
-                                                seed=secrets.randbits(62), hardware=hardware, tol=target_tol)
-            result["score"] = score(result["benchmark"])
+            if benchmark:
+                result["stage"] = "benchmark"
+                # A fresh seed the worker never sees: it gets each trace's tokens when the clock starts.
+                result["benchmark"] = run_benchmark(module, config, weight_dir, device, list(cases), warmup, repeat,
+                                                    seed=secrets.randbits(62), hardware=hardware, tol=target_tol)
+                result["score"] = score(result["benchmark"])
+                clock.lap("benchmark")
             result["stage"], result["status"] = "done", "passed"
             if profile:
                 try:
                     result["slot_ms"] = profiled_pass(module, config, weight_dir, list(cases))
                 except EvalFailure as e:
                     log(f"profiled pass failed ({e.kind}): {str(e).splitlines()[0] if str(e) else ''}")
+                clock.lap("profile")
             if triton_cache is not None and update_cache:
                 added = merge_cache(worker.jail.compile_cache, triton_cache)
                 log(f"shared Triton cache: {added} compiled kernels added")
@@ -159,7 +186,21 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
     finally:
         result["seconds"] = time.perf_counter() - start
+        clock.lap("rest")   # a failing stage's time, the worker's teardown
     return result
+
+
+class StageClock:
+    """Seconds per stage of one evaluation, each lap the time since the previous one (rounded
+    to ms; a stage lapped twice adds up)."""
+
+    def __init__(self, into: dict[str, float], since: float):
+        self.into, self.last = into, since
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.into[stage] = round(self.into.get(stage, 0.0) + now - self.last, 3)
+        self.last = now
 
 
 def write_json(result: dict, out: str | Path) -> None:
@@ -179,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     p = harness_parser(__doc__.splitlines()[0])
     p.add_argument("--stress", choices=STRESS_MODES, default="quick")
     p.add_argument("--cases", default=",".join(PUBLIC_CASES), help=f"comma-separated, of: {', '.join(BENCHMARK_CASES)}")
+    p.add_argument("--no-benchmark", action="store_true",
+                   help="public sequence and stress only, no score: the caller holds this engine's timing")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, help="stress seed (default: fresh)")
@@ -209,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
                       log=lambda line: print(line, file=sys.stderr, flush=True),
                       memory_bytes=int(a.memory_gb * 2**30) if a.memory_gb else None,
                       triton_cache=a.triton_cache, update_cache=a.triton_cache_update, profile=a.profile,
-                      criterion=a.criterion)
+                      criterion=a.criterion, benchmark=not a.no_benchmark, started=STARTED)
     write_json(result, a.out)
     score_text = "untimed" if result["score"] is None else f"{result['score']:.4g}"
     verdict = f"score {score_text}" if result["status"] == "passed" else \

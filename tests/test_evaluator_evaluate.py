@@ -41,6 +41,19 @@ def test_cli_passes_a_correct_engine(recompute_engine_path, tiny_model, tmp_path
     assert r["score"] == pytest.approx(score(r["benchmark"]))
     assert proc.stdout.startswith("passed: score")
     assert "target/churn" in proc.stderr  # the real model is stressed too
+    assert r["stage_seconds"].keys() >= {"judge start", "setup", "worker", "public", "stress", "benchmark"}
+    assert sum(r["stage_seconds"].values()) >= r["seconds"] * 0.99   # the judge's start-up counts too
+
+
+def test_no_benchmark_judges_without_timing(recompute_engine_path, tiny_model, tmp_path):
+    """--no-benchmark (the agent's FINAL: its screen timed this engine): a verdict, no benchmark, no score."""
+    out = tmp_path / "result.json"
+    proc = run_cli(recompute_engine_path, tiny_model, out, "--stress", "off", "--no-benchmark")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert (r["status"], r["stage"], r["benchmark"], r["score"]) == ("passed", "done", None, None)
+    assert r["public"]["status"] == "passed" and "benchmark" not in r["stage_seconds"]
+    assert proc.stdout.startswith("passed: score untimed")
 
 
 def test_cli_writes_the_verdict_of_a_wrong_engine(recompute_source, write_engine, tiny_model, tmp_path):

@@ -160,8 +160,21 @@ def test_search_picture_is_drawn_or_skipped_with_a_log_line(tmp_path):
 def test_the_profiled_pass_is_asked_for_once_per_new_best(tmp_path):
     """Only the FINAL phase (an engine about to become the best) carries --profile: the screens
     and repeated timings that decide acceptance are never profiled."""
-    from agent.judge import FINAL, FULL, TIMING, VERIFY, JudgeSettings
+    from agent.judge import FINAL, STRESS, TIMING, VERIFY, JudgeSettings
     settings = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cpu", 0, profile=True)
     flags = {phase: "--profile" in settings.for_phase(phase).command(tmp_path / "engine.py", tmp_path / "r.json")
-             for phase in (VERIFY, FULL, TIMING, FINAL)}
-    assert flags == {VERIFY: False, FULL: False, TIMING: False, FINAL: True}
+             for phase in (VERIFY, STRESS, TIMING, FINAL)}
+    assert flags == {VERIFY: False, STRESS: False, TIMING: False, FINAL: True}
+
+
+def test_only_timing_phases_run_the_benchmark(tmp_path):
+    """FINAL and STRESS judge an engine whose timing the loop holds already (its screen, its
+    TIMING): the evaluator is told to leave the benchmark out."""
+    from agent.judge import FINAL, STRESS, TIMING, VERIFY, JudgeSettings
+    settings = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cpu", 0)
+    cmd = {phase: settings.for_phase(phase).command(tmp_path / "engine.py", tmp_path / "r.json")
+           for phase in (VERIFY, STRESS, TIMING, FINAL)}
+    assert {phase: "--no-benchmark" in c for phase, c in cmd.items()} == \
+        {VERIFY: False, STRESS: True, TIMING: False, FINAL: True}
+    assert {phase: c[c.index("--stress") + 1] for phase, c in cmd.items()} == \
+        {VERIFY: "off", STRESS: "quick", TIMING: "off", FINAL: "quick"}

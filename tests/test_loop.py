@@ -3,11 +3,12 @@ never install a failure, never judge a plan twice, stop at the budget, survive t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from agent import loop
+from agent import acceptance, loop
 from agent.plan import Param, Plan, Variant
 from agent.providers.builtin import BuiltinProposer
 from agent.records import MARGIN_FLOOR, MIN_GAIN, MIN_SAFETY_MARGIN, Candidate, EvalResult, SearchState, improves
@@ -48,9 +49,11 @@ def fake_render(plan, extra_variants=None):
 
 
 def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: str = "cpu", monkeypatch=None,
-             verify=None):
-    """Run the real loop with a judge that looks FULL verdicts up by plan key (default: fail);
-    the conservative engine's VERIFY phase passes when its FULL verdict does (or as `verify` says)."""
+             verify=None, calls: list | None = None, stress=None, max_candidates: int | None = None, series=None):
+    """Run the real loop with a judge that looks full verdicts up by plan key (default: fail);
+    the conservative engine's VERIFY phase passes when its full verdict does (or as `verify` says).
+    Like the evaluator, FINAL and STRESS carry no benchmark, and STRESS gives `stress` if set.
+    `calls` gets every (plan key, phase, out dir name) the judge was asked."""
     monkeypatch.setattr(loop, "render_engine", fake_render)
     judged = []
 
@@ -60,8 +63,14 @@ def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: 
             judged.append((key, timeout, phase))
         assert engine.read_text() == fake_render(Plan.from_dict(json.loads(key)))
         full = verdicts.get(key, failed())
+        if calls is not None:
+            calls.append((key, phase, out_dir.name))
         if phase == loop.VERIFY:
             return verify or (passed(0.01) if full.passed else full)
+        if phase == loop.STRESS and stress is not None:
+            return stress
+        if phase in (loop.FINAL, loop.STRESS) and full.passed:
+            return replace(full, benchmark=[], score=None)
         return full
 
     ws = Workspace(tmp_path / "ws")
@@ -69,7 +78,7 @@ def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: 
     report = Reporter(ws.root, live=False)
     ws.open_history(warn=report.warn)
     state = SearchState(spec=None, device=device, hardware={})
-    loop.run(state, proposer, judge, ws, report, budget)
+    loop.run(state, proposer, judge, ws, report, budget, max_candidates=max_candidates, series=series)
     report.finish([])
     firsts = [(k, t) for i, (k, t, _) in enumerate(judged) if i == 0 or judged[i - 1][0] != k]
     return ws, state, firsts  # one (plan key, timeout) per candidate, in order
@@ -310,3 +319,102 @@ def test_builtin_walk_falls_back_to_the_faithful_library_plan_only_when_the_libr
         library, after = candidate.plan, proposer.propose(state).plan
         assert {slot: library.slots[slot] for slot in attention} == {s: search.PREFERRED[s] for s in attention}
         assert ({slot: after.slots[slot] for slot in attention} == faithful) == expect_faithful, after.slots
+
+
+def test_the_final_adds_the_stress_to_the_screens_timing_and_times_nothing_twice(tmp_path, monkeypatch):
+    """A finalist's verdict joins its FINAL (stress, no benchmark) to its screen (the benchmark):
+    the engine installed carries the screen's score and the final's stress, and no phase but
+    TIMING times an engine."""
+    a = Plan("paged")
+    calls = []
+    challenger = with_margin(passed(5.0), 1.0, 0.9)
+    ws, state, _ = run_loop(tmp_path, ListProposer([a]), {CONSERVATIVE: passed(1.0), a.key(): challenger},
+                            monkeypatch=monkeypatch, calls=calls)
+    assert [(phase, out) for key, phase, out in calls if key == a.key()] == [(loop.TIMING, "timing"), (loop.FINAL, "002-paged")]
+    installed = ws.installed_verdict()["result"]
+    assert installed["score"] == 5.0 and installed["stress"]["target_margin"] == 0.9
+    assert [c["case_name"] for c in installed["benchmark"]] == list(CASES)
+    log = (ws.root / "results.log").read_text()
+    assert "judge time: screen 1s, final 1s" in log and "candidates judged per minute" in log
+
+
+def test_the_conservative_stress_is_skipped_when_a_challenger_replaces_it(tmp_path, monkeypatch):
+    a = Plan("paged")
+    calls = []
+    ws, state, _ = run_loop(tmp_path, ListProposer([a]), {CONSERVATIVE: passed(1.0), a.key(): passed(5.0)},
+                            monkeypatch=monkeypatch, calls=calls)
+    assert [phase for key, phase, _ in calls if key == CONSERVATIVE] == [loop.VERIFY, loop.TIMING]
+    assert installed_key(ws) == a.key()
+    assert "verified" in state.history[0][1].error   # the table says it was not judged in full
+
+
+@pytest.mark.parametrize("challenger", ["fails", "none"])
+def test_the_conservative_that_stays_the_result_is_judged_in_full(tmp_path, monkeypatch, challenger):
+    """Its stress suite comes after the first challenger that did not replace it, or at the run's
+    end, and the verdict installed joins it to the conservative engine's timing."""
+    plans = [Plan("paged")] if challenger == "fails" else []
+    calls = []
+    conservative = with_margin(passed(1.0), 1.0, 1.0)
+    ws, state, _ = run_loop(tmp_path, ListProposer(plans), {CONSERVATIVE: conservative},
+                            monkeypatch=monkeypatch, calls=calls)
+    assert [phase for key, phase, _ in calls if key == CONSERVATIVE] == [loop.VERIFY, loop.TIMING, loop.STRESS]
+    assert [key for key, _, _ in calls][-1] == CONSERVATIVE   # after the challenger's verdict
+    installed = ws.installed_verdict()["result"]
+    assert installed["status"] == "passed" and installed["score"] == 1.0 and installed["stress"] is not None
+    assert installed["error"] is None and state.best_result.stress is not None
+    assert json.loads((ws.root / "results.json").read_text())["candidates"][0]["result"]["stress"] is not None
+
+
+def test_a_conservative_that_fails_its_stress_stays_installed_ranked_0_and_says_so(tmp_path, monkeypatch):
+    ws, state, _ = run_loop(tmp_path, ListProposer([]), {CONSERVATIVE: passed(1.0)}, monkeypatch=monkeypatch,
+                            stress=failed("timeout"))
+    first = state.history[0][1]
+    assert first.rank() == 0.0 and "stress timeout" in first.error
+    assert installed_key(ws) == CONSERVATIVE and "stress timeout" in ws.installed_verdict()["result"]["error"]
+    assert "its stress suite did not pass" in (ws.root / "results.log").read_text()
+
+
+def test_max_candidates_1_still_judges_the_conservative_in_full(tmp_path, monkeypatch):
+    calls = []
+    run_loop(tmp_path, ListProposer([Plan("paged")]), {CONSERVATIVE: passed(1.0)}, monkeypatch=monkeypatch,
+             calls=calls, max_candidates=1)
+    assert [phase for _, phase, _ in calls] == [loop.VERIFY, loop.TIMING, loop.STRESS]
+
+
+def test_a_contest_times_through_the_series_in_its_order_and_closes_it(tmp_path, monkeypatch):
+    """The repeated timings go to the series (agent/judge.py Series: one evaluator for all of
+    them), asked in acceptance.order(); once the contest decides, the series is closed."""
+    a = Plan("paged")
+    made = []
+
+    class FakeSeries:
+        def __init__(self, timings, folder):
+            self.timings, self.folder, self.asked, self.closed = timings, folder, [], False
+            made.append(self)
+
+        def result(self, label, timeout):
+            assert not self.closed
+            self.asked.append(label)
+            return passed(1.05 if dict(self.timings)[label].parent.name.startswith("002") else 1.0)
+
+        def close(self):
+            self.closed = True
+    calls = []
+    ws, _, _ = run_loop(tmp_path, ListProposer([a]), {CONSERVATIVE: passed(1.0), a.key(): passed(1.05)},
+                        monkeypatch=monkeypatch, series=FakeSeries, calls=calls)
+    (series,) = made
+    assert [label for label, _ in series.timings] == [label for label, _ in acceptance.order()]
+    assert [path.parent.name for _, path in series.timings] == \
+        ["002-paged" if mine else "001-recompute" for _, mine in acceptance.order()]
+    assert series.asked == ["incumbent-1", "incumbent-2", "challenger-2"] and series.closed   # 6/6 faster: decided
+    assert series.folder.name == "002-paged" and installed_key(ws) == a.key()
+    assert not [c for c in calls if c[2].startswith(("incumbent", "challenger"))]   # none through the judge
+    assert "repeated timing 3x" in (ws.root / "results.log").read_text()
+
+
+def test_a_verdict_line_says_where_the_evaluators_time_went():
+    from agent.report import verdict_line
+    r = passed(1.0, seconds=9.6)
+    r.stage_seconds = {"judge start": 2.54, "setup": 0.002, "worker": 2.6, "benchmark": 3.8}
+    assert verdict_line(r).endswith("[9.6s; judge start 2.5, worker 2.6, benchmark 3.8]")
+    assert verdict_line(passed(1.0, seconds=9.6)).endswith("[9.6s]")
