@@ -984,8 +984,9 @@ def test_a_worker_shrinking_the_output_buffer_does_not_kill_the_judge(recompute_
         proc = run_cli(engine, tiny_model, tmp_path / "result.json")
         assert proc.returncode in (0, 1), (proc.returncode, proc.stderr[-3000:])
         assert json.loads((tmp_path / "result.json").read_text())["status"] in ("passed", "failed")
-    finally:   # a judge killed by the hole leaves its worker's folder behind
-        for jail in set(Path(tempfile.gettempdir()).glob("judge-worker-*")) - jails_before:
+    finally:   # a judge killed by the hole leaves its worker's folder behind; only such stale folders
+        # go (another judge's live jail, e.g. a test in the other xdist worker, is left alone)
+        for jail in set(sweep.stale_jails()) - jails_before:
             shutil.rmtree(jail, ignore_errors=True)
 
 

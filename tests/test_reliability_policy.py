@@ -108,8 +108,7 @@ def test_the_loop_refuses_a_policy_breach_without_judging_it(tmp_path, monkeypat
     judged = []
 
     def judge(engine: Path, out_dir: Path, timeout: float, phase: str) -> EvalResult:
-        judged.append(json.loads((engine.parent / "plan.json")
-                                 .read_text())["plan"]["engine"])
+        judged.append((json.loads((engine.parent / "plan.json").read_text())["plan"]["engine"], phase))
         return EvalResult(status="passed", stage="done", device="cpu", score=1.0, seconds=1.0)
 
     class OneEscape:
@@ -133,5 +132,6 @@ def test_the_loop_refuses_a_policy_breach_without_judging_it(tmp_path, monkeypat
     report.finish([])
     verdict = state.history[1][1]
     assert (verdict.stage, verdict.error_kind) == ("policy", "policy") and "socket" in verdict.error
-    assert judged == ["recompute", "recompute"]  # the conservative engine, verified then timed; never the escape
+    # The conservative engine, verified, timed, then stressed (the escape did not replace it); never the escape.
+    assert [engine for engine, _ in judged] == ["recompute"] * 3 and judged[-1][1] == "stress"
     assert json.loads(ws.engine.with_name("engine.json").read_text())["plan"]["engine"] == "recompute"
