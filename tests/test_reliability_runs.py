@@ -214,7 +214,7 @@ def test_the_budget_holds_when_a_candidate_hangs(cli_env, tmp_path, monkeypatch,
     hang = Plan("paged", params={"hangs": True})
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(loop, "render_engine", lambda plan, extra=None: (
-        broken_source("hangs", recompute_source) if plan == hang else recompute_source))
+        broken_source("blocks", recompute_source) if plan == hang else recompute_source))
     monkeypatch.setattr(cli, "make_proposer", lambda *args: ListProposer([hang, PLANS[0]]))
     ws = tmp_path / "ws"
     start = time.monotonic()
