@@ -28,6 +28,7 @@ passing engine then gets a profiled pass of each benchmark case (evaluator/slot_
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -216,27 +217,34 @@ def write_json(result: dict, out: str | Path) -> None:
         raise
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = harness_parser(__doc__.splitlines()[0])
-    p.add_argument("--stress", choices=STRESS_MODES, default="quick")
+def add_timing_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a timed evaluation, the same for one verdict (here) and a contest's series
+    (evaluator/series.py): cases, warm-up and repeats, the floor's hardware, the worker's cap and
+    cache, the criterion."""
     p.add_argument("--cases", default=",".join(PUBLIC_CASES), help=f"comma-separated, of: {', '.join(BENCHMARK_CASES)}")
-    p.add_argument("--no-benchmark", action="store_true",
-                   help="public sequence and stress only, no score: the caller holds this engine's timing")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--seed", type=int, help="stress seed (default: fresh)")
     p.add_argument("--bandwidth-gbs", type=float)
     p.add_argument("--peak-tflops", type=float)
     p.add_argument("--memory-gb", type=float,
-                   help=f"the worker's memory cap (default {MEMORY_FRACTION:.0%} of this machine's memory)")
-    p.add_argument("--triton-cache", type=Path, help="the judge's shared Triton cache: the worker starts from a copy")
+                   help=f"each worker's memory cap (default {MEMORY_FRACTION:.0%} of this machine's memory)")
+    p.add_argument("--triton-cache", type=Path, help="the judge's shared Triton cache: each worker starts from a copy")
+    p.add_argument("--criterion", choices=CRITERIA, default="auto",
+                   help="auto: the bf16 criterion for Hugging Face models in bf16/fp16, else the course judge "
+                        "(evaluator/hf_judge.py); bf16 or course forces one (tests force bf16 on the CPU)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = harness_parser(__doc__.splitlines()[0])
+    add_timing_flags(p)
+    p.add_argument("--stress", choices=STRESS_MODES, default="quick")
+    p.add_argument("--no-benchmark", action="store_true",
+                   help="public sequence and stress only, no score: the caller holds this engine's timing")
+    p.add_argument("--seed", type=int, help="stress seed (default: fresh)")
     p.add_argument("--triton-cache-update", action="store_true",
                    help="add a passing worker's new entries to --triton-cache (only for engines of trusted code)")
     p.add_argument("--profile", action="store_true",
                    help="a passing engine's profiled pass: per-slot time in slot_ms (reported, not scored)")
-    p.add_argument("--criterion", choices=CRITERIA, default="auto",
-                   help="auto: the bf16 criterion for Hugging Face models in bf16/fp16, else the course judge "
-                        "(evaluator/hf_judge.py); bf16 or course forces one (tests force bf16 on the CPU)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     # SIGTERM (the agent's timeout) unwinds like an interrupt, so the worker's jail is torn down.

@@ -39,15 +39,13 @@ from evaluator.isolation import quiet_threads  # noqa: E402  (the standard libra
 STARTED = time.perf_counter()   # before torch is imported: the first timing's share of the start
 quiet_threads()
 
-from evaluator.common import (ConfigError, Tolerance, compute_dtype, load_config, parse_cases,  # noqa: E402
-                              resolve_device)
+from evaluator.common import (ConfigError, EvalFailure, Tolerance, compute_dtype, load_config,  # noqa: E402
+                              parse_cases, resolve_device)
 from evaluator.floor import detect_hardware  # noqa: E402
-from evaluator.common import EvalFailure  # noqa: E402
-from evaluator.evaluate import MEMORY_FRACTION, default_memory_cap, evaluate, write_json  # noqa: E402
+from evaluator.evaluate import add_timing_flags, default_memory_cap, evaluate, write_json  # noqa: E402
 from evaluator.remote import Worker  # noqa: E402
-from evaluator.hf_judge import CRITERIA, uses_bf16_criterion  # noqa: E402
+from evaluator.hf_judge import uses_bf16_criterion  # noqa: E402
 from evaluator.noise import reference_margin  # noqa: E402
-from evaluator.traces import BENCHMARK_CASES, PUBLIC_CASES  # noqa: E402
 
 RESULT = "result.json"
 
@@ -142,16 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-config", required=True)
     p.add_argument("--weight-dir", required=True)
     p.add_argument("--device", default="auto")
-    p.add_argument("--cases", default=",".join(PUBLIC_CASES), help=f"comma-separated, of: {', '.join(BENCHMARK_CASES)}")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeat", type=int, default=3)
+    add_timing_flags(p)
     p.add_argument("--seed", type=int, help="the judge margin's seed (default: fresh)")
-    p.add_argument("--bandwidth-gbs", type=float)
-    p.add_argument("--peak-tflops", type=float)
-    p.add_argument("--memory-gb", type=float,
-                   help=f"each worker's memory cap (default {MEMORY_FRACTION:.0%} of this machine's memory)")
-    p.add_argument("--triton-cache", type=Path, help="the judge's shared Triton cache: each worker starts from a copy")
-    p.add_argument("--criterion", choices=CRITERIA, default="auto")
     a = p.parse_args(argv)
     labels = [label for label, _ in a.timing]
     if len(set(labels)) != len(labels):

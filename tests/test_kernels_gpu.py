@@ -91,10 +91,9 @@ def _projection_chain(fns, x, weights, residual, norm_w, steps):
     return x, residual
 
 
-def test_pdl_launches_keep_stream_order_in_a_graph():
-    """With programmatic dependent launch a kernel starts before the previous one ends; it must
-    still read only finished results. A chain of dependent projections, captured and replayed,
-    gives the same bits with PDL as with plain launches (the same kernels, the same sums)."""
+def _chain_inputs():
+    """A projection chain's inputs at the public config's sizes, 8 rows, fp16, seeded: x, the four
+    weights (QKV, gate/up, o_proj, down), the residual and the norm weight."""
     gen = torch.Generator(device="cuda").manual_seed(SEED)
 
     def randn(*shape, scale=1.0):
@@ -104,6 +103,14 @@ def test_pdl_launches_keep_stream_order_in_a_graph():
     weights = (randn(3 * hidden, hidden, scale=hidden ** -0.5), randn(2 * inter, hidden, scale=hidden ** -0.5),
                randn(hidden, hidden, scale=hidden ** -0.5), randn(hidden, inter, scale=inter ** -0.5))
     x, residual, norm_w = randn(rows, hidden), randn(rows, hidden), 1 + randn(hidden, scale=0.1)
+    return x, weights, residual, norm_w
+
+
+def test_pdl_launches_keep_stream_order_in_a_graph():
+    """With programmatic dependent launch a kernel starts before the previous one ends; it must
+    still read only finished results. A chain of dependent projections, captured and replayed,
+    gives the same bits with PDL as with plain launches (the same kernels, the same sums)."""
+    x, weights, residual, norm_w = _chain_inputs()
     fns = {pdl: [slot_check.variant_function("linear", "triton", fn, {"pdl": pdl})
                  for fn in ("linear", "linear_silu", "linear_add_norm")] for pdl in (False, True)}
     outs = {}
@@ -128,15 +135,7 @@ def test_fused_reduce_replays_in_a_graph_and_leaves_counters_zero(pdl):
     run eagerly (the sums' order is fixed, not the programs' arrival order), stays within a few
     ulps of the two-kernel path (only the norm's sum of squares is summed in another order), and
     leaves every counter at zero."""
-    gen = torch.Generator(device="cuda").manual_seed(SEED)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device="cuda") * scale).half()
-
-    hidden, inter, rows = 768, 3072, 8
-    weights = (randn(3 * hidden, hidden, scale=hidden ** -0.5), randn(2 * inter, hidden, scale=hidden ** -0.5),
-               randn(hidden, hidden, scale=hidden ** -0.5), randn(hidden, inter, scale=inter ** -0.5))
-    x, residual, norm_w = randn(rows, hidden), randn(rows, hidden), 1 + randn(hidden, scale=0.1)
+    x, weights, residual, norm_w = _chain_inputs()
     fns = {fused: [slot_check.variant_function("linear", "triton", fn, {"pdl": pdl, "fused_reduce": fused})
                    for fn in ("linear", "linear_silu", "linear_add_norm")] for fused in (False, True)}
     plain = _projection_chain(fns[False], x, weights, residual, norm_w, 4)
