@@ -227,7 +227,7 @@ def add_timing_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-gbs", type=float)
     p.add_argument("--peak-tflops", type=float)
     p.add_argument("--memory-gb", type=float,
-                   help=f"each worker's memory cap (default {MEMORY_FRACTION:.0%} of this machine's memory)")
+                   help=f"each worker's memory cap (default {100 * MEMORY_FRACTION:.0f}%% of this machine's memory)")
     p.add_argument("--triton-cache", type=Path, help="the judge's shared Triton cache: each worker starts from a copy")
     p.add_argument("--criterion", choices=CRITERIA, default="auto",
                    help="auto: the bf16 criterion for Hugging Face models in bf16/fp16, else the course judge "

@@ -98,3 +98,11 @@ def test_score_is_the_geometric_mean_of_floor_fractions():
     assert score([{"floor_fraction": 0.5}]) == pytest.approx(0.5)
     assert score([]) is None
     assert math.isclose(score([{"floor_fraction": f} for f in (0.2, 0.2, 0.2)]), 0.2)
+
+
+@pytest.mark.parametrize("module", ["evaluator.evaluate", "evaluator.series"])
+def test_help_names_the_default_memory_cap(module):
+    """--help renders (a bare % in a help text made argparse raise instead)."""
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--memory-gb" in done.stdout and "80% of" in " ".join(done.stdout.split())
