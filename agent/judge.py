@@ -86,43 +86,39 @@ class JudgeSettings:
             return replace(self, stress="off", cases=VERIFY_CASES, warmup=0, repeat=1, profile=False)
         raise ValueError(f"unknown judge phase {phase!r}")
 
+    def _model_and_timing_flags(self) -> list[str]:
+        """What evaluator.evaluate and evaluator.series both take (evaluator/evaluate.py
+        add_timing_flags): the model, the device, the seed, the timing, the worker's cap and cache."""
+        flags = ["--model-config", str(self.model_config), "--weight-dir", str(self.weight_dir),
+                 "--device", self.device, "--seed", str(self.seed), "--warmup", str(self.warmup),
+                 "--repeat", str(self.repeat), "--memory-gb", f"{self.memory_bytes / 2**30:.6f}"]
+        if self.cases:
+            flags += ["--cases", self.cases]
+        if self.bandwidth_gbs and self.peak_tflops:
+            flags += ["--bandwidth-gbs", str(self.bandwidth_gbs), "--peak-tflops", str(self.peak_tflops)]
+        if self.triton_cache is not None:
+            flags += ["--triton-cache", str(self.triton_cache)]
+        return flags
+
     def series_command(self, timings: list[tuple[str, Path]], out_dir: Path) -> list[str]:
         """evaluator.series' command line: the TIMING phase's settings, for each (label, engine)."""
         t = self.for_phase(TIMING)
-        cmd = [t.python, "-m", "evaluator.series", "--out-dir", str(out_dir),
-               "--model-config", str(t.model_config), "--weight-dir", str(t.weight_dir), "--device", t.device,
-               "--seed", str(t.seed), "--warmup", str(t.warmup), "--repeat", str(t.repeat),
-               "--memory-gb", f"{t.memory_bytes / 2**30:.6f}"]
+        cmd = [t.python, "-m", "evaluator.series", "--out-dir", str(out_dir), *t._model_and_timing_flags()]
         for label, engine in timings:
             cmd += ["--timing", f"{label}={engine}"]
-        if t.cases:
-            cmd += ["--cases", t.cases]
-        if t.bandwidth_gbs and t.peak_tflops:
-            cmd += ["--bandwidth-gbs", str(t.bandwidth_gbs), "--peak-tflops", str(t.peak_tflops)]
-        if t.triton_cache is not None:
-            cmd += ["--triton-cache", str(t.triton_cache)]
         return cmd
 
     def command(self, engine: Path, out: Path) -> list[str]:
         """The evaluator's command line. Every worker reads a copy of the shared Triton cache; only
         an engine with no model-written variant (its candidate folder has no VARIANTS) adds to it."""
-        cmd = [self.python, "-m", "evaluator.evaluate", "--engine", str(engine),
-               "--model-config", str(self.model_config), "--weight-dir", str(self.weight_dir),
-               "--device", self.device, "--stress", self.stress, "--seed", str(self.seed),
-               "--warmup", str(self.warmup), "--repeat", str(self.repeat), "--out", str(out),
-               "--memory-gb", f"{self.memory_bytes / 2**30:.6f}"]
-        if self.cases:
-            cmd += ["--cases", self.cases]
+        cmd = [self.python, "-m", "evaluator.evaluate", "--engine", str(engine), "--out", str(out),
+               "--stress", self.stress, *self._model_and_timing_flags()]
         if self.profile:
             cmd.append("--profile")
         if not self.benchmark:
             cmd.append("--no-benchmark")
-        if self.bandwidth_gbs and self.peak_tflops:
-            cmd += ["--bandwidth-gbs", str(self.bandwidth_gbs), "--peak-tflops", str(self.peak_tflops)]
-        if self.triton_cache is not None:
-            cmd += ["--triton-cache", str(self.triton_cache)]
-            if not (engine.parent / VARIANTS).exists():
-                cmd.append("--triton-cache-update")
+        if self.triton_cache is not None and not (engine.parent / VARIANTS).exists():
+            cmd.append("--triton-cache-update")
         return cmd
 
 
