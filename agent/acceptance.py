@@ -4,8 +4,10 @@ timings say it is faster with a stated confidence (docs/design.md §6).
 One timing of each engine on a busy machine moves by a few percent, so a fixed margin over one
 run both accepts noise and rejects real small gains. Instead:
   1. the screen: the challenger's first timing (public sequence and the run's benchmark, no
-     stress) against the incumbent's recorded timing; below SCREEN_KEEP of its score it is
-     "screened out"; at CLEAR_WIN or more in every benchmark case it is accepted as it stands
+     stress) against the incumbent's recorded timing, case for case over the cases both timed
+     (the conservative engine is timed on one: agent/judge.py CONSERVATIVE_CASE); below
+     SCREEN_KEEP of it (the geometric mean of the paired ratios) it is "screened out"; at
+     CLEAR_WIN or more in every common case it is accepted as it stands
      (repeated timings of one engine on an H100 spread by a few percent a case, the short
      prefill case by up to ~7%: docs/benchmarks.md, eighth session);
   2. rounds: the incumbent is timed again right after (and from the second round on, the two
@@ -53,12 +55,19 @@ def sign_p(wins: int, n: int) -> float:
 
 def paired_log_ratios(challenger: EvalResult, incumbent: EvalResult) -> list[float]:
     """log(challenger / incumbent) tokens per second, one per benchmark case both timed (or of
-    the scores, for verdicts that carry no cases)."""
+    the scores, where either verdict carries no cases: scores over different cases never meet)."""
     a, b = challenger.tokens_per_second(), incumbent.tokens_per_second()
     ratios = [math.log(a[c] / b[c]) for c in a if c in b and a[c] > 0 and b[c] > 0]
-    if not ratios and challenger.rank() > 0 and incumbent.rank() > 0:
+    if (not a or not b) and challenger.rank() > 0 and incumbent.rank() > 0:
         ratios = [math.log(challenger.rank() / incumbent.rank())]
     return ratios
+
+
+def speedup(challenger: EvalResult, incumbent: EvalResult) -> float | None:
+    """challenger / incumbent: the geometric mean of the paired ratios over the cases both timed;
+    None where they have none in common."""
+    ratios = paired_log_ratios(challenger, incumbent)
+    return math.exp(sum(ratios) / len(ratios)) if ratios else None
 
 
 def percent(ratio: float) -> str:
@@ -81,13 +90,12 @@ def contest(screen: EvalResult, incumbent: EvalResult | None, time_challenger: T
     timing of each engine (stress off) and may return None when the budget has no room for it."""
     if incumbent is None or not incumbent.passed or incumbent.rank() <= 0:
         return Decision(True, f"{ACCEPTED}: the incumbent has no timed score")
-    first = screen.rank() / incumbent.rank()
-    if first < SCREEN_KEEP:
-        return Decision(False, f"screened out: {percent(first)}", first)
-    recorded = paired_log_ratios(screen, incumbent)
-    if recorded and min(recorded) >= math.log(CLEAR_WIN):
+    first = speedup(screen, incumbent)   # None: no case in common; the rounds time both alike
+    if first is not None and first < SCREEN_KEEP:
+        return Decision(False, f"screened out: {percent(first)}{_over(screen, incumbent)}", first)
+    if first is not None and min(paired_log_ratios(screen, incumbent)) >= math.log(CLEAR_WIN):
         return Decision(True, f"{ACCEPTED}: {percent(first)} on the screen, every case at least {CLEAR_WIN:g}x "
-                        f"the best's recorded timing (past any timing noise)", first)
+                        f"the best's recorded timing (past any timing noise){_over(screen, incumbent)}", first)
     samples: list[float] = []
     stale = ""
     for round_ in range(1, MAX_ROUNDS + 1):
@@ -114,6 +122,13 @@ def contest(screen: EvalResult, incumbent: EvalResult | None, time_challenger: T
         if decision is not None:
             return Decision(decision.accepted, decision.reason + stale, decision.ratio, decision.p)
     raise AssertionError("unreachable: the last round always decides")
+
+
+def _over(screen: EvalResult, incumbent: EvalResult) -> str:
+    """' (over mixed, the cases both timed)' where the two verdicts timed different cases."""
+    a, b = screen.tokens_per_second(), incumbent.tokens_per_second()
+    common = [c for c in a if c in b]
+    return f" (over {', '.join(common)}, the cases both timed)" if a and b and a.keys() != b.keys() else ""
 
 
 def _verdict(samples: list[float], final: bool, remaining: int = 0, why: str = "") -> Decision | None:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from agent import loop, resume
+from agent import acceptance, loop, resume
 from agent.judge import REPO, JudgeSettings, Series, judge
 from agent.plan import Plan, engine_models, engines
 from agent.pipeline import DEFAULT_PARALLEL, PARALLEL_ENV
@@ -200,8 +200,8 @@ def closing_lines(ws: Workspace, entries: list[Entry], cfg: RunConfig) -> list[s
         return ["result: no candidate passed; workspace/engine.py was not written"]
     result = EvalResult.from_dict(verdict["result"])
     conservative = entries[0].result if entries and entries[0].result and entries[0].result.passed else None
-    speedup = (f", {result.rank() / conservative.rank():.1f}x the conservative engine's score"
-               if conservative and verdict["index"] != 1 and conservative.rank() > 0 else "")
+    ratio = acceptance.speedup(result, conservative) if conservative and verdict["index"] != 1 else None
+    speedup = f", {ratio:.1f}x the conservative engine over the cases both timed" if ratio else ""
     return [f"result: {ws.engine} = #{verdict['index']:03d} {describe(Plan.from_dict(verdict['plan']))} "
             f"(score {result.rank():.4g}{speedup})",
             "re-run the self-tests on it:", *[f"  {c}" for c in selftest_commands(cfg)]]

@@ -29,6 +29,7 @@ from agent.records import EvalResult
 from agent.workspace import VARIANTS, atomic_write
 from evaluator.isolation import protect_judge
 from evaluator.sweep import children, forget_child, kill_new_children, start_child
+from evaluator.traces import PUBLIC_CASES
 
 REPO = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1            # prctl option (linux/prctl.h)
@@ -41,16 +42,25 @@ OUTPUT_CAP_BYTES = 256 * 2**20  # stdout + stderr of one evaluation; past this i
 KEPT_OUTPUT_BYTES = 2**20       # the tail of each output file kept on disk afterwards
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
 SERIES_LOGS = "series"          # a Series' stdout/stderr, under its folder (its verdicts: LABEL/result.json)
-# Phases (agent/loop.py): VERIFY the conservative engine's quickest verdict; TIMING the public
-# sequence and the run's benchmark, no stress (the conservative engine's timing, a challenger's
-# screen and the back-to-back rounds, agent/acceptance.py); FINAL a finalist's stress suite (its
-# long cases) with the public sequence and the profiled pass, no benchmark: its screen timed this
-# very engine, and the loop joins the two into the verdict it installs; STRESS the same without
-# the profiled pass (the conservative engine's, when it stays the result). The full stress (45
-# cases) takes minutes on a GPU too (docs/benchmarks.md, twelfth session): the self-test
-# commands results.log prints run it on the engine a run leaves.
+# Phases (agent/loop.py): VERIFY the conservative engine's one verdict before its stress: the
+# public sequence and the benchmark on one case only (`JudgeSettings.conservative_case`), at the
+# run's warm-up and repeats, so that its score compares case for case with every other engine's
+# (agent/acceptance.py pairs the cases both timed); TIMING the public sequence and the run's
+# benchmark, no stress (a challenger's screen and the back-to-back rounds); FINAL a finalist's
+# stress suite (its long cases) with the public sequence and the profiled pass, no benchmark: its
+# screen timed this very engine, and the loop joins the two into the verdict it installs; STRESS
+# the same without the profiled pass (the conservative engine's, when it stays the result). The
+# full stress (45 cases) takes minutes on a GPU too (docs/benchmarks.md, twelfth session): the
+# self-test commands results.log prints run it on the engine a run leaves.
 VERIFY, TIMING, FINAL, STRESS = "verify", "timing", "final", "stress"
-VERIFY_CASES = "prefill"        # the cheapest benchmark case (the evaluator always runs one)
+# The conservative engine's one timed case. It recomputes every request from its first token, one
+# request at a time, so a case costs it one whole forward pass per request and step: prefill 4,
+# mixed 40, decode and decode128 136 each (its full timing was 44 s of benchmark on the H100 for a
+# score of 0.001). Mixed is the cheapest case that still compares: it has decode steps, where a
+# KV cache is the whole gain; on prefill alone the recompute engine does a batched engine's work
+# (on a CPU a batched engine's prefill can be the slower, docs/benchmarks.md), so a challenger
+# many times faster could be screened out there. Every default case list holds it.
+CONSERVATIVE_CASE = "mixed"
 
 
 @dataclass(frozen=True)
@@ -74,8 +84,9 @@ class JudgeSettings:
     benchmark: bool = True       # False: public sequence and stress only (no score)
 
     def for_phase(self, phase: str) -> "JudgeSettings":
-        """The settings of one phase (see VERIFY, TIMING, FINAL, STRESS); every timed phase but
-        VERIFY has the same cases, warm-up and repeats, so their scores compare."""
+        """The settings of one phase (see VERIFY, TIMING, FINAL, STRESS); every timed phase has
+        the same warm-up and repeats, and VERIFY's one case is one of TIMING's, so their scores
+        compare case for case."""
         if phase == FINAL:   # the profiled pass: once per engine that becomes the best
             return replace(self, benchmark=False)
         if phase == STRESS:  # the conservative engine: no slots to profile
@@ -83,8 +94,14 @@ class JudgeSettings:
         if phase == TIMING:
             return replace(self, stress="off", profile=False)
         if phase == VERIFY:
-            return replace(self, stress="off", cases=VERIFY_CASES, warmup=0, repeat=1, profile=False)
+            return replace(self, stress="off", cases=self.conservative_case(), profile=False)
         raise ValueError(f"unknown judge phase {phase!r}")
+
+    def conservative_case(self) -> str:
+        """CONSERVATIVE_CASE where the run times it; else the first of the run's cases, the one
+        case the conservative engine's timing then has in common with every other engine's."""
+        cases = self.cases.split(",") if self.cases else list(PUBLIC_CASES)
+        return CONSERVATIVE_CASE if CONSERVATIVE_CASE in cases else cases[0]
 
     def _model_and_timing_flags(self) -> list[str]:
         """What evaluator.evaluate and evaluator.series both take (evaluator/evaluate.py

@@ -57,6 +57,13 @@ class EvalResult:
     isolation: str | None = None     # the worker's layers, as the evaluator logged them
     seconds: float = 0.0
     decision: str | None = None      # the loop's acceptance against the best (agent/acceptance.py)
+    # A pass that is not yet a full verdict: the conservative engine's, before its stress suite
+    # (agent/loop.py settle_conservative runs it once the engine stays the result).
+    unstressed: bool = False
+    # What the loop says of a passing verdict that differs from a challenger's, for results.log
+    # and results.json: the one case the conservative engine was timed on, a stress failure that
+    # left it installed ranked 0. None for every other verdict.
+    note: str | None = None
     # The profiled pass (evaluator/slot_profile.py), when asked for: {"source", "case", "total_ms",
     # "other_ms", "slots": {slot: {"ms", "calls", "shapes": {label: ms}}}}. The worker's claim:
     # shown to the model, never scored.

@@ -69,7 +69,8 @@ def verdict_line(r: EvalResult) -> str:
         if len(error) > ERROR_CHARS:
             error = error[:ERROR_CHARS] + "…"
         return f"FAILED at {r.stage} ({r.error_kind}): {error}  [{r.seconds:.1f}s]"
-    parts = [f"PASSED  score {r.rank():.4g}" if not r.error else f"PASSED ({r.error})"]
+    parts = [f"PASSED  score {r.rank():.4g}" + (f" ({r.note})" if r.note else "")
+             + ("; its stress suite not run yet" if r.unstressed else "")]
     parts += [f"{name} {rate(tps)} tok/s" for name, tps in r.tokens_per_second().items()]
     if r.public:
         parts.append(f"public max err {_num(r.public.get('max_abs_err'))}")
@@ -99,7 +100,7 @@ def summary_rows(entries: list[Entry]) -> tuple[list[str], list[list[str]]]:
     for e in entries:
         r = e.result
         verdict = ("unfinished" if r is None else f"{r.stage}:{r.error_kind}" if not r.passed
-                   else "verified" if r.error else "passed")   # verified: passed, but not timed in full
+                   else "unstressed" if r.unstressed else "verified" if r.rank() <= 0 else "passed")
         tps = r.tokens_per_second() if r else {}
         rows.append(["*" if e.accepted else "", str(e.index), describe(e.candidate.plan)[:PLAN_CHARS],
                      e.candidate.origin, verdict, f"{r.rank():.4g}" if r and r.passed else "-",

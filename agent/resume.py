@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agent.plan import Plan
@@ -28,6 +28,9 @@ from agent.workspace import CANDIDATES, ENGINE, RESULTS_JSON, VARIANTS, VERDICT,
 
 # Run settings that must match for old verdicts to mean the same thing in the new run.
 SAME_INPUTS = ("config", "weights", "device")
+# How results.json said "passed, its stress suite not run yet" before EvalResult.unstressed: in
+# `error`. Such a conservative engine gets its stress suite in the resumed run like any other.
+OLD_UNSTRESSED = "verified and timed; its stress suite runs only if it stays the result"
 
 
 class ResumeError(Exception):
@@ -51,7 +54,10 @@ def _entry(ws: Workspace, d: dict) -> Entry:
     directory = ws.root / d["dir"] if "dir" in d else _find_dir(ws, int(d["index"]))
     candidate = Candidate(Plan.from_dict(d["plan"]), d.get("origin", "?"), d.get("note", ""),
                           _variants(directory, d.get("extra_variants", [])), d.get("parent"))
-    return Entry(int(d["index"]), candidate, directory, EvalResult.from_dict(d["result"]), bool(d.get("accepted")))
+    result = EvalResult.from_dict(d["result"])
+    if result.passed and result.error == OLD_UNSTRESSED:
+        result = replace(result, unstressed=True, error=None)
+    return Entry(int(d["index"]), candidate, directory, result, bool(d.get("accepted")))
 
 
 def _variants(directory: Path, names: list[str]) -> dict[tuple[str, str], str]:

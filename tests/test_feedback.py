@@ -5,6 +5,7 @@ the picture of the search. Scripted answers go through the real parsing, checkin
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -178,3 +179,20 @@ def test_only_timing_phases_run_the_benchmark(tmp_path):
         {VERIFY: False, STRESS: True, TIMING: False, FINAL: True}
     assert {phase: c[c.index("--stress") + 1] for phase, c in cmd.items()} == \
         {VERIFY: "off", STRESS: "quick", TIMING: "off", FINAL: "quick"}
+
+
+def test_the_conservative_engine_is_timed_on_one_case_of_the_runs_at_its_warmup_and_repeats(tmp_path):
+    """VERIFY times CONSERVATIVE_CASE alone (the first of the run's cases where the run lacks it),
+    with the warm-up and repeats of every other timing, so that its one score compares case for case."""
+    import random
+    from agent.judge import CONSERVATIVE_CASE, TIMING, VERIFY, JudgeSettings
+    warmup, repeat = random.randint(0, 3), random.randint(1, 5)
+    settings = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cpu", 0, warmup=warmup, repeat=repeat)
+
+    def flags(s: JudgeSettings, phase: str) -> tuple[str, str, str]:
+        cmd = s.for_phase(phase).command(tmp_path / "engine.py", tmp_path / "r.json")
+        return tuple(cmd[cmd.index(flag) + 1] if flag in cmd else None for flag in ("--cases", "--warmup", "--repeat"))
+    assert flags(settings, VERIFY) == (CONSERVATIVE_CASE, str(warmup), str(repeat))
+    assert flags(settings, TIMING) == (None, str(warmup), str(repeat))   # the evaluator's default cases
+    assert flags(replace(settings, cases=f"decode,{CONSERVATIVE_CASE}"), VERIFY)[0] == CONSERVATIVE_CASE
+    assert flags(replace(settings, cases="decode128,prefill"), VERIFY)[0] == "decode128"

@@ -131,6 +131,36 @@ def test_resume_after_a_kill_between_engine_and_its_verdict(tmp_path, monkeypatc
     assert not list(ws.root.rglob(TMP_PREFIX + "*"))
 
 
+@pytest.mark.parametrize("record", ["field", "old error text"])
+def test_a_resumed_unstressed_conservative_engine_still_gets_its_stress_suite(tmp_path, monkeypatch, record):
+    """Killed before the conservative engine's stress suite: the resumed run runs it once it
+    stays the result, whether results.json says so in `unstressed` or (an older record) in `error`."""
+    ws, _ = recorded_run(tmp_path, [], monkeypatch)
+    data = json.loads((ws.root / "results.json").read_text())
+    first = data["candidates"][0]["result"]
+    first.update(stress=None, unstressed=True)
+    if record == "old error text":
+        del first["unstressed"]
+        first["error"] = resume.OLD_UNSTRESSED
+    (ws.root / "results.json").write_text(json.dumps(data))
+    (ws.root / "engine.json").unlink()   # the record is the truth: installed again from its folder
+    state, previous = resumed_state(ws)
+    assert previous.entries[0].result.unstressed and previous.entries[0].result.error is None
+    phases = []
+    fake = FakeJudge()
+
+    def judge(engine, out_dir, timeout, phase):
+        phases.append(phase)
+        return fake(engine, out_dir, timeout, phase)
+    report = Reporter(ws.root, live=False)
+    report.entries = list(previous.entries)
+    state.best, state.best_result = previous.best.candidate, previous.best.result
+    loop.run(state, ListProposer([]), judge, ws, report, 600.0)
+    report.finish([])
+    assert phases == [loop.STRESS] and not state.history[0][1].unstressed
+    assert not ws.installed_verdict()["result"]["unstressed"]
+
+
 def test_resume_with_nothing_passed_removes_an_unrecorded_engine(tmp_path):
     ws = Workspace(tmp_path / "ws")
     ws.reset()

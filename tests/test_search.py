@@ -233,3 +233,32 @@ def test_sign_test_matches_its_definition():
     for wins in range(n + 1):
         brute = sum(1 for bits in range(2 ** n) if bin(bits).count("1") >= wins) / 2 ** n
         assert math.isclose(acceptance.sign_p(wins, n), brute)
+
+
+def one_case(case: str, tokens_per_second: float, score: float) -> EvalResult:
+    """A passing timing of one benchmark case (the conservative engine's: agent/judge.py CONSERVATIVE_CASE)."""
+    return EvalResult(status="passed", stage="done", device="cpu", score=score,
+                      benchmark=[{"case_name": case, "tokens_per_second": tokens_per_second}])
+
+
+def test_a_screen_meets_an_incumbent_timed_on_fewer_cases_case_for_case():
+    """The screen against an incumbent timed on one case decides on that case: neither its score
+    (one case's floor fraction) against the screen's (a mean over three) nor the screen's other cases."""
+    never = lambda label: pytest.fail("timed again")  # noqa: E731
+    gain = random.uniform(1.5, 5.0)
+    screen = timed(0.2, [1, 1, 1])                      # a low score over three cases...
+    tps = screen.tokens_per_second()[CASES[2]]
+    win = acceptance.contest(screen, one_case(CASES[2], tps / gain, score=1.0), never, never)
+    assert win.accepted and win.ratio == pytest.approx(gain) and f"over {CASES[2]}, the cases both timed" in win.reason
+    loss = acceptance.contest(timed(5.0, [1, 1, 1 / (5 * gain)]), one_case(CASES[2], 100.0, score=0.01), never, never)
+    assert not loss.accepted and loss.reason.startswith("screened out: ")   # a high score, slower on the case
+
+
+def test_verdicts_with_no_case_in_common_are_not_compared_by_their_scores():
+    screen, incumbent = one_case("prefill", 1000.0, score=10.0), one_case("mixed", 10.0, score=1.0)
+    assert acceptance.paired_log_ratios(screen, incumbent) == [] and acceptance.speedup(screen, incumbent) is None
+    decision = acceptance.contest(screen, incumbent, None, lambda label: None)
+    assert not decision.accepted and "no benchmark case in common" in decision.reason
+    # scores meet only where a verdict carries no cases at all
+    bare = EvalResult(status="passed", stage="done", device="cpu", score=2.0)
+    assert acceptance.speedup(bare, incumbent) == pytest.approx(2.0)
