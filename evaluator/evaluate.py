@@ -11,8 +11,9 @@ the operating system's fence (evaluator/isolation.py: own uid, no network, limit
 whole at the end) and is driven over a narrow channel (evaluator/remote.py); see
 docs/reliability.md for what each layer stops.
 
-Before the worker starts, the judge's own rounding noise on the real weights (evaluator/noise.py:
-`reference_margin`, what the loop's safety margin is read against). Stages in order: import →
+While the worker starts (it confines itself and imports torch before the candidate is loaded),
+the judge measures the floor's hardware and its own rounding noise on the real weights
+(evaluator/noise.py: `reference_margin`, what the loop's safety margin is read against). Stages in order: import →
 [criterion →] public (SPEC.md §4) → stress → benchmark (tokens from a fresh, unpredictable seed;
 outputs of the timed runs checked too); it stops at the first failing stage, writes RESULT.json
 (even on failure) and exits 0 only when all passed. `--no-benchmark` leaves the benchmark out
@@ -37,7 +38,7 @@ import signal
 import sys
 import time
 import traceback
-from contextlib import nullcontext
+from contextlib import ExitStack, closing
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
@@ -124,15 +125,19 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
         clock.lap("judge start")
     try:
         config = load_config(model_config)
-        hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
-        bf16_criterion = uses_bf16_criterion(config, device, criterion)
-        result["reference_margin"] = (CRITERION_MARGIN if bf16_criterion else margin if margin is not None
-                                      else reference_margin(config, weight_dir, device, tol, seed))
-        log(f"the judge's own margin against fp32 on these weights: {result['reference_margin']:.3f}")
-        clock.lap("setup")
-        target_tol = tol
-        with (nullcontext(reuse) if reuse is not None else
-              Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)) as worker:
+        with ExitStack() as owned:
+            # A fresh worker is started first: its confinement, torch import and device context
+            # overlap the judge's setup below; it runs nothing of the candidate's before `load`.
+            worker = reuse if reuse is not None else \
+                owned.enter_context(closing(Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)))
+            hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
+            bf16_criterion = uses_bf16_criterion(config, device, criterion)
+            result["reference_margin"] = (CRITERION_MARGIN if bf16_criterion else margin if margin is not None
+                                          else reference_margin(config, weight_dir, device, tol, seed))
+            log(f"the judge's own margin against fp32 on these weights: {result['reference_margin']:.3f}")
+            clock.lap("setup")
+            target_tol = tol
+            worker.ready()
             result["isolation"] = worker.layers
             if reuse is None:
                 worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")

@@ -57,31 +57,46 @@ class TraceRun:
 
 
 class Worker:
-    """A confined worker process and the channel to it. Use as a context manager."""
+    """A confined worker process and the channel to it. Use as a context manager: entering waits
+    until it is `ready`.
+
+    Constructing it only starts the process, so that a judge can do its own work while the worker
+    confines itself and imports torch (evaluator/evaluate.py: the judge's margin); `ready` waits
+    for its hello. Until then it runs only the worker's own start (evaluator/worker.py): no
+    candidate code runs before the judge, waiting on it and watching its memory, asks it to load one."""
 
     def __init__(self, device: str, memory_bytes: int | None = None, log: Callable[[str], None] = lambda s: None,
                  triton_cache: Path | None = None):
         self.device = device
         self.memory_bytes = memory_bytes
+        self.log = log
         self.jail = Jail(device, memory_bytes, triton_cache)
         self._readable: dict[str, str] = {}
         self.pending_release: list[int] = []
         self.buffer: channel.OutputBuffer | None = None
+        self.layers: str | None = None    # set by `ready`: the layers its hello named
+        self.round_trip = 0.0
         ours, theirs = socket.socketpair()
         self.sock = ours
         try:
             self.proc = self.jail.spawn([str(WORKER_SCRIPT), str(theirs.fileno())], pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
-        hello, _ = self._answer(time.monotonic() + HELLO_SECONDS, "starting the worker")
+        self.hello_deadline = time.monotonic() + HELLO_SECONDS
+
+    def ready(self) -> "Worker":
+        """Wait for the worker's hello (once), then measure the channel's round trip."""
+        if self.layers is not None:
+            return self
+        hello, _ = self._answer(self.hello_deadline, "starting the worker")
         self.layers = self.jail.layers(list(hello.get("layers", [])))
-        log(self.layers)
-        self.round_trip = 0.0
+        self.log(self.layers)
         self.round_trip = self._measure_round_trip()
-        log(f"the channel's round trip, subtracted from every timed run: {self.round_trip * 1e6:.0f} us")
+        self.log(f"the channel's round trip, subtracted from every timed run: {self.round_trip * 1e6:.0f} us")
+        return self
 
     def __enter__(self) -> "Worker":
-        return self
+        return self.ready()
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -122,6 +122,7 @@ class Held:
         worker = None
         try:
             worker = Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)
+            worker.ready()
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
         except EvalFailure:
             if worker is not None:

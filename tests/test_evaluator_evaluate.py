@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import subprocess
 import sys
 import time
@@ -106,3 +107,38 @@ def test_help_names_the_default_memory_cap(module):
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--memory-gb" in done.stdout and "80% of" in " ".join(done.stdout.split())
+
+
+def test_the_worker_starts_before_the_judges_setup_and_goes_with_a_failing_one(recompute_engine_path, tiny_model,
+                                                                              monkeypatch):
+    """The worker's start (its confinement, torch) overlaps the judge's margin: by the time the
+    margin is measured a worker process runs, not yet ready (the candidate not loaded). A setup
+    that fails takes that worker and its jail down with the evaluation."""
+    from evaluator import evaluate as evaluate_module, remote
+    started: list[remote.Worker] = []
+    init = remote.Worker.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        started.append(self)
+    monkeypatch.setattr(remote.Worker, "__init__", spy)
+    seen = []
+    margin = 0.5 + random.random() / 2
+
+    def measured(*args, **kwargs):
+        seen.append([(w.proc.poll() is None, w.layers) for w in started])
+        return margin
+    monkeypatch.setattr(evaluate_module, "reference_margin", measured)
+    r = evaluate(recompute_engine_path, tiny_model.config_path, tiny_model.weight_dir, "cpu", stress="off",
+                 cases=["prefill"], warmup=0, repeat=1)
+    assert r["status"] == "passed" and r["reference_margin"] == margin and r["isolation"]
+    assert seen == [[(True, None)]]                         # running, its hello not yet awaited
+    assert started[0].proc.poll() is not None and not started[0].jail.root.exists()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the margin's reference ran out of memory")
+    monkeypatch.setattr(evaluate_module, "reference_margin", broken)
+    r = evaluate(recompute_engine_path, tiny_model.config_path, tiny_model.weight_dir, "cpu", stress="off",
+                 cases=["prefill"], warmup=0, repeat=1)
+    assert r["error_kind"] == "crash" and "ran out of memory" in r["error"]
+    assert len(started) == 2 and started[1].proc.poll() is not None and not started[1].jail.root.exists()
