@@ -209,8 +209,9 @@ def judge_conservative(entry: Entry, source: str, judge: Judge, ws: Workspace, r
     engine = entry.directory / "engine.py"
     verified = report.spending(entry)("conservative", judge(engine, entry.directory / VERIFY, left(), VERIFY))
     if verified.passed:
-        cases = ", ".join(verified.tokens_per_second()) or "no case"
-        verified = replace(verified, unstressed=True, note=f"the conservative engine, timed on {cases} only")
+        cases = ", ".join(verified.tokens_per_second())
+        verified = replace(verified, unstressed=True,
+                           note=f"the conservative engine, timed on {cases} only" if cases else None)
     report.verdict(entry, verified, label="verify")
     if verified.passed:
         install(entry, verified, source, ws, report)
