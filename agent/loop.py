@@ -223,19 +223,27 @@ def settle_conservative(state: SearchState, judge: Judge, ws: Workspace, report:
     """The conservative engine's stress suite, once it is the best with a challenger judged
     beside it, or at the run's end: then it is the result and must be judged in full. A pass
     joins its timing (the verdict installed again, now complete); a failure leaves it installed,
-    verified on the public sequence, ranked 0 (any passing engine replaces it)."""
+    verified on the public sequence, ranked 0 (any passing engine replaces it). With less than
+    MIN_EVAL_SECONDS of the budget left it is not started: the verdict stays unstressed, and the
+    log says why instead of reporting the sure timeout as the engine's failure."""
     first = report.entries[0] if report.entries else None
     if first is None or not first.accepted or state.best is not first.candidate or first.result is None \
             or not first.result.unstressed:
         return
-    engine = first.directory / "engine.py"
-    stressed = report.spending(first)("conservative", judge(engine, first.directory, max(left(), 1.0), STRESS))
+    engine, budget = first.directory / "engine.py", left()
+    if budget < MIN_EVAL_SECONDS:   # no stress could finish: say so, rather than judge a sure timeout
+        report.warn(f"the conservative engine stays the result without its stress suite: {max(budget, 0):.0f}s "
+                    f"of the budget left (its self-tests, below, run it)")
+        return
+    stressed = report.spending(first)("conservative", judge(engine, first.directory, budget, STRESS))
     report.verdict(first, stressed, label="stress")
     if stressed.passed:
         result = joined(stressed, first.result)
         install(first, result, engine.read_text(), ws, report)
     else:
-        report.warn(f"the conservative engine stays installed, {RANKED_0}: its stress suite did not pass "
+        why = (f"did not finish in the {budget:.0f}s of the budget left" if stressed.error_kind == "timeout"
+               else "did not pass")
+        report.warn(f"the conservative engine stays installed, {RANKED_0}: its stress suite {why} "
                     f"({stressed.error_kind} at {stressed.stage})")
         result = replace(first.result, score=0.0, unstressed=False,
                          note=f"stress {stressed.error_kind} at {stressed.stage}: {RANKED_0}")

@@ -386,13 +386,28 @@ def test_the_conservative_that_stays_the_result_is_judged_in_full(tmp_path, monk
     assert json.loads((ws.root / "results.json").read_text())["candidates"][0]["result"]["stress"] is not None
 
 
-def test_a_conservative_that_fails_its_stress_stays_installed_ranked_0_and_says_so(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind, said", [("wrong_result", "its stress suite did not pass"),
+                                        ("timeout", "its stress suite did not finish in the")])
+def test_a_conservative_that_fails_its_stress_stays_installed_ranked_0_and_says_so(tmp_path, monkeypatch, kind, said):
     ws, state, _ = run_loop(tmp_path, ListProposer([]), {CONSERVATIVE: passed(1.0)}, monkeypatch=monkeypatch,
-                            stress=failed("timeout"))
+                            stress=failed(kind))
     first = state.history[0][1]
-    assert first.rank() == 0.0 and "stress timeout" in first.note and not first.unstressed
-    assert installed_key(ws) == CONSERVATIVE and "stress timeout" in ws.installed_verdict()["result"]["note"]
-    assert "its stress suite did not pass" in (ws.root / "results.log").read_text()
+    assert first.rank() == 0.0 and f"stress {kind}" in first.note and not first.unstressed
+    assert installed_key(ws) == CONSERVATIVE and f"stress {kind}" in ws.installed_verdict()["result"]["note"]
+    assert said in (ws.root / "results.log").read_text()
+
+
+def test_no_conservative_stress_is_started_that_the_budget_cannot_fit(tmp_path, monkeypatch):
+    """Seen on the H100: with 1 s left the stress was started, timed out, and the log called the
+    conservative engine's stress failed. Now it is not started, and the verdict stays unstressed."""
+    calls = []
+    budget = loop.RESERVE_SECONDS + loop.MIN_EVAL_SECONDS - 1   # the verify fits (the first is always judged)
+    ws, state, _ = run_loop(tmp_path, ListProposer([]), {CONSERVATIVE: passed(1.0)}, budget=budget,
+                            monkeypatch=monkeypatch, calls=calls)
+    assert [phase for _, phase, _ in calls] == [loop.VERIFY]
+    first = state.history[0][1]
+    assert first.passed and first.unstressed and first.rank() == 1.0 and installed_key(ws) == CONSERVATIVE
+    assert "stays the result without its stress suite" in (ws.root / "results.log").read_text()
 
 
 def test_max_candidates_1_still_judges_the_conservative_in_full(tmp_path, monkeypatch):
