@@ -97,3 +97,20 @@ def test_hf_subcommand_runs_tiny_on_the_cpu(tmp_path):
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "speed-up" in done.stdout, done.stdout[-2000:]
+
+
+def test_the_profile_finds_where_the_gpu_waits():
+    """scripts/gpu/profile_run.py idle_gaps: overlapping activities merge, gaps under GAP_US are
+    not gaps, and each gap names the activities on either side (random offsets each run)."""
+    import random
+
+    from scripts.gpu.profile_run import GAP_US, idle_gaps
+    t0, rng = 1000.0, random.Random()
+    long_gap, short_gap = GAP_US + rng.uniform(1, 500), rng.uniform(0, GAP_US / 2)
+    ops = [{"ts": t0 + 5, "dur": 50.0, "name": "outer"}, {"ts": t0 + 10, "dur": 5.0, "name": "inside"},
+           {"ts": t0 + 55 + short_gap, "dur": 10.0, "name": "near"}]
+    ops.append({"ts": ops[-1]["ts"] + 10 + long_gap, "dur": 1.0, "name": "far"})
+    rng.shuffle(ops)
+    facts = idle_gaps(ops, t0)
+    assert facts["idle_gaps"] == 1 and abs(facts["idle_gaps_us"] - long_gap) < 0.2
+    assert [(g["after"], g["before"]) for g in facts["largest_gaps"]] == [("near", "far")]

@@ -40,6 +40,7 @@ from scripts.gpu.profile_host import describe, host_breakdown, print_host_breakd
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver")
 REGION = "timed_region"
+GAP_US, GAPS_KEPT = 20.0, 12   # idle stretches of the GPU reported: longer than this, this many
 
 
 def timed_run(engine, trace, tokens, before=None, profiled=False) -> dict:
@@ -94,7 +95,25 @@ def trace_facts(path: Path) -> dict:
             if e.get("cat") in HOST_CATS and t0 <= e["ts"] <= t1 and e["dur"] > 20]
     return {"region_us": region["dur"], "first_gpu_us": round(min(e["ts"] for e in gpu) - t0, 1) if gpu else None,
             "last_gpu_end_us": round(max(e["ts"] + e["dur"] for e in gpu) - t0, 1) if gpu else None,
-            "gpu_busy_us": round(sum(e["dur"] for e in gpu), 1), "gpu_ops": len(gpu), "host_ops_over_20us": slow}
+            "gpu_busy_us": round(sum(e["dur"] for e in gpu), 1), "gpu_ops": len(gpu), "host_ops_over_20us": slow,
+            **idle_gaps(gpu, t0)}
+
+
+def idle_gaps(gpu: list[dict], t0: float) -> dict:
+    """Where the GPU waits inside the region: every gap over GAP_US between one GPU activity's end
+    and the next one's start (offsets from the region's start), the largest GAPS_KEPT of them with
+    the activities on either side, and their sum. A launch-bound stretch shows as many small
+    gaps, a host sync or a slow host op as one long one."""
+    ops = sorted(gpu, key=lambda e: e["ts"])
+    gaps, end, before = [], None, None
+    for e in ops:
+        if end is not None and e["ts"] - end > GAP_US:
+            gaps.append({"at_us": round(end - t0, 1), "us": round(e["ts"] - end, 1),
+                         "after": before["name"][:60], "before": e["name"][:60]})
+        if end is None or e["ts"] + e["dur"] > end:
+            end, before = e["ts"] + e["dur"], e
+    return {"idle_gaps_us": round(sum(g["us"] for g in gaps), 1), "idle_gaps": len(gaps),
+            "largest_gaps": sorted(gaps, key=lambda g: -g["us"])[:GAPS_KEPT]}
 
 
 def sleep_cycles_per_ms() -> float:
@@ -209,6 +228,10 @@ def print_summary(report: dict) -> None:
         if c["replay_vs_call"]:
             rv = c["replay_vs_call"]
             print(f"bucket {rv['bucket']}: replay alone {rv['replay']}; full prefill call {rv['prefill_call']}")
+        print(f"GPU idle inside: {f['idle_gaps_us']} us in {f['idle_gaps']} gaps over {GAP_US:g} us; the largest "
+              f"(at us, us, after -> before):")
+        for g in f["largest_gaps"]:
+            print(f"  {g['at_us']:>10} {g['us']:>8}  {g['after']} -> {g['before']}")
         print("host ops > 20 us in the profiled region (at us, us, name):")
         for op in f["host_ops_over_20us"][:40]:
             print(f"  {op['at_us']:>8} {op['us']:>8}  {op['name']}")
