@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent import acceptance, loop, resume
-from agent.judge import REPO, JudgeSettings, Series, judge
+from agent.judge import REPO, Judge, JudgeSettings
 from agent.plan import Plan, engine_models, engines
 from agent.pipeline import DEFAULT_PARALLEL, PARALLEL_ENV
 from agent.providers import NAMES, ProviderOptions, make_proposer, resolve_name
@@ -29,7 +29,7 @@ from agent.records import EvalResult, SearchState
 from agent.report import Entry, Reporter, describe
 from agent.resume import Previous, ResumeError
 from agent.spec import WEIGHTS_FILE, ModelSpec, SpecError, load_spec
-from agent.workspace import Workspace
+from agent.workspace import JUDGE_LOGS, Workspace
 
 EXIT_OK, EXIT_NO_ENGINE, EXIT_BAD_INPUT, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # Where the judged environment mounts its inputs; the repository's own target otherwise.
@@ -291,10 +291,10 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
     report.line(f"proposer {proposer.name}")
     interrupted = False
     try:
-        loop.run(state, proposer, lambda engine, out, timeout, phase: judge(engine, out, timeout,
-                                                                             settings.for_phase(phase)),
-                 ws, report, cfg.budget, started, cfg.max_candidates, cfg.parallel,
-                 series=lambda timings, folder: Series(timings, folder, settings))
+        with Judge(settings, ws.root / JUDGE_LOGS) as judge:   # one evaluator process for the run
+            loop.run(state, proposer, lambda engine, out, timeout, phase: judge.verdict(engine, out, timeout,
+                                                                                         settings.for_phase(phase)),
+                     ws, report, cfg.budget, started, cfg.max_candidates, cfg.parallel, series=judge.series)
     except (KeyboardInterrupt, SystemExit):
         interrupted = True
         report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")
@@ -322,4 +322,4 @@ def header_lines(cfg: RunConfig, spec: ModelSpec, hw: dict, settings: JudgeSetti
             f"model {spec.summary()}",
             *[f"warning: {w}" for w in spec.warnings],
             *hf_lines(spec),
-            f"evaluator python3 {' '.join(settings.command(Path('<engine>'), Path('<out>'))[1:])}"]
+            f"evaluator python3 {' '.join(settings.command()[1:])} (one process for the run; a request per verdict)"]

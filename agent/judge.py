@@ -1,17 +1,21 @@
-"""A candidate through the evaluator, in its own process group, under a wall-clock limit.
+"""Candidates through the evaluator, in a process group of its own, each under a wall-clock limit.
 
-The evaluator (`python3 -m evaluator.evaluate`, design.md §2) owns the verdict and runs the
-candidate in a confined worker of its own (evaluator/isolation.py), capped at `memory_bytes`.
-This module only makes sure the evaluation cannot hang the agent or take it down: the
-evaluator runs in a new session without the agent's API keys, the whole group is killed on
-timeout, when it prints without end, or when the agent itself is interrupted, and a timeout, a
-crash or a missing verdict become an EvalResult like any other failure. The agent is a child
-subreaper: a worker orphaned by a killed evaluator is re-parented to it and killed here.
-Output goes to files, of which the agent reads only a bounded tail and keeps a bounded tail.
+The evaluator owns the verdict and runs each candidate in a fresh confined worker of its own
+(evaluator/isolation.py), capped at `memory_bytes`. A run keeps ONE evaluator process for all its
+verdicts (`Judge`: `python3 -m evaluator.resident`, design.md §2), because every verdict used to
+pay that process's start (importing torch: ~2 s of CPU, ~5 s on an H100) and its setup (the floor's
+hardware, the judge's margin on the real weights: ~2.4 s on the H100) before its worker even
+started; the resident judge pays them once. This module only makes sure the evaluator cannot hang
+the agent or take it down: it runs in a new session without the agent's API keys, dies with the
+agent, its whole group is killed when a verdict passes its deadline, prints without end, or the
+agent is interrupted (the verdict is then the timeout or crash it is, and the next verdict starts a
+fresh judge), and a crash or a missing verdict become an EvalResult like any other failure. The
+agent is a child subreaper: a worker orphaned by a killed judge is re-parented to it and killed
+here. Output goes to files, of which the agent reads only a bounded tail and keeps a bounded tail.
 
-`Series` runs a contest's repeated timings the same way, in one evaluator process for all of
-them (`python3 -m evaluator.series`, each timing in a fresh worker of its own), and hands each
-verdict over as soon as it is written; closing it stops the timings nobody asked for.
+`Series` hands a contest's repeated timings to the same judge in one request, which runs them
+back to back ahead of the asking; each verdict is handed over as soon as it is written, and
+closing the series stops the timings nobody asked for.
 """
 from __future__ import annotations
 
@@ -33,15 +37,14 @@ from evaluator.traces import PUBLIC_CASES
 
 REPO = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1            # prctl option (linux/prctl.h)
-TERM_GRACE_SECONDS = 3.0        # between SIGTERM and SIGKILL of the evaluator's group
+TERM_GRACE_SECONDS = 3.0        # between SIGTERM and SIGKILL of the judge's group
 ERROR_TAIL_CHARS = 2000         # how much of stderr goes into a crash's error text
-POLL_SECONDS = 0.2              # how often the judge looks at the running evaluator
+POLL_SECONDS = 0.2              # how often the agent looks at the judge at work
 MEMORY_FRACTION = 0.8           # of physical memory: the worker's cap (the agent needs the rest)
 SECRET_SUFFIXES = ("_API_KEY", "_TOKEN", "_SECRET")
-OUTPUT_CAP_BYTES = 256 * 2**20  # stdout + stderr of one evaluation; past this it is killed
+OUTPUT_CAP_BYTES = 256 * 2**20  # stdout + stderr of one verdict (a series: all of it); past this the judge is killed
 KEPT_OUTPUT_BYTES = 2**20       # the tail of each output file kept on disk afterwards
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
-SERIES_LOGS = "series"          # a Series' stdout/stderr, under its folder (its verdicts: LABEL/result.json)
 # Phases (agent/loop.py): VERIFY the conservative engine's one verdict before its stress: the
 # public sequence and the benchmark on one case only (`JudgeSettings.conservative_case`), at the
 # run's warm-up and repeats, so that its score compares case for case with every other engine's
@@ -103,9 +106,10 @@ class JudgeSettings:
         cases = self.cases.split(",") if self.cases else list(PUBLIC_CASES)
         return CONSERVATIVE_CASE if CONSERVATIVE_CASE in cases else cases[0]
 
-    def _model_and_timing_flags(self) -> list[str]:
-        """What evaluator.evaluate and evaluator.series both take (evaluator/evaluate.py
-        add_timing_flags): the model, the device, the seed, the timing, the worker's cap and cache."""
+    def process_flags(self) -> list[str]:
+        """The resident judge's command-line flags (evaluator/resident.py): what is the same for
+        every verdict of a run (the model, the device, the seed, the timing, the worker's cap and
+        cache, the run's cases); a phase changes only what goes in each request."""
         flags = ["--model-config", str(self.model_config), "--weight-dir", str(self.weight_dir),
                  "--device", self.device, "--seed", str(self.seed), "--warmup", str(self.warmup),
                  "--repeat", str(self.repeat), "--memory-gb", f"{self.memory_bytes / 2**30:.6f}"]
@@ -117,26 +121,17 @@ class JudgeSettings:
             flags += ["--triton-cache", str(self.triton_cache)]
         return flags
 
-    def series_command(self, timings: list[tuple[str, Path]], out_dir: Path) -> list[str]:
-        """evaluator.series' command line: the TIMING phase's settings, for each (label, engine)."""
-        t = self.for_phase(TIMING)
-        cmd = [t.python, "-m", "evaluator.series", "--out-dir", str(out_dir), *t._model_and_timing_flags()]
-        for label, engine in timings:
-            cmd += ["--timing", f"{label}={engine}"]
-        return cmd
+    def command(self) -> list[str]:
+        """The resident judge's command line."""
+        return [self.python, "-m", "evaluator.resident", *self.process_flags()]
 
-    def command(self, engine: Path, out: Path) -> list[str]:
-        """The evaluator's command line. Every worker reads a copy of the shared Triton cache; only
-        an engine with no model-written variant (its candidate folder has no VARIANTS) adds to it."""
-        cmd = [self.python, "-m", "evaluator.evaluate", "--engine", str(engine), "--out", str(out),
-               "--stress", self.stress, *self._model_and_timing_flags()]
-        if self.profile:
-            cmd.append("--profile")
-        if not self.benchmark:
-            cmd.append("--no-benchmark")
-        if self.triton_cache is not None and not (engine.parent / VARIANTS).exists():
-            cmd.append("--triton-cache-update")
-        return cmd
+    def request(self, engine: Path, out_dir: Path) -> dict:
+        """One verdict's request, in this phase's settings. Every worker reads a copy of the shared
+        Triton cache; only an engine with no model-written variant (its candidate folder has no
+        VARIANTS) adds to it."""
+        return {"engine": str(engine), "out_dir": str(out_dir), "stress": self.stress, "cases": self.cases,
+                "benchmark": self.benchmark, "profile": self.profile,
+                "update_cache": self.triton_cache is not None and not (engine.parent / VARIANTS).exists()}
 
 
 def default_memory_cap() -> int:
@@ -197,90 +192,159 @@ def _keep_tail(path: Path) -> None:
         pass
 
 
-class _Evaluator:
-    """An evaluator process as the agent runs one: its own session, without the agent's secrets,
-    killed with the agent, registered (evaluator/sweep.py) so that no jail's sweep takes it, its
-    output in files (capped), and everything it left behind killed when it is done."""
+class Judge:
+    """The run's judge: one resident evaluator process (evaluator/resident.py) for all its
+    verdicts, started at the first one asked for and again after one was killed. It runs in its own
+    session without the agent's secrets, dies with the agent, is registered (evaluator/sweep.py) so
+    that no jail's sweep takes it, and its own output (outside verdicts) goes to `log_dir`. Each
+    verdict has a deadline: past it, when the verdict prints without end, or when the agent is
+    interrupted, the whole process group is killed, then whatever it left behind (the agent is a
+    child subreaper), and the next verdict starts a fresh judge. One caller at a time. Use as a
+    context manager; `starts` counts the processes started."""
 
-    def __init__(self, command: list[str], out_dir: Path):
-        self.outputs = [out_dir / STDOUT, out_dir / STDERR]
-        protect_judge()
-        self.before = children()
-        with open(self.outputs[0], "wb") as so, open(self.outputs[1], "wb") as se:
-            self.proc = start_child(lambda: subprocess.Popen(
-                command, cwd=REPO, stdin=subprocess.DEVNULL, stdout=so, stderr=se,
-                start_new_session=True, preexec_fn=_die_with_parent, env=_evaluator_env()))
-        self.done = False
+    def __init__(self, settings: JudgeSettings, log_dir: Path):
+        self.settings, self.log_dir = settings, log_dir
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
 
-    def watch(self, deadline: float, ready: Callable[[], bool] = lambda: False) -> str | None:
-        """Wait until it exits or `ready()`: None; else why it must be killed (it is not yet).
-        The agent being interrupted meanwhile takes it down."""
+    def __enter__(self) -> "Judge":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the judge (its stdin closed, then its group killed: nothing of it outlives this)."""
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            self._stop(children())
+
+    def verdict(self, engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) -> EvalResult:
+        """The verdict on `engine` in `settings` (a phase of this judge's: JudgeSettings.for_phase),
+        within `timeout` seconds; stdout/stderr/result.json in `out_dir`."""
+        if settings.process_flags() != self.settings.process_flags():
+            raise ValueError("a verdict's settings must differ from the judge's only in the phase")
+        out = out_dir / RESULT
+        outputs = _fresh_outputs(out_dir)
+        out.unlink(missing_ok=True)
+        start, before = time.monotonic(), children()
+        self.send(settings.request(engine, out_dir))
+        killed_because = self.watch(start + max(timeout, 1.0), outputs, out.exists, before)
+        seconds = time.monotonic() - start
+        for path in outputs:
+            _keep_tail(path)
+        if killed_because is not None:
+            return _killed(out, killed_because, timeout, settings.device, seconds)
+        result = _read(out)
+        if result is None:
+            rc = self.proc.returncode if self.proc is not None else None
+            self._stop(before)
+            return _record(out, EvalResult.failure("unknown", "crash", f"the judge exited ({rc}) without a verdict: "
+                                                   f"{self.stderr_tail(out_dir)}", settings.device, seconds))
+        result.seconds = seconds  # wall time, the judge's start included where it started: what the budget pays
+        return result
+
+    def series(self, timings: list[tuple[str, Path]], folder: Path) -> "Series":
+        return Series(self, timings, folder)
+
+    def send(self, request: dict) -> subprocess.Popen:
+        """Hand a request to the judge, starting one where none runs (or the last one died)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self._stop(children())
+        if self.proc is None:
+            self._start()
         try:
-            while True:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except OSError:   # it died just now: watch() sees it gone, and the verdict says so
+            pass
+        return self.proc
+
+    def watch(self, deadline: float, outputs: list[Path], ready: Callable[[], bool], before: set[int]) -> str | None:
+        """Wait until `ready()` or the judge exits: None; else why it was killed (its group is, and
+        what it left behind). The agent being interrupted meanwhile takes it down too."""
+        try:
+            while not ready():
                 try:
                     self.proc.wait(timeout=max(min(POLL_SECONDS, deadline - time.monotonic()), 0.01))
                     return None
                 except subprocess.TimeoutExpired:
                     pass
-                if ready():
-                    return None
-                if time.monotonic() >= deadline:
-                    return "timeout"
-                written = sum(p.stat().st_size for p in self.outputs if p.exists())
-                if written > OUTPUT_CAP_BYTES:
-                    return f"it printed more than {OUTPUT_CAP_BYTES // 2**20} MiB"
+                why = "timeout" if time.monotonic() >= deadline else \
+                    f"it printed more than {OUTPUT_CAP_BYTES // 2**20} MiB" \
+                    if sum(p.stat().st_size for p in outputs if p.exists()) > OUTPUT_CAP_BYTES else None
+                if why is not None:
+                    self._stop(before)
+                    return why
+            return None
         except BaseException:
-            self.finish(kill=True)
+            self._stop(before)
             raise
 
-    def finish(self, kill: bool) -> None:
-        """Kill its group first if `kill` (or if it still runs), then what it left behind."""
-        if self.done:
+    def stderr_tail(self, out_dir: Path) -> str:
+        return _tail(out_dir / STDERR) or _tail(self.log_dir / STDERR) or "(no stderr)"
+
+    def _start(self) -> None:
+        protect_judge()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / STDOUT, "ab") as so, open(self.log_dir / STDERR, "ab") as se:
+            self.proc = start_child(lambda: subprocess.Popen(
+                self.settings.command(), cwd=REPO, stdin=subprocess.PIPE, stdout=so, stderr=se, text=True,
+                start_new_session=True, preexec_fn=_die_with_parent, env=_evaluator_env()))
+        self.starts += 1
+
+    def _stop(self, before: set[int]) -> None:
+        """Kill the judge's group (if it still runs), then the agent's children that appeared
+        since `before` (a worker orphaned by the judge); the next request starts a fresh judge."""
+        if self.proc is None:
             return
-        self.done = True
-        if kill or self.proc.poll() is None:
-            _kill_group(self.proc)
-        forget_child(self.proc.pid)
-        kill_new_children(self.before)   # a worker whose evaluator was killed
-        for path in self.outputs:
-            _keep_tail(path)
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            _kill_group(proc)
+        else:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)   # what it left in its group
+            except (ProcessLookupError, PermissionError):
+                pass
+        forget_child(proc.pid)
+        kill_new_children(before)
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+
+
+def _fresh_outputs(out_dir: Path) -> list[Path]:
+    """A verdict's stdout/stderr, made empty (the judge appends to them)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outputs = [out_dir / STDOUT, out_dir / STDERR]
+    for path in outputs:
+        path.write_bytes(b"")
+    return outputs
 
 
 def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) -> EvalResult:
-    """Run the evaluator on `engine`, leaving stdout/stderr/result.json in `out_dir`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / RESULT
-    out.unlink(missing_ok=True)
-    start = time.monotonic()
-    running = _Evaluator(settings.command(engine, out), out_dir)
-    killed_because = running.watch(start + max(timeout, 1.0))
-    running.finish(kill=killed_because is not None)
-    seconds = time.monotonic() - start
-    if killed_because is not None:
-        return _killed(out, killed_because, timeout, settings.device, seconds)
-    rc = running.proc.returncode
-    result = _read(out)
-    if result is None:
-        return _record(out, EvalResult.failure("unknown", "crash", f"evaluator exited {rc} without a verdict: "
-                                               f"{_tail(out_dir / STDERR) or '(no stderr)'}", settings.device, seconds))
-    if result.passed and rc != 0:
-        return _record(out, EvalResult.failure(result.stage, "crash", f"evaluator exited {rc} after a passing "
-                                               f"verdict: {_tail(out_dir / STDERR)}", settings.device, seconds))
-    result.seconds = seconds  # wall time, start-up included: what the budget actually pays
-    return result
+    """One verdict from a judge of its own (tests, scripts; a run keeps one `Judge` for all)."""
+    with Judge(settings, out_dir) as one:
+        return one.verdict(engine, out_dir, timeout, settings)
 
 
 class Series:
-    """A contest's repeated timings in one evaluator (evaluator.series), started at the first
-    `result` asked for. `timings`: every (label, engine) the contest may ask for, in the order
-    it asks; `result(label)` waits for that one (the next in order), so a contest that decides
-    early stops it by `close`. Use as a context manager."""
+    """A contest's repeated timings through the run's judge, asked of it at the first `result`:
+    it runs them back to back, ahead of the asking. `timings`: every (label, engine) the contest
+    may ask for, in the order it asks; `result(label)` waits for that one (the next in order), so
+    a contest that decides early says so by `close`, and the judge stops before its next timing
+    (SIGUSR1: evaluator/resident.py). Use as a context manager."""
 
-    def __init__(self, timings: list[tuple[str, Path]], out_dir: Path, settings: JudgeSettings):
-        self.timings, self.out_dir, self.settings = timings, out_dir, settings
-        self.running: _Evaluator | None = None
+    def __init__(self, judge: Judge, timings: list[tuple[str, Path]], out_dir: Path):
+        self.judge, self.timings, self.out_dir = judge, timings, out_dir
+        self.running: subprocess.Popen | None = None   # the judge process the series was asked of
         self.next = 0
         self.since = 0.0
+        self.before: set[int] = set()
 
     def __enter__(self) -> "Series":
         return self
@@ -289,40 +353,42 @@ class Series:
         self.close()
 
     def close(self) -> None:
-        if self.running is not None:
-            self.running.finish(kill=True)
+        if self.running is not None and self.running is self.judge.proc and self.next < len(self.timings):
+            try:
+                self.running.send_signal(signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        self.next = len(self.timings)
 
     def result(self, label: str, timeout: float) -> EvalResult:
-        """The verdict of timing `label`, within `timeout` seconds from now (else the series is
-        killed and it is a timeout, as for one evaluation)."""
+        """The verdict of timing `label`, within `timeout` seconds from now (else the judge is
+        killed and it is a timeout, as for one verdict)."""
         labels = [name for name, _ in self.timings]
         if label not in labels[self.next:]:   # a label skipped is run anyway, before the next one
             raise ValueError(f"timing {label!r} asked out of the series' order {labels} (at {self.next})")
         self.next = labels.index(label, self.next) + 1
         out = self.out_dir / label / RESULT
+        device = self.judge.settings.device
         if self.running is None:
-            logs = self.out_dir / SERIES_LOGS
-            logs.mkdir(parents=True, exist_ok=True)
             for name in labels:
+                _fresh_outputs(self.out_dir / name)
                 (self.out_dir / name / RESULT).unlink(missing_ok=True)
-            self.since = time.monotonic()
-            self.running = _Evaluator(self.settings.series_command(self.timings, self.out_dir), logs)
-        device = self.settings.device
-        killed_because = None if self.running.done else \
-            self.running.watch(time.monotonic() + max(timeout, 1.0), ready=out.exists)
+            self.since, self.before = time.monotonic(), children()
+            self.running = self.judge.send({"timings": [[name, str(engine)] for name, engine in self.timings],
+                                            "out_dir": str(self.out_dir)})
+        outputs = [self.out_dir / name / f for name in labels for f in (STDOUT, STDERR)]
+        killed_because = None if self.running is not self.judge.proc else \
+            self.judge.watch(time.monotonic() + max(timeout, 1.0), outputs, out.exists, self.before)
         seconds, self.since = time.monotonic() - self.since, time.monotonic()
         if killed_because is not None:
-            self.running.finish(kill=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
             return _killed(out, killed_because, timeout, device, seconds)
         result = _read(out)
         if result is None:
-            self.running.finish(kill=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            return _record(out, EvalResult.failure("unknown", "crash", f"the series ended without this timing's "
-                                                   f"verdict: {_tail(self.out_dir / SERIES_LOGS / STDERR) or '(no stderr)'}",
-                                                   device, seconds))
-        result.seconds = seconds   # wall time since the previous verdict (the first: since the start)
+            if self.running is self.judge.proc:
+                self.judge._stop(self.before)
+            return _record(out, EvalResult.failure("unknown", "crash", f"the judge ended without this timing's "
+                                                   f"verdict: {self.judge.stderr_tail(out.parent)}", device, seconds))
+        result.seconds = seconds   # wall time since the previous verdict (the first: since the request)
         return result
 
 

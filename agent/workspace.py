@@ -22,6 +22,7 @@ VERDICT = "engine.json"
 RESULTS_LOG = "results.log"
 RESULTS_JSON = "results.json"
 CANDIDATES = "candidates"
+JUDGE_LOGS = f"{CANDIDATES}/judge"   # the run's judge's own stdout/stderr (its verdicts' lie beside each)
 VARIANTS = "variants"   # in a candidate's folder: the sources of its model-written kernel variants
 TMP_PREFIX = ".tmp-"
 GIT_IGNORE = f"{CANDIDATES}/\n{TMP_PREFIX}*\n"

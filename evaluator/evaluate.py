@@ -39,6 +39,7 @@ import sys
 import time
 import traceback
 from contextlib import ExitStack, closing
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
@@ -53,7 +54,7 @@ quiet_threads()   # before torch is imported: see QUIET_THREADS
 from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
 from evaluator.common import (CRASH, ConfigError, EvalFailure, Tolerance, compute_dtype,  # noqa: E402
                               harness_parser, load_config, parse_cases, resolve_device)
-from evaluator.floor import detect_hardware  # noqa: E402
+from evaluator.floor import Hardware, detect_hardware  # noqa: E402
 from evaluator.hf_judge import CRITERIA, CRITERION_MARGIN, run_criterion, uses_bf16_criterion  # noqa: E402
 from evaluator.noise import reference_margin  # noqa: E402
 from evaluator.remote import RemoteModule, Worker  # noqa: E402
@@ -70,6 +71,17 @@ MEMORY_FRACTION = 0.8   # of physical memory: the worker's default cap (the judg
 
 def default_memory_cap() -> int:
     return int(MEMORY_FRACTION * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+@dataclass
+class JudgeSetup:
+    """What one judge process measures once and every verdict it gives shares: the floor's
+    hardware and the judge's own margin against fp32 on the real weights (evaluator/noise.py),
+    both the same for every candidate of one model, device and seed (evaluator/resident.py keeps
+    one for a whole agent run). None: not measured yet; the first verdict that needs it fills it."""
+
+    hardware: Hardware | None = None
+    margin: float | None = None
 
 
 def score(benchmark: list[dict]) -> float | None:
@@ -98,7 +110,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              peak_tflops: float | None = None, tol: Tolerance = Tolerance(),
              log=lambda line: None, memory_bytes: int | None = None, triton_cache: Path | None = None,
              update_cache: bool = False, profile: bool = False, criterion: str = "auto",
-             benchmark: bool = True, started: float | None = None, margin: float | None = None,
+             benchmark: bool = True, started: float | None = None, setup: JudgeSetup | None = None,
              reuse: Worker | None = None) -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
@@ -109,9 +121,10 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     criterion: evaluator/hf_judge.py (auto: the bf16 criterion for Hugging Face models in half precision).
     `benchmark` False: no benchmark, no score (see the module's docstring). `started`: a
     time.perf_counter() reading of the process's start, so that stage_seconds counts the judge's
-    own start-up (imports) too. `margin`: the judge's own margin on these weights where this
-    process measured it already (evaluator/series.py: once for all its timings). `reuse`: a
-    worker that holds `engine` already and stays open (the series' consecutive timings of one
+    own start-up (imports) too. `setup`: this process's hardware and margin, measured by the first
+    verdict that needs them and shared by the later ones (evaluator/resident.py: one judge for a
+    run, so for the same model, device and seed); None: measured for this verdict alone. `reuse`:
+    a worker that holds `engine` already and stays open (a series' consecutive timings of one
     engine); None: a fresh worker for this evaluation, killed at its end."""
     if stress not in STRESS_MODES:
         raise ValueError(f"stress must be one of {STRESS_MODES}")
@@ -121,6 +134,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
               "criterion": None, "public": None, "stress": None, "benchmark": None, "score": None,
               "reference_margin": None, "isolation": None, "slot_ms": None, "seconds": 0.0, "stage_seconds": {}}
     clock = StageClock(result["stage_seconds"], start if started is None else started)
+    setup = JudgeSetup() if setup is None else setup
     if started is not None:
         clock.lap("judge start")
     try:
@@ -130,10 +144,13 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             # overlap the judge's setup below; it runs nothing of the candidate's before `load`.
             worker = reuse if reuse is not None else \
                 owned.enter_context(closing(Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)))
-            hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
+            if setup.hardware is None:
+                setup.hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
+            hardware = setup.hardware
             bf16_criterion = uses_bf16_criterion(config, device, criterion)
-            result["reference_margin"] = (CRITERION_MARGIN if bf16_criterion else margin if margin is not None
-                                          else reference_margin(config, weight_dir, device, tol, seed))
+            if not bf16_criterion and setup.margin is None:   # the criterion path measures its own
+                setup.margin = reference_margin(config, weight_dir, device, tol, seed)
+            result["reference_margin"] = CRITERION_MARGIN if bf16_criterion else setup.margin
             log(f"the judge's own margin against fp32 on these weights: {result['reference_margin']:.3f}")
             clock.lap("setup")
             target_tol = tol
@@ -222,9 +239,17 @@ def write_json(result: dict, out: str | Path) -> None:
         raise
 
 
+def summary_line(result: dict) -> str:
+    """The verdict in one line, as stdout says it."""
+    score_text = "untimed" if result["score"] is None else f"{result['score']:.4g}"
+    verdict = f"score {score_text}" if result["status"] == "passed" else \
+        f"{result['error_kind']} at {result['stage']}: {(result['error'] or '').splitlines()[0]}"
+    return f"{result['status']}: {verdict} ({result['seconds']:.1f} s)"
+
+
 def add_timing_flags(p: argparse.ArgumentParser) -> None:
     """The flags of a timed evaluation, the same for one verdict (here) and a contest's series
-    (evaluator/series.py): cases, warm-up and repeats, the floor's hardware, the worker's cap and
+    (evaluator/resident.py, the agent's judge): cases, warm-up and repeats, the floor's hardware, the worker's cap and
     cache, the criterion."""
     p.add_argument("--cases", default=",".join(PUBLIC_CASES), help=f"comma-separated, of: {', '.join(BENCHMARK_CASES)}")
     p.add_argument("--warmup", type=int, default=1)
@@ -267,10 +292,7 @@ def main(argv: list[str] | None = None) -> None:
                       triton_cache=a.triton_cache, update_cache=a.triton_cache_update, profile=a.profile,
                       criterion=a.criterion, benchmark=not a.no_benchmark, started=STARTED)
     write_json(result, a.out)
-    score_text = "untimed" if result["score"] is None else f"{result['score']:.4g}"
-    verdict = f"score {score_text}" if result["status"] == "passed" else \
-        f"{result['error_kind']} at {result['stage']}: {(result['error'] or '').splitlines()[0]}"
-    print(f"{result['status']}: {verdict} ({result['seconds']:.1f} s)")
+    print(summary_line(result))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if result["status"] == "passed" else 1)

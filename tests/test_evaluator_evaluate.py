@@ -101,7 +101,7 @@ def test_score_is_the_geometric_mean_of_floor_fractions():
     assert math.isclose(score([{"floor_fraction": f} for f in (0.2, 0.2, 0.2)]), 0.2)
 
 
-@pytest.mark.parametrize("module", ["evaluator.evaluate", "evaluator.series"])
+@pytest.mark.parametrize("module", ["evaluator.evaluate", "evaluator.resident"])
 def test_help_names_the_default_memory_cap(module):
     """--help renders (a bare % in a help text made argparse raise instead)."""
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO_ROOT)

@@ -1,15 +1,16 @@
-"""A contest's repeated timings in one evaluator process (evaluator/series.py, agent/judge.py
+"""A contest's repeated timings through the run's judge (evaluator/resident.py, agent/judge.py
 Series): each timing is a whole TIMING verdict in a worker of its own, handed over as soon as it
 is in; the judge starts once; a contest that has decided stops the timings it did not need."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
 from agent import acceptance
-from agent.judge import JudgeSettings, Series
+from agent.judge import Judge, JudgeSettings
 from agent.records import EvalResult
 from evaluator.common import REPO_ROOT
 from tests.conftest import SINGLE_THREAD_ENV
@@ -44,7 +45,7 @@ def test_each_timing_is_a_whole_verdict_in_a_worker_of_its_own(tiny_model, recom
                                                                write_engine, tmp_path):
     broken = write_engine(broken_source("raises_in_decode", recompute_source), "broken")
     timings = [("incumbent-1", recompute_engine_path), ("challenger-2", broken), ("incumbent-3", recompute_engine_path)]
-    with Series(timings, tmp_path / "c", settings(tiny_model)) as series:
+    with Judge(settings(tiny_model), tmp_path / "judge") as judge, judge.series(timings, tmp_path / "c") as series:
         first = series.result("incumbent-1", 600)
         wrong = series.result("challenger-2", 600)
         third = series.result("incumbent-3", 600)
@@ -55,21 +56,25 @@ def test_each_timing_is_a_whole_verdict_in_a_worker_of_its_own(tiny_model, recom
     assert "judge start" in first.stage_seconds and "judge start" not in third.stage_seconds   # one judge start
     assert first.isolation != third.isolation   # each its own worker (its own uid)
     assert all((tmp_path / "c" / label / "result.json").exists() for label, _ in timings)
-    assert series.running.proc.poll() is not None
+    assert all((tmp_path / "c" / label / "stderr.txt").read_text() for label, _ in timings)   # logs beside each
+    assert judge.starts == 1 and series.running.poll() is not None   # closed with the judge
 
 
 def test_closing_a_series_stops_the_timings_nobody_asked_for(tiny_model, recompute_engine_path, tmp_path):
     timings = [(f"incumbent-{i}", recompute_engine_path) for i in range(1, 4)]
-    series = Series(timings, tmp_path / "c", settings(tiny_model))
+    from evaluator.sweep import children
+    before = children()
+    judge = Judge(settings(tiny_model), tmp_path / "judge")
+    series = judge.series(timings, tmp_path / "c")
     with pytest.raises(ValueError, match="out of the series' order"):
         series.result("challenger-9", 600)
-    assert series.running is None   # nothing was started for it
+    assert series.running is None and judge.starts == 0   # nothing was started for it
     killed = series.result("incumbent-2", 0.5)   # incumbent-1 skipped (run anyway); no time for a verdict
     assert (killed.status, killed.error_kind) == ("failed", "timeout")
     series.close()
-    assert series.running.proc.poll() is not None
-    pids = [p for p in subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()]
-    assert not pids   # neither the evaluator nor a worker is left
+    assert series.running.poll() is not None and judge.proc is None   # the judge was killed with its group
+    assert not children() - before   # neither the judge nor a worker (re-parented here) is left
+    judge.close()
 
 
 def test_consecutive_timings_of_one_engine_share_its_worker(tiny_model, recompute_engine_path, write_engine,
@@ -79,53 +84,74 @@ def test_consecutive_timings_of_one_engine_share_its_worker(tiny_model, recomput
     other = write_engine(recompute_source, "other")
     timings = [("incumbent-1", recompute_engine_path), ("incumbent-2", recompute_engine_path),
                ("challenger-2", other), ("challenger-3", other)]
-    with Series(timings, tmp_path / "c", settings(tiny_model)) as series:
+    with Judge(settings(tiny_model), tmp_path / "judge") as judge, judge.series(timings, tmp_path / "c") as series:
         results = [series.result(label, 600) for label, _ in timings]
     assert all(r.passed and r.benchmark for r in results)
     assert results[0].isolation == results[1].isolation and results[2].isolation == results[3].isolation
     assert results[1].isolation != results[2].isolation
-    assert "(its worker again)" in (tmp_path / "c" / "series" / "stderr.txt").read_text()
+    assert "(its worker again)" in (tmp_path / "c" / "incumbent-2" / "stderr.txt").read_text()
 
 
 def test_a_worker_whose_timing_failed_is_not_used_again(tiny_model, recompute_source, write_engine, tmp_path):
     broken = write_engine(broken_source("raises_in_decode", recompute_source), "broken")
     timings = [("challenger-2", broken), ("challenger-3", broken)]
-    with Series(timings, tmp_path / "c", settings(tiny_model)) as series:
+    with Judge(settings(tiny_model), tmp_path / "judge") as judge, judge.series(timings, tmp_path / "c") as series:
         first, second = (series.result(label, 600) for label, _ in timings)
     assert first.error_kind == second.error_kind == "runtime_error"
     assert first.isolation != second.isolation
 
 
-@pytest.mark.parametrize("flag", ["--timing=a/b=engine.py", "--timing=noengine"])
-def test_a_bad_timing_flag_is_one_line_and_exit_2(flag, tiny_model, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "evaluator.series", flag, "--out-dir", str(tmp_path),
-                           "--model-config", str(tiny_model.config_path), "--weight-dir", str(tiny_model.weight_dir)],
-                          capture_output=True, text=True, cwd=REPO_ROOT, env=SINGLE_THREAD_ENV)
-    assert proc.returncode == 2 and "LABEL=ENGINE" in proc.stderr
+@pytest.mark.parametrize("request_line", ['{"timings": [["a/b", "engine.py"]], "out_dir": "x"}',
+                                          '{"engine": "e.py"}', '{"engine": "e.py", "out_dir": "x", "stress": "no"}'])
+def test_a_bad_request_is_one_line_and_exit_2(request_line, tiny_model, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "evaluator.resident", "--model-config", str(tiny_model.config_path),
+                           "--weight-dir", str(tiny_model.weight_dir), "--device", "cpu"], input=request_line + "\n",
+                          capture_output=True, text=True, cwd=REPO_ROOT, env=SINGLE_THREAD_ENV, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "bad request" in proc.stderr
 
 
-def test_a_stopped_series_ends_at_once_and_writes_no_verdict_for_the_timing_it_cut(tiny_model, recompute_engine_path,
-                                                                                 tmp_path):
-    """SIGTERM (Series.close) in the middle of a timing: the timing is unwound (its jail torn
-    down), no verdict is written for it (it would be the stop's, not the engine's), no timing
-    follows, and the process exits by itself rather than waiting for SIGKILL."""
+def test_a_closed_series_stops_before_its_next_timing_and_the_judge_goes_on(tiny_model, recompute_source,
+                                                                            write_engine, tmp_path):
+    """Series.close (SIGUSR1) once the contest has what it needs: the timing under way ends, the
+    ones after it are not run, and the same judge gives the next verdict."""
+    engines = [write_engine(recompute_source, f"e{i}") for i in range(4)]   # each timing its own worker's start
+    timings = [(f"t{i}", engine) for i, engine in enumerate(engines)]
+    with Judge(settings(tiny_model), tmp_path / "judge") as judge:
+        with judge.series(timings, tmp_path / "c") as series:
+            assert series.result("t0", 600).passed
+        after = judge.verdict(engines[0], tmp_path / "after", 600, settings(tiny_model))
+        assert after.passed and judge.starts == 1
+    assert not (tmp_path / "c" / "t3" / "result.json").exists()
+    assert "series stopped by the caller" in (tmp_path / "judge" / "stderr.txt").read_text()
+
+
+def test_sigterm_unwinds_the_verdict_under_way_and_writes_nothing(tiny_model, recompute_source, write_engine,
+                                                                 tmp_path):
+    """SIGTERM (the agent's kill) in the middle of a verdict: unwound (its jail torn down), no
+    verdict written for it (it would be the stop's, not the engine's), and the process exits by
+    itself rather than waiting for SIGKILL."""
     import signal
     import time
-    out = tmp_path / "c"
-    proc = subprocess.Popen([sys.executable, "-m", "evaluator.series", "--timing", f"one={recompute_engine_path}",
-                             "--timing", f"two={recompute_engine_path}", "--out-dir", str(out), "--cases", "prefill",
-                             "--warmup", "0", "--repeat", "1", "--device", "cpu",
-                             "--model-config", str(tiny_model.config_path), "--weight-dir", str(tiny_model.weight_dir)],
-                            stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=SINGLE_THREAD_ENV)
-    lines = []
-    for line in proc.stderr:
-        lines.append(line)
-        if line.startswith("--- one:"):
-            break
-    time.sleep(0.5)   # into the timing (no verdict depends on how far it got)
+    hang = write_engine(broken_source("hangs", recompute_source), "hang")
+    out = tmp_path / "v"
+    proc = subprocess.Popen([sys.executable, "-m", "evaluator.resident", "--model-config", str(tiny_model.config_path),
+                             "--weight-dir", str(tiny_model.weight_dir), "--device", "cpu", "--cases", "prefill"],
+                            stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                            env=SINGLE_THREAD_ENV)
+    proc.stdin.write(json.dumps({"engine": str(hang), "out_dir": str(out), "stress": "off"}) + "\n")
+    proc.stdin.flush()
+    deadline = time.monotonic() + 300
+    while "margin" not in _read(out / "stderr.txt") and time.monotonic() < deadline:   # the verdict under way
+        time.sleep(0.2)
+    time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
-    _, rest = proc.communicate(timeout=120)
-    assert proc.returncode in (0, 128 + signal.SIGTERM), "".join(lines) + rest
-    assert not (out / "two").exists() and "--- two" not in rest
-    if not (out / "one" / "result.json").exists():
-        assert "one: stopped by the caller" in rest or proc.returncode == 128 + signal.SIGTERM
+    proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert not (out / "result.json").exists()
+
+
+def _read(path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

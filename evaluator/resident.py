@@ -1,0 +1,265 @@
+"""The judge of a whole agent run: one process that gives verdict after verdict.
+
+    python3 -m evaluator.resident --model-config CFG --weight-dir DIR --device cpu|cuda|auto \
+        [--cases ...] [--warmup 1] [--repeat 3] [--seed N] [--memory-gb G] \
+        [--bandwidth-gbs B --peak-tflops P] [--triton-cache DIR] [--criterion auto|course|bf16]
+
+Requests come on stdin, one JSON object a line, and are done one at a time, in order:
+
+    {"engine": PATH, "out_dir": DIR, "stress": "quick", "cases": "mixed", "benchmark": true,
+     "profile": false, "update_cache": false}                      one verdict: DIR/result.json
+    {"timings": [[LABEL, PATH], ...], "out_dir": DIR}              a contest's series: DIR/LABEL/result.json
+
+Each verdict is exactly `python3 -m evaluator.evaluate` with the request's flags (a series'
+timing: `--stress off`, no profile, the cache only read), in a fresh confined worker of its own
+(evaluator/remote.py, evaluator/isolation.py); the candidate never runs in this process. What a
+resident judge saves is what every verdict paid before it began: the process's start (imports,
+~2 s of CPU, ~5 s on an H100), the floor's hardware and the judge's margin on the real weights
+(~2.4 s on the H100; `JudgeSetup`, measured once with the same seed). A verdict's progress and
+its one-line summary go to DIR/stderr.txt and DIR/stdout.txt (fd 1 and 2 are pointed there for
+its duration, so that they lie beside its result.json as the standalone command's do); between
+verdicts the judge's own output goes where it was started with. result.json is written last and
+atomically: once it is there, that verdict is done.
+
+A series' timings run back to back without waiting to be asked; consecutive timings of one engine
+share its worker (the contest's order, agent/acceptance.py, A, B B, A A, B: each later pair has
+one timing in a worker that timed before and one in a fresh worker); a worker whose timing failed
+is not used again. SIGUSR1 means the caller has what it needed: the series stops before its next
+timing (the one under way ends normally and is written); outside a series it is forgotten at the
+next request. SIGTERM ends the process (the verdict under way unwound, its jail torn down, nothing
+written); so does the end of stdin. The caller (agent/judge.py) watches each verdict's deadline and
+kills the whole process group when it passes. Exit 2 for bad flags or a request it cannot read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from evaluator.isolation import quiet_threads  # noqa: E402  (the standard library only)
+
+STARTED = time.perf_counter()   # before torch is imported: the first verdict's share of the start
+quiet_threads()
+
+from evaluator.common import ConfigError, EvalFailure, load_config, parse_cases  # noqa: E402
+from evaluator.evaluate import (STRESS_MODES, JudgeSetup, add_timing_flags, default_memory_cap,  # noqa: E402
+                                evaluate, summary_line, write_json)
+from evaluator.remote import Worker  # noqa: E402
+
+RESULT, STDOUT, STDERR = "result.json", "stdout.txt", "stderr.txt"
+OUTPUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND   # the caller made (and emptied) the files
+
+
+class BadRequest(ValueError):
+    """A request line this judge cannot read: the caller's bug, so the process ends (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One verdict asked for: evaluate()'s per-candidate flags."""
+
+    engine: Path
+    out_dir: Path
+    stress: str = "quick"
+    cases: list[str] | None = None      # None: the process's --cases
+    benchmark: bool = True
+    profile: bool = False
+    update_cache: bool = False
+
+
+@dataclass(frozen=True)
+class SeriesRequest:
+    """A contest's repeated timings, in the order it asks for them."""
+
+    timings: list[tuple[str, Path]]
+    out_dir: Path
+
+
+def parse_request(line: str) -> Verdict | SeriesRequest:
+    try:
+        data = json.loads(line)
+        if not isinstance(data, dict) or not isinstance(data.get("out_dir"), str):
+            raise BadRequest("a request is a JSON object with an out_dir")
+        out_dir = Path(data["out_dir"])
+        if "timings" in data:
+            timings = [(str(label), Path(engine)) for label, engine in data["timings"]]
+            if not timings or any(not _plain_name(label) for label, _ in timings) \
+                    or len({label for label, _ in timings}) != len(timings):
+                raise BadRequest("timings: distinct LABELs of letters, digits, - and _")
+            return SeriesRequest(timings, out_dir)
+        if data.get("stress", "quick") not in STRESS_MODES:
+            raise BadRequest(f"stress must be one of {STRESS_MODES}")
+        cases = parse_cases(data["cases"]) if data.get("cases") else None
+        return Verdict(Path(data["engine"]), out_dir, data.get("stress", "quick"), cases,
+                       bool(data.get("benchmark", True)), bool(data.get("profile", False)),
+                       bool(data.get("update_cache", False)))
+    except (ValueError, KeyError, TypeError) as e:
+        raise BadRequest(f"bad request {line.strip()[:200]!r}: {e}") from None
+
+
+def _plain_name(label: str) -> bool:
+    return bool(label) and label not in (".", "..") and label.replace("-", "").replace("_", "").isalnum()
+
+
+class Resident:
+    """The process's state: its flags, its JudgeSetup, whether a series was asked to stop."""
+
+    def __init__(self, a: argparse.Namespace, config: dict):
+        self.a, self.config = a, config
+        self.setup = JudgeSetup()
+        self.started: float | None = STARTED   # the process's start counts in its first verdict only
+        self.stop_series = False
+        self.terminated = False   # SIGTERM came: what the verdict under way became is the stop's
+        self.memory_bytes = int(a.memory_gb * 2**30) if a.memory_gb else None
+        self.home = (os.dup(1), os.dup(2))     # where the judge's own output goes between verdicts
+
+    def log(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    @contextmanager
+    def output_to(self, folder: Path):
+        """fd 1 and 2 (this process's prints, a worker's start-up messages) into `folder` for the
+        duration of one verdict, then back home."""
+        folder.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, name in ((1, STDOUT), (2, STDERR)):
+            target = os.open(folder / name, OUTPUT_FLAGS, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(self.home[0], 1)
+            os.dup2(self.home[1], 2)
+
+    def evaluate(self, engine: Path, stress: str, cases: list[str] | None, benchmark: bool = True,
+                 profile: bool = False, update_cache: bool = False, reuse: Worker | None = None) -> dict:
+        a = self.a
+        result = evaluate(engine, self.config, a.weight_dir, a.device, stress, cases or parse_cases(a.cases),
+                          a.warmup, a.repeat, a.seed, a.bandwidth_gbs, a.peak_tflops, log=self.log,
+                          memory_bytes=self.memory_bytes, triton_cache=a.triton_cache, update_cache=update_cache,
+                          profile=profile, criterion=a.criterion, benchmark=benchmark, started=self.started,
+                          setup=self.setup, reuse=reuse)
+        self.started = None
+        if self.terminated:   # evaluate() turned the unwinding into a verdict: not the engine's
+            raise SystemExit(128 + signal.SIGTERM)
+        return result
+
+    def verdict(self, v: Verdict) -> None:
+        with self.output_to(v.out_dir):
+            result = self.evaluate(v.engine, v.stress, v.cases, v.benchmark, v.profile, v.update_cache)
+            print(summary_line(result), flush=True)
+        write_json(result, v.out_dir / RESULT)
+
+    def series(self, s: SeriesRequest) -> None:
+        """Each timing in turn (stress off), DIR/LABEL/result.json after each; SIGUSR1 stops the
+        rest (see the module's docstring)."""
+        held: Held | None = None   # the last engine's worker, for that engine's next timing
+        try:
+            for label, engine in s.timings:
+                if self.stop_series:
+                    self.log(f"series stopped by the caller before {label}")
+                    break
+                folder = s.out_dir / label
+                with self.output_to(folder):
+                    if held is not None and held.engine != engine:
+                        held.close()
+                        held = None
+                    if held is None:
+                        held = Held.start(engine, self.a.device, self.memory_bytes, self.a.triton_cache, self.log)
+                    self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else ""))
+                    result = self.evaluate(engine, "off", None, reuse=held.worker if held else None)
+                    if held is not None:
+                        held.timed = True
+                        if result["status"] != "passed":
+                            held.close()
+                            held = None
+                    print(summary_line(result), flush=True)
+                write_json(result, folder / RESULT)
+        finally:
+            if held is not None:
+                held.close()
+
+
+@dataclass
+class Held:
+    """A worker holding one engine, kept open between that engine's consecutive timings."""
+
+    engine: Path
+    worker: Worker
+    timed: bool = False
+
+    @staticmethod
+    def start(engine: Path, device: str, memory_bytes: int | None, triton_cache: Path | None, log) -> "Held | None":
+        """A fresh worker that imported `engine`; None where it failed to start or to import it:
+        then evaluate() starts its own, and its verdict says what failed."""
+        worker = None
+        try:
+            worker = Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)
+            worker.ready()
+            worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
+        except EvalFailure:
+            if worker is not None:
+                worker.close()
+            return None
+        return Held(engine, worker)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-config", required=True)
+    p.add_argument("--weight-dir", required=True)
+    p.add_argument("--device", default="auto")
+    add_timing_flags(p)
+    p.add_argument("--seed", type=int, help="the stress suite's and the margin's seed (default: fresh)")
+    a = p.parse_args(argv)
+    try:
+        config = load_config(a.model_config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    judge = Resident(a, config)
+
+    def terminate(*_) -> None:
+        """SIGTERM (the caller's timeout or stop) unwinds like an interrupt, so a worker's jail
+        is torn down; evaluate() turns the unwinding into a verdict, which `Resident.evaluate`
+        then refuses (it is the stop's, not the engine's): nothing is written."""
+        judge.terminated = True
+        sys.exit(128 + signal.SIGTERM)
+
+    def stop_series(*_) -> None:
+        judge.stop_series = True
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGUSR1, stop_series)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        judge.stop_series = False   # a stop sent before this request was for an earlier series
+        try:
+            request = parse_request(line)
+        except BadRequest as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        (judge.series if isinstance(request, SeriesRequest) else judge.verdict)(request)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
