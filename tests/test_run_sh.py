@@ -50,10 +50,16 @@ def public_check(tmp_path: Path) -> dict:
 
 
 def evaluators_running(workspace: Path) -> list[int]:
+    """Processes of this run: its workspace on their command line (the agent), or their output
+    going into it (the run's judge, whose stdout/stderr are the workspace's judge logs)."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and str(workspace) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+            if not proc.name.isdigit():
+                continue
+            outputs = [os.readlink(proc / "fd" / fd) for fd in ("1", "2") if (proc / "fd" / fd).exists()]
+            if any(str(workspace) in text for text in [(proc / "cmdline").read_bytes().decode(errors="replace"),
+                                                       *outputs]):
                 pids.append(int(proc.name))
         except OSError:
             continue

@@ -1,0 +1,148 @@
+"""The run's one judge process (agent/judge.py Judge, evaluator/resident.py): its verdicts are the
+standalone command's, several of them come from one process, and every guarantee of a verdict
+in a process of its own still holds (a timeout kills the whole judge group and the next verdict
+comes from a fresh judge; an interrupted agent leaves no judge or worker behind)."""
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from agent import judge as judge_mod
+from agent.judge import Judge, JudgeSettings
+from evaluator.common import REPO_ROOT
+from evaluator.sweep import children, processes
+from tests.conftest import SINGLE_THREAD_ENV
+from tests.fixtures.broken_engines import broken_source
+
+HANG_TIMEOUT_SECONDS = 8.0   # the judge's start and the public sequence fit in it; the hang does not end
+# What no two verdicts of one engine share: the clock's readings, and the worker's uid.
+TIMED_FIELDS = ("seconds", "stage_seconds", "benchmark", "score", "isolation")
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(judge_mod, "TERM_GRACE_SECONDS", 0.5)
+
+
+def settings(model, seed: int, **changes) -> JudgeSettings:
+    return JudgeSettings(sys.executable, model.config_path, model.weight_dir, "cpu", seed, cases="prefill",
+                         warmup=0, repeat=1, memory_bytes=4 * 2**30, bandwidth_gbs=100.0, peak_tflops=1.0,
+                         **changes)
+
+
+def untimed(result: dict) -> dict:
+    """A verdict less what the clock and the worker's uid decide; each benchmark case by its name."""
+    kept = {k: v for k, v in result.items() if k not in TIMED_FIELDS}
+    kept["benchmark"] = [case["case_name"] for case in result.get("benchmark") or []]
+    return kept
+
+
+def test_a_verdict_is_the_standalone_commands_in_content(tiny_model, recompute_engine_path, recompute_source,
+                                                         write_engine, tmp_path):
+    """The same engines, the same seed (the stress suite's cases, the judge's margin): the resident
+    judge's verdicts equal `python3 -m evaluator.evaluate`'s field for field but for the clock, a
+    passing and a failing one, the second after the first in the same process."""
+    seed = random.randrange(2**31)
+    broken = write_engine(broken_source("raises_in_decode", recompute_source), "broken")
+    s = settings(tiny_model, seed, stress="quick")
+    with Judge(s, tmp_path / "judge") as judge:
+        mine = [judge.verdict(engine, tmp_path / f"resident-{i}", 600, s).to_dict()
+                for i, engine in enumerate([recompute_engine_path, broken])]
+    for i, engine in enumerate([recompute_engine_path, broken]):
+        out = tmp_path / f"alone-{i}" / "result.json"
+        subprocess.run([sys.executable, "-m", "evaluator.evaluate", "--engine", str(engine), "--out", str(out),
+                        "--stress", "quick", *s.process_flags()], cwd=REPO_ROOT, env=SINGLE_THREAD_ENV,
+                       capture_output=True, timeout=600)
+        alone = judge_mod._read(out).to_dict()
+        assert untimed(mine[i]) == untimed(alone)
+        assert (tmp_path / f"resident-{i}" / "stdout.txt").read_text().startswith(alone["status"])
+    assert mine[0]["status"] == "passed" and mine[0]["stress"] and mine[1]["error_kind"] == "runtime_error"
+
+
+def test_several_verdicts_come_from_one_judge_process(tiny_model, recompute_engine_path, tmp_path):
+    """Three verdicts, one process: started once, its start counted in the first verdict only,
+    its margin measured once (the same on all), each verdict in a worker of its own."""
+    s = settings(tiny_model, random.randrange(2**31), stress="off")
+    with Judge(s, tmp_path / "judge") as judge:
+        results = [judge.verdict(recompute_engine_path, tmp_path / f"v{i}", 600, s) for i in range(3)]
+        pid = judge.proc.pid
+        assert judge.starts == 1 and judge.proc.poll() is None
+    assert all(r.passed for r in results)
+    assert "judge start" in results[0].stage_seconds
+    assert not any("judge start" in r.stage_seconds for r in results[1:])
+    assert len({r.reference_margin for r in results}) == 1
+    assert len({r.isolation for r in results}) == 3
+    assert not _alive(pid)   # closing the judge ends it
+
+
+def test_a_timeout_kills_the_judge_group_and_the_next_verdict_has_a_fresh_judge(tiny_model, recompute_source,
+                                                                               recompute_engine_path,
+                                                                               write_engine, tmp_path):
+    hang = write_engine(broken_source("hangs", recompute_source), "hang")
+    s = settings(tiny_model, random.randrange(2**31), stress="off")
+    before = children()
+    with Judge(s, tmp_path / "judge") as judge:
+        assert judge.verdict(recompute_engine_path, tmp_path / "first", 600, s).passed
+        first_pid = judge.proc.pid
+        hung = judge.verdict(hang, tmp_path / "hung", HANG_TIMEOUT_SECONDS, s)
+        assert (hung.status, hung.error_kind) == ("failed", "timeout")
+        assert json.loads((tmp_path / "hung" / "result.json").read_text())["error_kind"] == "timeout"
+        assert judge.proc is None and not _alive(first_pid)
+        assert not children() - before   # its worker (re-parented to us, the subreaper) is gone too
+        after = judge.verdict(recompute_engine_path, tmp_path / "after", 600, s)
+        assert after.passed and judge.starts == 2 and judge.proc.pid != first_pid
+        assert "judge start" in after.stage_seconds   # a fresh process paid its start
+
+
+def test_an_interrupted_agent_leaves_no_judge_or_worker(tiny_model, recompute_source, write_engine, tmp_path):
+    """KeyboardInterrupt (the agent's SIGINT/SIGTERM) while a verdict is under way, its worker
+    hanging: the judge's group and the worker are killed before the interrupt goes on."""
+    hang = write_engine(broken_source("hangs", recompute_source), "hang")
+    s = settings(tiny_model, random.randrange(2**31), stress="off")
+    before = children()
+    seen: dict[str, set[int]] = {}
+
+    def interrupt(*_):
+        seen["tree"] = _tree(judge.proc.pid)
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    judge = Judge(s, tmp_path / "judge")
+    try:
+        signal.setitimer(signal.ITIMER_REAL, HANG_TIMEOUT_SECONDS)
+        with pytest.raises(KeyboardInterrupt):
+            judge.verdict(hang, tmp_path / "v", 600, s)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        judge.close()
+    assert len(seen["tree"]) >= 2, "the worker was not running yet: nothing interrupted"
+    assert not [pid for pid in seen["tree"] if _alive(pid)]
+    assert not children() - before
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except OSError:
+        return False
+
+
+def _tree(root: int) -> set[int]:
+    """`root` and its descendants (the judge and its workers), now."""
+    parents = {pid: int(f.get("PPid", "0").strip() or 0) for pid, f in processes()}
+    tree = {root}
+    grew = True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    return tree
