@@ -108,13 +108,12 @@ class JudgeSettings:
 
     def process_flags(self) -> list[str]:
         """The resident judge's command-line flags (evaluator/resident.py): what is the same for
-        every verdict of a run (the model, the device, the seed, the timing, the worker's cap and
-        cache, the run's cases); a phase changes only what goes in each request."""
+        every verdict of a run (the model, the device, the seed, the warm-up and repeats, the
+        worker's cap and cache); what a phase changes (stress, cases, benchmark, profile) goes in
+        each request."""
         flags = ["--model-config", str(self.model_config), "--weight-dir", str(self.weight_dir),
                  "--device", self.device, "--seed", str(self.seed), "--warmup", str(self.warmup),
                  "--repeat", str(self.repeat), "--memory-gb", f"{self.memory_bytes / 2**30:.6f}"]
-        if self.cases:
-            flags += ["--cases", self.cases]
         if self.bandwidth_gbs and self.peak_tflops:
             flags += ["--bandwidth-gbs", str(self.bandwidth_gbs), "--peak-tflops", str(self.peak_tflops)]
         if self.triton_cache is not None:
@@ -375,7 +374,7 @@ class Series:
                 (self.out_dir / name / RESULT).unlink(missing_ok=True)
             self.since, self.before = time.monotonic(), children()
             self.running = self.judge.send({"timings": [[name, str(engine)] for name, engine in self.timings],
-                                            "out_dir": str(self.out_dir)})
+                                            "out_dir": str(self.out_dir), "cases": self.judge.settings.cases})
         outputs = [self.out_dir / name / f for name in labels for f in (STDOUT, STDERR)]
         killed_because = None if self.running is not self.judge.proc else \
             self.judge.watch(time.monotonic() + max(timeout, 1.0), outputs, out.exists, self.before)

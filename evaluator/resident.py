@@ -8,7 +8,7 @@ Requests come on stdin, one JSON object a line, and are done one at a time, in o
 
     {"engine": PATH, "out_dir": DIR, "stress": "quick", "cases": "mixed", "benchmark": true,
      "profile": false, "update_cache": false}                      one verdict: DIR/result.json
-    {"timings": [[LABEL, PATH], ...], "out_dir": DIR}              a contest's series: DIR/LABEL/result.json
+    {"timings": [[LABEL, PATH], ...], "out_dir": DIR, "cases": ...}  a contest's series: DIR/LABEL/result.json
 
 Each verdict is exactly `python3 -m evaluator.evaluate` with the request's flags (a series'
 timing: `--stress off`, no profile, the cache only read), in a fresh confined worker of its own
@@ -82,6 +82,7 @@ class SeriesRequest:
 
     timings: list[tuple[str, Path]]
     out_dir: Path
+    cases: list[str] | None = None      # None: the process's --cases
 
 
 def parse_request(line: str) -> Verdict | SeriesRequest:
@@ -90,15 +91,15 @@ def parse_request(line: str) -> Verdict | SeriesRequest:
         if not isinstance(data, dict) or not isinstance(data.get("out_dir"), str):
             raise BadRequest("a request is a JSON object with an out_dir")
         out_dir = Path(data["out_dir"])
+        cases = parse_cases(data["cases"]) if data.get("cases") else None
         if "timings" in data:
             timings = [(str(label), Path(engine)) for label, engine in data["timings"]]
             if not timings or any(not _plain_name(label) for label, _ in timings) \
                     or len({label for label, _ in timings}) != len(timings):
                 raise BadRequest("timings: distinct LABELs of letters, digits, - and _")
-            return SeriesRequest(timings, out_dir)
+            return SeriesRequest(timings, out_dir, cases)
         if data.get("stress", "quick") not in STRESS_MODES:
             raise BadRequest(f"stress must be one of {STRESS_MODES}")
-        cases = parse_cases(data["cases"]) if data.get("cases") else None
         return Verdict(Path(data["engine"]), out_dir, data.get("stress", "quick"), cases,
                        bool(data.get("benchmark", True)), bool(data.get("profile", False)),
                        bool(data.get("update_cache", False)))
@@ -180,7 +181,7 @@ class Resident:
                     if held is None:
                         held = Held.start(engine, self.a.device, self.memory_bytes, self.a.triton_cache, self.log)
                     self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else ""))
-                    result = self.evaluate(engine, "off", None, reuse=held.worker if held else None)
+                    result = self.evaluate(engine, "off", s.cases, reuse=held.worker if held else None)
                     if held is not None:
                         held.timed = True
                         if result["status"] != "passed":

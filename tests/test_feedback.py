@@ -159,11 +159,11 @@ def test_search_picture_is_drawn_or_skipped_with_a_log_line(tmp_path):
 
 
 def test_the_profiled_pass_is_asked_for_once_per_new_best(tmp_path):
-    """Only the FINAL phase (an engine about to become the best) carries --profile: the screens
-    and repeated timings that decide acceptance are never profiled."""
+    """Only the FINAL phase (an engine about to become the best) asks for the profiled pass: the
+    screens and repeated timings that decide acceptance are never profiled."""
     from agent.judge import FINAL, STRESS, TIMING, VERIFY, JudgeSettings
     settings = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cpu", 0, profile=True)
-    flags = {phase: "--profile" in settings.for_phase(phase).command(tmp_path / "engine.py", tmp_path / "r.json")
+    flags = {phase: settings.for_phase(phase).request(tmp_path / "engine.py", tmp_path / "out")["profile"]
              for phase in (VERIFY, STRESS, TIMING, FINAL)}
     assert flags == {VERIFY: False, STRESS: False, TIMING: False, FINAL: True}
 
@@ -173,11 +173,11 @@ def test_only_timing_phases_run_the_benchmark(tmp_path):
     TIMING): the evaluator is told to leave the benchmark out."""
     from agent.judge import FINAL, STRESS, TIMING, VERIFY, JudgeSettings
     settings = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cpu", 0)
-    cmd = {phase: settings.for_phase(phase).command(tmp_path / "engine.py", tmp_path / "r.json")
-           for phase in (VERIFY, STRESS, TIMING, FINAL)}
-    assert {phase: "--no-benchmark" in c for phase, c in cmd.items()} == \
-        {VERIFY: False, STRESS: True, TIMING: False, FINAL: True}
-    assert {phase: c[c.index("--stress") + 1] for phase, c in cmd.items()} == \
+    asked = {phase: settings.for_phase(phase).request(tmp_path / "engine.py", tmp_path / "out")
+             for phase in (VERIFY, STRESS, TIMING, FINAL)}
+    assert {phase: r["benchmark"] for phase, r in asked.items()} == \
+        {VERIFY: True, STRESS: False, TIMING: True, FINAL: False}
+    assert {phase: r["stress"] for phase, r in asked.items()} == \
         {VERIFY: "off", STRESS: "quick", TIMING: "off", FINAL: "quick"}
 
 
@@ -190,8 +190,11 @@ def test_the_conservative_engine_is_timed_on_one_case_of_the_runs_at_its_warmup_
     settings = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cpu", 0, warmup=warmup, repeat=repeat)
 
     def flags(s: JudgeSettings, phase: str) -> tuple[str, str, str]:
-        cmd = s.for_phase(phase).command(tmp_path / "engine.py", tmp_path / "r.json")
-        return tuple(cmd[cmd.index(flag) + 1] if flag in cmd else None for flag in ("--cases", "--warmup", "--repeat"))
+        """The request's cases; the warm-up and repeats of the run's one judge process."""
+        phased = s.for_phase(phase)
+        cmd = phased.command()
+        return (phased.request(tmp_path / "engine.py", tmp_path / "out")["cases"],
+                *(cmd[cmd.index(flag) + 1] for flag in ("--warmup", "--repeat")))
     assert flags(settings, VERIFY) == (CONSERVATIVE_CASE, str(warmup), str(repeat))
     assert flags(settings, TIMING) == (None, str(warmup), str(repeat))   # the evaluator's default cases
     assert flags(replace(settings, cases=f"decode,{CONSERVATIVE_CASE}"), VERIFY)[0] == CONSERVATIVE_CASE

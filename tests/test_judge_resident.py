@@ -57,7 +57,7 @@ def test_a_verdict_is_the_standalone_commands_in_content(tiny_model, recompute_e
     for i, engine in enumerate([recompute_engine_path, broken]):
         out = tmp_path / f"alone-{i}" / "result.json"
         subprocess.run([sys.executable, "-m", "evaluator.evaluate", "--engine", str(engine), "--out", str(out),
-                        "--stress", "quick", *s.process_flags()], cwd=REPO_ROOT, env=SINGLE_THREAD_ENV,
+                        "--stress", "quick", "--cases", s.cases, *s.process_flags()], cwd=REPO_ROOT, env=SINGLE_THREAD_ENV,
                        capture_output=True, timeout=600)
         alone = judge_mod._read(out).to_dict()
         assert untimed(mine[i]) == untimed(alone)

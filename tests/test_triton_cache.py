@@ -53,9 +53,10 @@ def test_only_engines_of_our_own_code_update_the_cache(tmp_path):
     ours = tmp_path / "001" / "engine.py"
     model_written = tmp_path / "002" / "engine.py"
     (model_written.parent / VARIANTS).mkdir(parents=True)
-    cmd = settings.command(ours, tmp_path / "out.json")
-    assert cmd[cmd.index("--triton-cache") + 1] == str(tmp_path / "cache") and "--triton-cache-update" in cmd
-    cmd = settings.command(model_written, tmp_path / "out.json")
-    assert "--triton-cache" in cmd and "--triton-cache-update" not in cmd
+    cmd = settings.command()
+    assert cmd[cmd.index("--triton-cache") + 1] == str(tmp_path / "cache")
+    assert settings.request(ours, tmp_path / "out")["update_cache"]
+    assert not settings.request(model_written, tmp_path / "out")["update_cache"]
     no_cache = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cpu", 0, memory_bytes=2**30)
-    assert "--triton-cache" not in no_cache.command(ours, tmp_path / "out.json")
+    assert not no_cache.request(ours, tmp_path / "out")["update_cache"]
+    assert "--triton-cache" not in no_cache.command()
