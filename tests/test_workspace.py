@@ -68,27 +68,28 @@ def test_candidate_dirs_are_numbered_and_safe(tmp_path):
 # --- the judge, against stand-in evaluators --------------------------------------------
 
 FAKE_EVALUATORS = {
-    "passes": "json.dump({'status': 'passed', 'stage': 'done', 'score': 0.5, 'benchmark': []}, open(out, 'w'))",
+    "passes": "put({'status': 'passed', 'stage': 'done', 'score': 0.5, 'benchmark': []})",
     "hangs": "import subprocess; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)",
     "sleeps": "time.sleep(60)",
     "crashes": "sys.stderr.write('Traceback: engine segfaulted\\n'); sys.exit(-11 % 256)",
-    "lies": "json.dump({'status': 'passed', 'stage': 'done', 'score': 9.0}, open(out, 'w')); sys.exit(1)",
-    "fails": "json.dump({'status': 'failed', 'stage': 'public', 'error_kind': 'wrong_result', "
-             "'error': 'max abs err 0.3'}, open(out, 'w')); sys.exit(1)",
+    "fails": "put({'status': 'failed', 'stage': 'public', 'error_kind': 'wrong_result', 'error': 'max abs err 0.3'})",
 }
 
 
 def fake_evaluator(tmp_path: Path, behaviour: str) -> JudgeSettings:
-    """Settings whose `python` is a script acting as `python -m evaluator.evaluate ... --out X`."""
+    """Settings whose `python` is a script acting as the run's judge (`python -m evaluator.resident`):
+    a request a line on stdin, its verdict written atomically to OUT_DIR/result.json."""
     script = tmp_path / "fake_python"
-    script.write_text(f"#!{sys.executable}\nimport json, sys, time\nout = sys.argv[sys.argv.index('--out') + 1]\n"
-                      f"{FAKE_EVALUATORS[behaviour]}\n")
+    script.write_text(f"#!{sys.executable}\nimport json, os, sys, time\n"
+                      "def put(verdict):\n    json.dump(verdict, open(out + '.tmp', 'w')); os.replace(out + '.tmp', out)\n"
+                      "for line in sys.stdin:\n    out = os.path.join(json.loads(line)['out_dir'], 'result.json')\n"
+                      f"    {FAKE_EVALUATORS[behaviour]}\n")
     script.chmod(0o755)
     return JudgeSettings(str(script), tmp_path / "c.json", tmp_path / "w", "cpu", 0)
 
 
 @pytest.mark.parametrize("behaviour,status,kind", [("passes", "passed", None), ("crashes", "failed", "crash"),
-                                                   ("lies", "failed", "crash"), ("fails", "failed", "wrong_result")])
+                                                   ("fails", "failed", "wrong_result")])
 def test_judge_maps_outcomes(tmp_path, behaviour, status, kind):
     result = judge(tmp_path / "engine.py", tmp_path, 30.0, fake_evaluator(tmp_path, behaviour))
     assert (result.status, result.error_kind) == (status, kind)
