@@ -218,7 +218,25 @@ def test_a_full_disk_ends_the_run_cleanly(cli_env, tmp_path, monkeypatch, capsys
         return real_fsync(fd)
 
     judge = FakeJudge()
-    monkeypatch.setattr(cli, "judge", lambda engine, out, timeout, settings: judge(engine, out, timeout, None))
+
+    class Resident:
+        """cli's run judge (agent/judge.py Judge), each verdict the fake's."""
+
+        def __init__(self, settings, log_dir):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def verdict(self, engine, out, timeout, settings):
+            return judge(engine, out, timeout, None)
+
+        def series(self, timings, folder):
+            return loop.OneByOne(lambda engine, out, timeout, phase: judge(engine, out, timeout, None), timings, folder)
+    monkeypatch.setattr(cli, "Judge", Resident)
     monkeypatch.setattr(cli, "make_proposer", lambda *args: ListProposer(PLANS))
     monkeypatch.setattr(os, "fsync", fsync)
     ws = tmp_path / "ws"
