@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -226,18 +227,18 @@ class Judge:
         within `timeout` seconds; stdout/stderr/result.json in `out_dir`."""
         if settings.process_flags() != self.settings.process_flags():
             raise ValueError("a verdict's settings must differ from the judge's only in the phase")
-        out = out_dir / RESULT
+        out, ticket = out_dir / RESULT, secrets.token_hex(16)
         outputs = _fresh_outputs(out_dir)
         out.unlink(missing_ok=True)
         start, before = time.monotonic(), children()
-        self.send(settings.request(engine, out_dir))
-        killed_because = self.watch(start + max(timeout, 1.0), outputs, out.exists, before)
+        self.send({**settings.request(engine, out_dir), "ticket": ticket})
+        killed_because = self.watch(start + max(timeout, 1.0), outputs, lambda: _read(out, ticket) is not None, before)
         seconds = time.monotonic() - start
         for path in outputs:
             _keep_tail(path)
         if killed_because is not None:
-            return _killed(out, killed_because, timeout, settings.device, seconds)
-        result = _read(out)
+            return _killed(out, killed_because, timeout, settings.device, seconds, ticket)
+        result = _read(out, ticket)
         if result is None:
             rc = self.proc.returncode if self.proc is not None else None
             self._stop(before)
@@ -344,6 +345,7 @@ class Series:
         self.next = 0
         self.since = 0.0
         self.before: set[int] = set()
+        self.ticket = secrets.token_hex(16)   # in each of its timings' result.json (see _read)
 
     def __enter__(self) -> "Series":
         return self
@@ -374,14 +376,16 @@ class Series:
                 (self.out_dir / name / RESULT).unlink(missing_ok=True)
             self.since, self.before = time.monotonic(), children()
             self.running = self.judge.send({"timings": [[name, str(engine)] for name, engine in self.timings],
-                                            "out_dir": str(self.out_dir), "cases": self.judge.settings.cases})
+                                            "out_dir": str(self.out_dir), "cases": self.judge.settings.cases,
+                                            "ticket": self.ticket})
         outputs = [self.out_dir / name / f for name in labels for f in (STDOUT, STDERR)]
         killed_because = None if self.running is not self.judge.proc else \
-            self.judge.watch(time.monotonic() + max(timeout, 1.0), outputs, out.exists, self.before)
+            self.judge.watch(time.monotonic() + max(timeout, 1.0), outputs,
+                             lambda: _read(out, self.ticket) is not None, self.before)
         seconds, self.since = time.monotonic() - self.since, time.monotonic()
         if killed_because is not None:
-            return _killed(out, killed_because, timeout, device, seconds)
-        result = _read(out)
+            return _killed(out, killed_because, timeout, device, seconds, self.ticket)
+        result = _read(out, self.ticket)
         if result is None:
             if self.running is self.judge.proc:
                 self.judge._stop(self.before)
@@ -391,8 +395,8 @@ class Series:
         return result
 
 
-def _killed(out: Path, why: str, timeout: float, device: str, seconds: float) -> EvalResult:
-    partial = _read(out)
+def _killed(out: Path, why: str, timeout: float, device: str, seconds: float, ticket: str) -> EvalResult:
+    partial = _read(out, ticket)
     kind, text = ("timeout", f"no verdict within {timeout:.0f}s") if why == "timeout" else ("crash", why)
     return _record(out, EvalResult.failure(partial.stage if partial else "unknown", kind,
                                            f"{text}; evaluator killed", device, seconds))
@@ -404,9 +408,13 @@ def _record(path: Path, result: EvalResult) -> EvalResult:
     return result
 
 
-def _read(path: Path) -> EvalResult | None:
+def _read(path: Path, ticket: str) -> EvalResult | None:
+    """The verdict at `path` if the judge wrote it for the request that carried `ticket`
+    (evaluator/resident.py: a result.json without it, a worker's forgery included, is not one)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return EvalResult.from_dict(data) if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not secrets.compare_digest(str(data.get("ticket")), ticket):
+        return None
+    return EvalResult.from_dict(data)

@@ -7,8 +7,9 @@
 Requests come on stdin, one JSON object a line, and are done one at a time, in order:
 
     {"engine": PATH, "out_dir": DIR, "stress": "quick", "cases": "mixed", "benchmark": true,
-     "profile": false, "update_cache": false}                      one verdict: DIR/result.json
-    {"timings": [[LABEL, PATH], ...], "out_dir": DIR, "cases": ...}  a contest's series: DIR/LABEL/result.json
+     "profile": false, "update_cache": false, "ticket": T}         one verdict: DIR/result.json
+    {"timings": [[LABEL, PATH], ...], "out_dir": DIR, "cases": ..., "ticket": T}
+                                                                   a contest's series: DIR/LABEL/result.json
 
 Each verdict is exactly `python3 -m evaluator.evaluate` with the request's flags (a series'
 timing: `--stress off`, no profile, the cache only read), in a fresh confined worker of its own
@@ -19,7 +20,11 @@ resident judge saves is what every verdict paid before it began: the process's s
 its one-line summary go to DIR/stderr.txt and DIR/stdout.txt (fd 1 and 2 are pointed there for
 its duration, so that they lie beside its result.json as the standalone command's do); between
 verdicts the judge's own output goes where it was started with. result.json is written last and
-atomically: once it is there, that verdict is done.
+atomically: once it is there, holding the request's ticket, that verdict is done. The ticket (a
+random string the caller sends on this process's stdin, which no worker can read: the judge is not
+dumpable) is what makes it this judge's: a worker running under the judge's own uid (no root, no
+uid of its own) could write a result.json into the verdict's folder, but not one with the ticket,
+so a forged "passed" is never taken for the verdict.
 
 A series' timings run back to back without waiting to be asked; consecutive timings of one engine
 share its worker (the contest's order, agent/acceptance.py, A, B B, A A, B: each later pair has
@@ -74,6 +79,7 @@ class Verdict:
     benchmark: bool = True
     profile: bool = False
     update_cache: bool = False
+    ticket: str | None = None           # copied into result.json: how the caller knows it is this verdict
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class SeriesRequest:
     timings: list[tuple[str, Path]]
     out_dir: Path
     cases: list[str] | None = None      # None: the process's --cases
+    ticket: str | None = None           # copied into each timing's result.json
 
 
 def parse_request(line: str) -> Verdict | SeriesRequest:
@@ -97,14 +104,21 @@ def parse_request(line: str) -> Verdict | SeriesRequest:
             if not timings or any(not _plain_name(label) for label, _ in timings) \
                     or len({label for label, _ in timings}) != len(timings):
                 raise BadRequest("timings: distinct LABELs of letters, digits, - and _")
-            return SeriesRequest(timings, out_dir, cases)
+            return SeriesRequest(timings, out_dir, cases, _ticket(data))
         if data.get("stress", "quick") not in STRESS_MODES:
             raise BadRequest(f"stress must be one of {STRESS_MODES}")
         return Verdict(Path(data["engine"]), out_dir, data.get("stress", "quick"), cases,
                        bool(data.get("benchmark", True)), bool(data.get("profile", False)),
-                       bool(data.get("update_cache", False)))
+                       bool(data.get("update_cache", False)), _ticket(data))
     except (ValueError, KeyError, TypeError) as e:
         raise BadRequest(f"bad request {line.strip()[:200]!r}: {e}") from None
+
+
+def _ticket(data: dict) -> str | None:
+    ticket = data.get("ticket")
+    if ticket is not None and not isinstance(ticket, str):
+        raise BadRequest("ticket must be a string")
+    return ticket
 
 
 def _plain_name(label: str) -> bool:
@@ -162,7 +176,7 @@ class Resident:
         with self.output_to(v.out_dir):
             result = self.evaluate(v.engine, v.stress, v.cases, v.benchmark, v.profile, v.update_cache)
             print(summary_line(result), flush=True)
-        write_json(result, v.out_dir / RESULT)
+        write_json({**result, "ticket": v.ticket}, v.out_dir / RESULT)
 
     def series(self, s: SeriesRequest) -> None:
         """Each timing in turn (stress off), DIR/LABEL/result.json after each; SIGUSR1 stops the
@@ -188,7 +202,7 @@ class Resident:
                             held.close()
                             held = None
                     print(summary_line(result), flush=True)
-                write_json(result, folder / RESULT)
+                write_json({**result, "ticket": s.ticket}, folder / RESULT)
         finally:
             if held is not None:
                 held.close()

@@ -9,11 +9,14 @@ import random
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from agent import judge as judge_mod
 from agent.judge import Judge, JudgeSettings
+from agent.records import EvalResult
 from evaluator.common import REPO_ROOT
 from evaluator.sweep import children, processes
 from tests.conftest import SINGLE_THREAD_ENV
@@ -59,7 +62,7 @@ def test_a_verdict_is_the_standalone_commands_in_content(tiny_model, recompute_e
         subprocess.run([sys.executable, "-m", "evaluator.evaluate", "--engine", str(engine), "--out", str(out),
                         "--stress", "quick", "--cases", s.cases, *s.process_flags()], cwd=REPO_ROOT, env=SINGLE_THREAD_ENV,
                        capture_output=True, timeout=600)
-        alone = judge_mod._read(out).to_dict()
+        alone = EvalResult.from_dict(json.loads(out.read_text())).to_dict()
         assert untimed(mine[i]) == untimed(alone)
         assert (tmp_path / f"resident-{i}" / "stdout.txt").read_text().startswith(alone["status"])
     assert mine[0]["status"] == "passed" and mine[0]["stress"] and mine[1]["error_kind"] == "runtime_error"
@@ -146,3 +149,33 @@ def _tree(root: int) -> set[int]:
                 tree.add(pid)
                 grew = True
     return tree
+
+
+def test_a_result_json_the_judge_did_not_write_is_not_the_verdict(tiny_model, recompute_source, write_engine,
+                                                                   tmp_path):
+    """A worker under the judge's own uid (no root) can write into the verdict's folder. A forged
+    passing result.json there, while the real verdict (a hang) is under way, must not end the wait:
+    only the result.json that carries the request's ticket is the verdict."""
+    hang = write_engine(broken_source("hangs", recompute_source), "hang")
+    s = settings(tiny_model, random.randrange(2**31), stress="off")
+    out = tmp_path / "v"
+    forged = {"status": "passed", "stage": "done", "score": 1e9, "device": "cpu",
+              "ticket": "%032x" % random.getrandbits(128)}
+    stop = threading.Event()
+
+    def forge():
+        while not stop.wait(0.2):
+            if out.is_dir():
+                (out / "forged.json").write_text(json.dumps(forged))
+                (out / "forged.json").replace(out / "result.json")
+    forger = threading.Thread(target=forge, daemon=True)
+    forger.start()
+    try:
+        with Judge(s, tmp_path / "judge") as judge:
+            started = time.monotonic()
+            verdict = judge.verdict(hang, out, HANG_TIMEOUT_SECONDS, s)
+    finally:
+        stop.set()
+        forger.join()
+    assert (verdict.status, verdict.error_kind) == ("failed", "timeout")
+    assert time.monotonic() - started >= HANG_TIMEOUT_SECONDS
