@@ -78,11 +78,14 @@ FAKE_EVALUATORS = {
 
 def fake_evaluator(tmp_path: Path, behaviour: str) -> JudgeSettings:
     """Settings whose `python` is a script acting as the run's judge (`python -m evaluator.resident`):
-    a request a line on stdin, its verdict written atomically to OUT_DIR/result.json."""
+    a request a line on stdin, its verdict (with the request's ticket) written atomically to
+    OUT_DIR/result.json."""
     script = tmp_path / "fake_python"
     script.write_text(f"#!{sys.executable}\nimport json, os, sys, time\n"
-                      "def put(verdict):\n    json.dump(verdict, open(out + '.tmp', 'w')); os.replace(out + '.tmp', out)\n"
-                      "for line in sys.stdin:\n    out = os.path.join(json.loads(line)['out_dir'], 'result.json')\n"
+                      "def put(verdict):\n    verdict['ticket'] = request['ticket']\n"
+                      "    json.dump(verdict, open(out + '.tmp', 'w')); os.replace(out + '.tmp', out)\n"
+                      "for line in sys.stdin:\n    request = json.loads(line)\n"
+                      "    out = os.path.join(request['out_dir'], 'result.json')\n"
                       f"    {FAKE_EVALUATORS[behaviour]}\n")
     script.chmod(0o755)
     return JudgeSettings(str(script), tmp_path / "c.json", tmp_path / "w", "cpu", 0)
