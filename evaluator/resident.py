@@ -12,7 +12,8 @@ Requests come on stdin, one JSON object a line, and are done one at a time, in o
                                                                    a contest's series: DIR/LABEL/result.json
 
 Each verdict is exactly `python3 -m evaluator.evaluate` with the request's flags (a series'
-timing: `--stress off`, no profile, the cache only read), in a fresh confined worker of its own
+timing: `--stress off`, no profile, the cache only read, and no public sequence: a series times
+engines whose screen ran it in this run, and every timed run's outputs are still checked), in a fresh confined worker of its own
 (evaluator/remote.py, evaluator/isolation.py); the candidate never runs in this process. What a
 resident judge saves is what every verdict paid before it began: the process's start (imports,
 ~2 s of CPU, ~5 s on an H100), the floor's hardware and the judge's margin on the real weights
@@ -160,13 +161,14 @@ class Resident:
             os.dup2(self.home[1], 2)
 
     def evaluate(self, engine: Path, stress: str, cases: list[str] | None, benchmark: bool = True,
-                 profile: bool = False, update_cache: bool = False, reuse: Worker | None = None) -> dict:
+                 profile: bool = False, update_cache: bool = False, reuse: Worker | None = None,
+                 public: bool = True) -> dict:
         a = self.a
         result = evaluate(engine, self.config, a.weight_dir, a.device, stress, cases or parse_cases(a.cases),
                           a.warmup, a.repeat, a.seed, a.bandwidth_gbs, a.peak_tflops, log=self.log,
                           memory_bytes=self.memory_bytes, triton_cache=a.triton_cache, update_cache=update_cache,
                           profile=profile, criterion=a.criterion, benchmark=benchmark, started=self.started,
-                          setup=self.setup, reuse=reuse)
+                          setup=self.setup, reuse=reuse, public=public)
         self.started = None
         if self.terminated:   # evaluate() turned the unwinding into a verdict: not the engine's
             raise SystemExit(128 + signal.SIGTERM)
@@ -195,7 +197,7 @@ class Resident:
                     if held is None:
                         held = Held.start(engine, self.a.device, self.memory_bytes, self.a.triton_cache, self.log)
                     self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else ""))
-                    result = self.evaluate(engine, "off", s.cases, reuse=held.worker if held else None)
+                    result = self.evaluate(engine, "off", s.cases, reuse=held.worker if held else None, public=False)
                     if held is not None:
                         held.timed = True
                         if result["status"] != "passed":
