@@ -335,9 +335,11 @@ def judge(engine: Path, out_dir: Path, timeout: float, settings: JudgeSettings) 
 class Series:
     """A contest's repeated timings through the run's judge, asked of it at the first `result`:
     it runs them back to back, ahead of the asking. `timings`: every (label, engine) the contest
-    may ask for, in the order it asks; `result(label)` waits for that one (the next in order), so
-    a contest that decides early says so by `close`, and the judge stops before its next timing
-    (SIGUSR1: evaluator/resident.py). Use as a context manager."""
+    may ask for, in the order it asks; `result(label)` waits for that one (the next in order). A
+    contest that decides early says so by `close`: the judge, by then on a timing nobody will ask
+    for, is killed with its group (the timing would hold up the next verdict, its clock running),
+    and the next verdict starts a fresh one. Each timing has a ticket of its own (see _read). Use
+    as a context manager."""
 
     def __init__(self, judge: Judge, timings: list[tuple[str, Path]], out_dir: Path):
         self.judge, self.timings, self.out_dir = judge, timings, out_dir
@@ -345,7 +347,7 @@ class Series:
         self.next = 0
         self.since = 0.0
         self.before: set[int] = set()
-        self.ticket = secrets.token_hex(16)   # in each of its timings' result.json (see _read)
+        self.tickets = {label: secrets.token_hex(16) for label, _ in timings}   # one per timing's result.json
 
     def __enter__(self) -> "Series":
         return self
@@ -355,10 +357,7 @@ class Series:
 
     def close(self) -> None:
         if self.running is not None and self.running is self.judge.proc and self.next < len(self.timings):
-            try:
-                self.running.send_signal(signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
+            self.judge._stop(self.before)
         self.next = len(self.timings)
 
     def result(self, label: str, timeout: float) -> EvalResult:
@@ -375,17 +374,17 @@ class Series:
                 _fresh_outputs(self.out_dir / name)
                 (self.out_dir / name / RESULT).unlink(missing_ok=True)
             self.since, self.before = time.monotonic(), children()
-            self.running = self.judge.send({"timings": [[name, str(engine)] for name, engine in self.timings],
-                                            "out_dir": str(self.out_dir), "cases": self.judge.settings.cases,
-                                            "ticket": self.ticket})
+            self.running = self.judge.send({"timings": [[name, str(engine), self.tickets[name]]
+                                                        for name, engine in self.timings],
+                                            "out_dir": str(self.out_dir), "cases": self.judge.settings.cases})
         outputs = [self.out_dir / name / f for name in labels for f in (STDOUT, STDERR)]
         killed_because = None if self.running is not self.judge.proc else \
             self.judge.watch(time.monotonic() + max(timeout, 1.0), outputs,
-                             lambda: _read(out, self.ticket) is not None, self.before)
+                             lambda: _read(out, self.tickets[label]) is not None, self.before)
         seconds, self.since = time.monotonic() - self.since, time.monotonic()
         if killed_because is not None:
-            return _killed(out, killed_because, timeout, device, seconds, self.ticket)
-        result = _read(out, self.ticket)
+            return _killed(out, killed_because, timeout, device, seconds, self.tickets[label])
+        result = _read(out, self.tickets[label])
         if result is None:
             if self.running is self.judge.proc:
                 self.judge._stop(self.before)

@@ -82,13 +82,14 @@ class Worker:
             self.proc = self.jail.spawn([str(WORKER_SCRIPT), str(theirs.fileno())], pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
-        self.hello_deadline = time.monotonic() + HELLO_SECONDS
 
     def ready(self) -> "Worker":
         """Wait for the worker's hello (once), then measure the channel's round trip."""
         if self.layers is not None:
             return self
-        hello, _ = self._answer(self.hello_deadline, "starting the worker")
+        # From now, not from its start: the judge's own setup (a margin on large weights) may have
+        # taken longer than the worker's start, whose hello is then waiting already.
+        hello, _ = self._answer(time.monotonic() + HELLO_SECONDS, "starting the worker")
         self.layers = self.jail.layers(list(hello.get("layers", [])))
         self.log(self.layers)
         self.round_trip = self._measure_round_trip()

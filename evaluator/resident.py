@@ -8,7 +8,7 @@ Requests come on stdin, one JSON object a line, and are done one at a time, in o
 
     {"engine": PATH, "out_dir": DIR, "stress": "quick", "cases": "mixed", "benchmark": true,
      "profile": false, "update_cache": false, "ticket": T}         one verdict: DIR/result.json
-    {"timings": [[LABEL, PATH], ...], "out_dir": DIR, "cases": ..., "ticket": T}
+    {"timings": [[LABEL, PATH, T], ...], "out_dir": DIR, "cases": ...}
                                                                    a contest's series: DIR/LABEL/result.json
 
 Each verdict is exactly `python3 -m evaluator.evaluate` with the request's flags (a series'
@@ -25,20 +25,23 @@ atomically: once it is there, holding the request's ticket, that verdict is done
 random string the caller sends on this process's stdin, which no worker can read: the judge is not
 dumpable) is what makes it this judge's: a worker running under the judge's own uid (no root, no
 uid of its own) could write a result.json into the verdict's folder, but not one with the ticket,
-so a forged "passed" is never taken for the verdict.
+so a forged "passed" is never taken for the verdict. Each timing of a series has a ticket of its
+own: a worker that reads one timing's result.json (it can find its contest's folder) learns nothing
+it could write into the next.
 
 A series' timings run back to back without waiting to be asked; consecutive timings of one engine
 share its worker (the contest's order, agent/acceptance.py, A, B B, A A, B: each later pair has
 one timing in a worker that timed before and one in a fresh worker); a worker whose timing failed
-is not used again. SIGUSR1 means the caller has what it needed: the series stops before its next
-timing (the one under way ends normally and is written); outside a series it is forgotten at the
-next request. SIGTERM ends the process (the verdict under way unwound, its jail torn down, nothing
+is not used again. A caller whose contest has decided before its last timing kills this process
+(the timing under way would otherwise hold up the next request, its clock running), and the next
+verdict has a fresh judge. SIGTERM ends the process (the verdict under way unwound, its jail torn down, nothing
 written); so does the end of stdin. The caller (agent/judge.py) watches each verdict's deadline and
 kills the whole process group when it passes. Exit 2 for bad flags or a request it cannot read.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -55,6 +58,8 @@ from evaluator.isolation import quiet_threads  # noqa: E402  (the standard libra
 
 STARTED = time.perf_counter()   # before torch is imported: the first verdict's share of the start
 quiet_threads()
+
+import torch  # noqa: E402
 
 from evaluator.common import ConfigError, EvalFailure, load_config, parse_cases  # noqa: E402
 from evaluator.evaluate import (STRESS_MODES, JudgeSetup, add_timing_flags, default_memory_cap,  # noqa: E402
@@ -87,10 +92,9 @@ class Verdict:
 class SeriesRequest:
     """A contest's repeated timings, in the order it asks for them."""
 
-    timings: list[tuple[str, Path]]
+    timings: list[tuple[str, Path, str | None]]   # (label, engine, the ticket its result.json carries)
     out_dir: Path
     cases: list[str] | None = None      # None: the process's --cases
-    ticket: str | None = None           # copied into each timing's result.json
 
 
 def parse_request(line: str) -> Verdict | SeriesRequest:
@@ -101,11 +105,12 @@ def parse_request(line: str) -> Verdict | SeriesRequest:
         out_dir = Path(data["out_dir"])
         cases = parse_cases(data["cases"]) if data.get("cases") else None
         if "timings" in data:
-            timings = [(str(label), Path(engine)) for label, engine in data["timings"]]
-            if not timings or any(not _plain_name(label) for label, _ in timings) \
-                    or len({label for label, _ in timings}) != len(timings):
+            timings = [(str(label), Path(engine), _ticket({"ticket": rest[0] if rest else None}))
+                       for label, engine, *rest in data["timings"]]
+            if not timings or any(not _plain_name(label) for label, _, _ in timings) \
+                    or len({label for label, _, _ in timings}) != len(timings):
                 raise BadRequest("timings: distinct LABELs of letters, digits, - and _")
-            return SeriesRequest(timings, out_dir, cases, _ticket(data))
+            return SeriesRequest(timings, out_dir, cases)
         if data.get("stress", "quick") not in STRESS_MODES:
             raise BadRequest(f"stress must be one of {STRESS_MODES}")
         return Verdict(Path(data["engine"]), out_dir, data.get("stress", "quick"), cases,
@@ -113,6 +118,15 @@ def parse_request(line: str) -> Verdict | SeriesRequest:
                        bool(data.get("update_cache", False)), _ticket(data))
     except (ValueError, KeyError, TypeError) as e:
         raise BadRequest(f"bad request {line.strip()[:200]!r}: {e}") from None
+
+
+def release_device_memory() -> None:
+    """What this verdict's reference models (margin, public sequence, stress) left in torch's
+    caching allocator, handed back: a process of its own per verdict used to do it by exiting, and
+    the next verdict's worker needs the device's memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _ticket(data: dict) -> str | None:
@@ -133,7 +147,6 @@ class Resident:
         self.a, self.config = a, config
         self.setup = JudgeSetup()
         self.started: float | None = STARTED   # the process's start counts in its first verdict only
-        self.stop_series = False
         self.terminated = False   # SIGTERM came: what the verdict under way became is the stop's
         self.memory_bytes = int(a.memory_gb * 2**30) if a.memory_gb else None
         self.home = (os.dup(1), os.dup(2))     # where the judge's own output goes between verdicts
@@ -179,16 +192,13 @@ class Resident:
             result = self.evaluate(v.engine, v.stress, v.cases, v.benchmark, v.profile, v.update_cache)
             print(summary_line(result), flush=True)
         write_json({**result, "ticket": v.ticket}, v.out_dir / RESULT)
+        release_device_memory()
 
     def series(self, s: SeriesRequest) -> None:
-        """Each timing in turn (stress off), DIR/LABEL/result.json after each; SIGUSR1 stops the
-        rest (see the module's docstring)."""
+        """Each timing in turn (stress off, no public sequence), DIR/LABEL/result.json after each."""
         held: Held | None = None   # the last engine's worker, for that engine's next timing
         try:
-            for label, engine in s.timings:
-                if self.stop_series:
-                    self.log(f"series stopped by the caller before {label}")
-                    break
+            for label, engine, ticket in s.timings:
                 folder = s.out_dir / label
                 with self.output_to(folder):
                     if held is not None and held.engine != engine:
@@ -204,7 +214,8 @@ class Resident:
                             held.close()
                             held = None
                     print(summary_line(result), flush=True)
-                write_json({**result, "ticket": s.ticket}, folder / RESULT)
+                write_json({**result, "ticket": ticket}, folder / RESULT)
+                release_device_memory()
         finally:
             if held is not None:
                 held.close()
@@ -259,14 +270,10 @@ def main(argv: list[str] | None = None) -> None:
         judge.terminated = True
         sys.exit(128 + signal.SIGTERM)
 
-    def stop_series(*_) -> None:
-        judge.stop_series = True
     signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGUSR1, stop_series)
     for line in sys.stdin:
         if not line.strip():
             continue
-        judge.stop_series = False   # a stop sent before this request was for an earlier series
         try:
             request = parse_request(line)
         except BadRequest as e:

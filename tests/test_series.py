@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -13,9 +14,12 @@ from agent import acceptance
 from agent.judge import Judge, JudgeSettings
 from agent.records import EvalResult
 from evaluator.common import REPO_ROOT
+from evaluator.sweep import children
 from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import broken_source
 from tests.test_search import timed
+
+HANG_TIMEOUT_SECONDS = 8.0   # a timing of the tiny model fits in it; the hang does not end
 
 
 def test_a_contest_asks_for_its_timings_in_the_series_order():
@@ -65,7 +69,6 @@ def test_each_timing_is_a_whole_verdict_in_a_worker_of_its_own(tiny_model, recom
 
 def test_closing_a_series_stops_the_timings_nobody_asked_for(tiny_model, recompute_engine_path, tmp_path):
     timings = [(f"incumbent-{i}", recompute_engine_path) for i in range(1, 4)]
-    from evaluator.sweep import children
     before = children()
     judge = Judge(settings(tiny_model), tmp_path / "judge")
     series = judge.series(timings, tmp_path / "c")
@@ -113,19 +116,49 @@ def test_a_bad_request_is_one_line_and_exit_2(request_line, tiny_model, tmp_path
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "bad request" in proc.stderr
 
 
-def test_a_closed_series_stops_before_its_next_timing_and_the_judge_goes_on(tiny_model, recompute_source,
-                                                                            write_engine, tmp_path):
-    """Series.close (SIGUSR1) once the contest has what it needs: the timing under way ends, the
-    ones after it are not run, and the same judge gives the next verdict."""
+def test_a_series_closed_before_its_last_timing_takes_its_judge_down(tiny_model, recompute_source,
+                                                                   write_engine, tmp_path):
+    """Series.close once the contest has what it needs: the judge, running ahead on a timing nobody
+    will ask for, is killed with its group (that timing would hold up the next verdict, its clock
+    running), the timings after it are not run, and the next verdict comes from a fresh judge."""
     engines = [write_engine(recompute_source, f"e{i}") for i in range(4)]   # each timing its own worker's start
     timings = [(f"t{i}", engine) for i, engine in enumerate(engines)]
+    before = children()
     with Judge(settings(tiny_model), tmp_path / "judge") as judge:
         with judge.series(timings, tmp_path / "c") as series:
             assert series.result("t0", 600).passed
+            first = judge.proc
+        assert judge.proc is None and first.poll() is not None and not children() - before
         after = judge.verdict(engines[0], tmp_path / "after", 600, settings(tiny_model))
-        assert after.passed and judge.starts == 1
+        assert after.passed and judge.starts == 2
     assert not (tmp_path / "c" / "t3" / "result.json").exists()
-    assert "series stopped by the caller" in (tmp_path / "judge" / "stderr.txt").read_text()
+
+
+def test_one_timings_result_cannot_be_passed_off_as_anothers(tiny_model, recompute_engine_path, recompute_source,
+                                                             write_engine, tmp_path):
+    """Each timing of a series has its own ticket. A worker under the judge's uid can read the
+    first timing's result.json (its contest's folder) and copy it, ticket and all, into the next
+    timing's place while that one is under way: not taken for it."""
+    hang = write_engine(broken_source("hangs", recompute_source), "hang")
+    timings = [("incumbent-1", recompute_engine_path), ("challenger-2", hang)]
+    folder, stop = tmp_path / "c", threading.Event()
+
+    def copy_first_into_second():
+        while not stop.wait(0.2):
+            first = folder / "incumbent-1" / "result.json"
+            if first.exists() and (folder / "challenger-2").is_dir():
+                (folder / "challenger-2" / "copy.json").write_text(first.read_text())
+                (folder / "challenger-2" / "copy.json").replace(folder / "challenger-2" / "result.json")
+    copier = threading.Thread(target=copy_first_into_second, daemon=True)
+    with Judge(settings(tiny_model), tmp_path / "judge") as judge, judge.series(timings, folder) as series:
+        assert series.result("incumbent-1", 600).passed
+        copier.start()
+        try:
+            second = series.result("challenger-2", HANG_TIMEOUT_SECONDS)
+        finally:
+            stop.set()
+            copier.join()
+    assert (second.status, second.error_kind) == ("failed", "timeout")
 
 
 def test_sigterm_unwinds_the_verdict_under_way_and_writes_nothing(tiny_model, recompute_source, write_engine,
