@@ -4,6 +4,7 @@ is in; the judge starts once; a contest that has decided stops the timings it di
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ from agent import acceptance
 from agent.judge import Judge, JudgeSettings
 from agent.records import EvalResult
 from evaluator.common import REPO_ROOT
+from evaluator.resident import BadRequest, parse_request
 from evaluator.sweep import children
 from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import broken_source
@@ -107,12 +109,23 @@ def test_a_worker_whose_timing_failed_is_not_used_again(tiny_model, recompute_so
     assert first.isolation != second.isolation
 
 
-@pytest.mark.parametrize("request_line", ['{"timings": [["a/b", "engine.py"]], "out_dir": "x"}',
-                                          '{"engine": "e.py"}', '{"engine": "e.py", "out_dir": "x", "stress": "no"}'])
-def test_a_bad_request_is_one_line_and_exit_2(request_line, tiny_model, tmp_path):
+BAD_REQUESTS = ['{"timings": [["a/b", "engine.py"]], "out_dir": "x"}', '{"engine": "e.py"}',
+                '{"engine": "e.py", "out_dir": "x", "stress": "no"}', '{"engine": "e.py", "out_dir": "x", "ticket": 7}',
+                '[1, 2]', '{"timings": [["a", "e.py"], ["a", "e.py"]], "out_dir": "x"}']
+
+
+@pytest.mark.parametrize("request_line", BAD_REQUESTS)
+def test_a_request_the_judge_cannot_read_is_refused(request_line):
+    with pytest.raises(BadRequest, match="bad request"):
+        parse_request(request_line)
+
+
+def test_a_bad_request_is_one_line_and_exit_2(tiny_model):
+    """The process end of it (one of BAD_REQUESTS: each starts a process, which imports torch)."""
     proc = subprocess.run([sys.executable, "-m", "evaluator.resident", "--model-config", str(tiny_model.config_path),
-                           "--weight-dir", str(tiny_model.weight_dir), "--device", "cpu"], input=request_line + "\n",
-                          capture_output=True, text=True, cwd=REPO_ROOT, env=SINGLE_THREAD_ENV, timeout=120)
+                           "--weight-dir", str(tiny_model.weight_dir), "--device", "cpu"],
+                          input=random.choice(BAD_REQUESTS) + "\n", capture_output=True, text=True, cwd=REPO_ROOT,
+                          env=SINGLE_THREAD_ENV, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "bad request" in proc.stderr
 
 
