@@ -111,7 +111,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
                 settle_conservative(state, judge, ws, report, left)
             state.seconds_left = left()
             candidate = pipeline.next()
-    settle_conservative(state, judge, ws, report, left)
+    settle_conservative(state, judge, ws, report, left, final=True)
     report.line(Archive.of(state).summary())
     report.line(report.judge_time())
 
@@ -219,7 +219,7 @@ def judge_conservative(entry: Entry, source: str, judge: Judge, ws: Workspace, r
 
 
 def settle_conservative(state: SearchState, judge: Judge, ws: Workspace, report: Reporter,
-                        left: Callable[[], float]) -> None:
+                        left: Callable[[], float], final: bool = False) -> None:
     """The conservative engine's stress suite, once it is the best with a challenger judged
     beside it, or at the run's end: then it is the result and must be judged in full. A pass
     joins its timing (the verdict installed again, now complete); a failure leaves it installed,
@@ -231,9 +231,10 @@ def settle_conservative(state: SearchState, judge: Judge, ws: Workspace, report:
             or not first.result.unstressed:
         return
     engine, budget = first.directory / "engine.py", left()
-    if budget < MIN_EVAL_SECONDS:   # no stress could finish: say so, rather than judge a sure timeout
-        report.warn(f"the conservative engine stays the result without its stress suite: {max(budget, 0):.0f}s "
-                    f"of the budget left (its self-tests, below, run it)")
+    if budget < MIN_EVAL_SECONDS:   # no stress could finish: say so (once, at the end), rather than time out
+        if final:
+            report.warn(f"the conservative engine stays the result without its stress suite: {max(budget, 0):.0f}s "
+                        f"of the budget left (its self-tests, below, run it)")
         return
     stressed = report.spending(first)("conservative", judge(engine, first.directory, budget, STRESS))
     report.verdict(first, stressed, label="stress")
