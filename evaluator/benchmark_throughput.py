@@ -166,7 +166,9 @@ def remote_timed_run(engine: RemoteEngine, trace: list[Op], tokens: list[list[to
     return run
 
 
-def _release(device: str) -> None:
+def release_device_memory(device: str) -> None:
+    """What the engines and reference models before left in torch's caching allocator, handed
+    back, so that the next engine (or the next verdict's worker) finds the device's memory free."""
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -203,7 +205,7 @@ def _warm_up(module: ModuleType, config: dict, weight_dir: str, device: str, cas
             timed_run(engine, case.trace, _draw_trace(case.trace, case.gen, vocab, device), device, case.name,
                       vocab, False, threads)
     del engine
-    _release(device)
+    release_device_memory(device)
 
 
 def _time_case(module: ModuleType, config: dict, weight_dir: str, device: str, case: _Case, repeat: int,
@@ -216,7 +218,7 @@ def _time_case(module: ModuleType, config: dict, weight_dir: str, device: str, c
         tokens = _draw_trace(case.trace, case.gen, vocab, device)
         runs.append(timed_run(engine, case.trace, tokens, device, case.name, vocab, keep_last, threads))
         del engine, tokens
-        _release(device)
+        release_device_memory(device)
     return runs
 
 
@@ -260,7 +262,7 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
         _warm_up(module, config, str(weight_dir), device, case, warmup, reference, tol, identities.threads)
         identities.check(f"after warming up benchmark case {case.name}")
     del reference
-    _release(device)
+    release_device_memory(device)
     results, checks = [], []
     for case in measured:
         runs = _time_case(module, config, str(weight_dir), device, case, repeat, verify_outputs, identities.threads)

@@ -41,7 +41,6 @@ kills the whole process group when it passes. Exit 2 for bad flags or a request 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import signal
@@ -59,9 +58,8 @@ from evaluator.isolation import quiet_threads  # noqa: E402  (the standard libra
 STARTED = time.perf_counter()   # before torch is imported: the first verdict's share of the start
 quiet_threads()
 
-import torch  # noqa: E402
-
-from evaluator.common import ConfigError, EvalFailure, load_config, parse_cases  # noqa: E402
+from evaluator.benchmark_throughput import release_device_memory  # noqa: E402
+from evaluator.common import ConfigError, EvalFailure, load_config, parse_cases, resolve_device  # noqa: E402
 from evaluator.evaluate import (STRESS_MODES, JudgeSetup, add_timing_flags, default_memory_cap,  # noqa: E402
                                 evaluate, summary_line, write_json)
 from evaluator.remote import Worker  # noqa: E402
@@ -105,7 +103,7 @@ def parse_request(line: str) -> Verdict | SeriesRequest:
         out_dir = Path(data["out_dir"])
         cases = parse_cases(data["cases"]) if data.get("cases") else None
         if "timings" in data:
-            timings = [(str(label), Path(engine), _ticket({"ticket": rest[0] if rest else None}))
+            timings = [(str(label), Path(engine), _ticket(rest[0] if rest else None))
                        for label, engine, *rest in data["timings"]]
             if not timings or any(not _plain_name(label) for label, _, _ in timings) \
                     or len({label for label, _, _ in timings}) != len(timings):
@@ -115,22 +113,12 @@ def parse_request(line: str) -> Verdict | SeriesRequest:
             raise BadRequest(f"stress must be one of {STRESS_MODES}")
         return Verdict(Path(data["engine"]), out_dir, data.get("stress", "quick"), cases,
                        bool(data.get("benchmark", True)), bool(data.get("profile", False)),
-                       bool(data.get("update_cache", False)), _ticket(data))
+                       bool(data.get("update_cache", False)), _ticket(data.get("ticket")))
     except (ValueError, KeyError, TypeError) as e:
         raise BadRequest(f"bad request {line.strip()[:200]!r}: {e}") from None
 
 
-def release_device_memory() -> None:
-    """What this verdict's reference models (margin, public sequence, stress) left in torch's
-    caching allocator, handed back: a process of its own per verdict used to do it by exiting, and
-    the next verdict's worker needs the device's memory."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _ticket(data: dict) -> str | None:
-    ticket = data.get("ticket")
+def _ticket(ticket: object) -> str | None:
     if ticket is not None and not isinstance(ticket, str):
         raise BadRequest("ticket must be a string")
     return ticket
@@ -145,6 +133,7 @@ class Resident:
 
     def __init__(self, a: argparse.Namespace, config: dict):
         self.a, self.config = a, config
+        self.device = resolve_device(a.device)   # where torch's cached memory is handed back after a verdict
         self.setup = JudgeSetup()
         self.started: float | None = STARTED   # the process's start counts in its first verdict only
         self.terminated = False   # SIGTERM came: what the verdict under way became is the stop's
@@ -192,7 +181,7 @@ class Resident:
             result = self.evaluate(v.engine, v.stress, v.cases, v.benchmark, v.profile, v.update_cache)
             print(summary_line(result), flush=True)
         write_json({**result, "ticket": v.ticket}, v.out_dir / RESULT)
-        release_device_memory()
+        release_device_memory(self.device)
 
     def series(self, s: SeriesRequest) -> None:
         """Each timing in turn (stress off, no public sequence), DIR/LABEL/result.json after each."""
@@ -215,7 +204,7 @@ class Resident:
                             held = None
                     print(summary_line(result), flush=True)
                 write_json({**result, "ticket": ticket}, folder / RESULT)
-                release_device_memory()
+                release_device_memory(self.device)
         finally:
             if held is not None:
                 held.close()

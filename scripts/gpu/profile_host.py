@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from evaluator.benchmark_throughput import BENCHMARK_SEED, _calls, _draw_trace, _release
+from evaluator.benchmark_throughput import BENCHMARK_SEED, _calls, _draw_trace, release_device_memory
 from evaluator.common import make_generator, synchronize
 from evaluator.traces import DECODE, PREFILL, Op, benchmark_trace
 
@@ -238,7 +238,7 @@ def breakdown_run(module: Any, config: dict, weight_dir: str, trace: list[Op], g
     """As one benchmark repeat: a fresh engine, tokens drawn, the timed region. `wrapped`: with the
     HostClock's wrappers installed (after create_engine, so its captures run bare), then
     steady_prefill on the same engine."""
-    _release(device)
+    release_device_memory(device)
     engine = module.create_engine(config, weight_dir, device)
     tokens = _draw_trace(trace, gen, int(config["vocab_size"]), device)
     calls = _calls(engine, trace, tokens)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from evaluator.benchmark_throughput import BENCHMARK_SEED, _calls, _draw_trace, _release
+from evaluator.benchmark_throughput import BENCHMARK_SEED, _calls, _draw_trace, release_device_memory
 from evaluator.common import load_config, load_engine_module, make_generator, resolve_device
 from evaluator.traces import benchmark_trace
 from scripts.gpu.common import PUBLIC_CONFIG, PUBLIC_WEIGHTS, library_plans, out_dir, render_to_file
@@ -73,7 +73,7 @@ def timed_run(engine, trace, tokens, before=None, profiled=False) -> dict:
 
 def fresh_run(module, config, weight_dir, trace, gen, before=None, profiler=None) -> dict:
     """A fresh engine, tokens drawn, then the timed region (optionally under the profiler)."""
-    _release("cuda")
+    release_device_memory("cuda")
     engine = module.create_engine(config, weight_dir, "cuda")
     tokens = _draw_trace(trace, gen, int(config["vocab_size"]), "cuda")
     if profiler is None:
@@ -128,7 +128,7 @@ def sleep_cycles_per_ms() -> float:
 
 def replay_vs_call(module, config, weight_dir, trace, gen, reps=20) -> dict:
     """(b): the prefill bucket's graph replayed alone vs the whole prefill call, synced each time."""
-    _release("cuda")
+    release_device_memory("cuda")
     engine = module.create_engine(config, weight_dir, "cuda")
     if not hasattr(engine, "prefill_graphs"):
         return {}
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     cases = {name: (benchmark_trace(name), make_generator(BENCHMARK_SEED, "cuda")) for name in a.cases.split(",")}
     for trace, gen in cases.values():   # all warm-ups first, as the benchmark does
-        _release("cuda")
+        release_device_memory("cuda")
         engine = module.create_engine(config, wd, "cuda")
         timed_run(engine, trace, _draw_trace(trace, gen, int(config["vocab_size"]), "cuda"))
         del engine
