@@ -39,7 +39,9 @@ def library_plans() -> dict[str, Plan]:
     """Plans by name: `torch` (every slot on its torch variant), `lib` (the plan the builtin
     search jumps to, agent.search.PREFERRED), `lib split` (with triton_split decode: the same plan
     since PREFERRED chose it, sixth session; the name stays for the recorded commands), both with
-    the linear slot's Triton variant, and that variant with programmatic dependent launch on."""
+    the linear slot's Triton variant, that variant with programmatic dependent launch on, and `lib exact`
+    (the attention variants that round like the reference: what `lib` bound on bf16 models before the
+    eighteenth session, and still does in the course format)."""
     from agent.search import PREFERRED
     torch_slots = {s: "torch" for s in SLOTS}
     lib = {**torch_slots, **PREFERRED}
@@ -47,7 +49,8 @@ def library_plans() -> dict[str, Plan]:
     linear = {**lib, "linear": "triton"}
     return {"torch": Plan("paged", torch_slots), "lib": Plan("paged", lib), "lib split": Plan("paged", split),
             "lib split linear": Plan("paged", {**split, "linear": "triton"}),
-            "lib linear": Plan("paged", linear), "lib linear pdl": Plan("paged", linear, {"pdl": True})}
+            "lib linear": Plan("paged", linear), "lib linear pdl": Plan("paged", linear, {"pdl": True}),
+            "lib exact": Plan("paged", {**lib, "decode_attention": "triton_exact", "prefill_attention": "triton_exact"})}
 
 
 def render_to_file(plan: Plan, tag: str, extra: dict | None = None) -> Path:

@@ -2,6 +2,7 @@
 
     python3 -m scripts.gpu hf [--models llama-3.2-1b,qwen2.5-0.5b] [--budget 200] [--max-candidates N]
         [--cases prefill-long,decode-wide] [--repeat 3] [--tiny] [--device cuda|cpu] [--out DIR]
+        [--plans "lib,lib exact" [--rounds 2] [--judge]]
 
 Issue 21's GPU targets. Each model is built here by transformers from its config, with random
 weights (nothing is downloaded; the shapes are Llama-3.2-1B's, llama3 rope scaling and tied
@@ -10,7 +11,9 @@ Then `bash run.sh --weights <folder>` writes and judges its engine (on CUDA the 
 to the bf16 criterion, evaluator/hf_judge.py); the engine it wrote is timed on --cases
 (evaluator/benchmark_throughput.py, --no-verify: the judge checked it) and transformers' own
 forward (sdpa, cached decode, last-token logits) is timed on the same work on the same device,
-side by side. It also records the memory create_engine peaks at on the device against the
+side by side. --plans renders the named library plans (scripts/gpu/common.py) for each model
+instead of running run.sh, times them in interleaved rounds (A B, B A, ...) beside transformers,
+and with --judge holds each to the judge (public sequence and quick stress, no benchmark). It also records the memory create_engine peaks at on the device against the
 model's size in its compute dtype (issue 21: at most ~1.2x). --tiny builds tiny models of the same architectures on the CPU (fp32 compute) and
 times the small public cases, to prove the plumbing. Outputs under --out/<model>/ ($OUT when set); a summary table last. A
 device call lasts at most 10 minutes: the default budget fits both models in one; for a longer
@@ -121,6 +124,52 @@ def load_memory(engine: Path, weights: Path) -> str:
             f"graphs); model {model_bytes / 2**20:.0f} MiB: peak {peak / model_bytes:.2f}x the model")
 
 
+def compare_plans(name: str, weights: Path, folder: Path, plans: list[str], cases: list[str], device: str,
+                  repeat: int, rounds: int, judge: bool) -> list[str]:
+    """The named library plans rendered for the model's conventions, timed in alternating rounds
+    (and judged with --judge); one summary line per plan and case, then transformers'."""
+    from agent.render import render_engine
+    from agent.spec import load_spec
+    from scripts.gpu.common import library_plans
+    spec, library = load_spec(weights / "config.json", weights), library_plans()
+    engines = {}
+    for plan in plans:
+        engines[plan] = folder / f"engine-{plan.replace(' ', '-')}.py"
+        engines[plan].write_text(render_engine(library[plan], model=spec.conventions))
+    times: dict[tuple[str, str], list[float]] = {}
+    floors: dict[str, float] = {}
+    for r in range(rounds):
+        for plan in plans if r % 2 == 0 else plans[::-1]:
+            bench = folder / f"bench-{plan.replace(' ', '-')}-{r}.json"
+            run([sys.executable, "evaluator/benchmark_throughput.py", "--engine", str(engines[plan]),
+                 "--model-config", str(weights / "config.json"), "--weight-dir", str(weights), "--device", device,
+                 "--cases", ",".join(cases), "--repeat", str(repeat), "--no-verify"], bench,
+                err=folder / f"{bench.stem}.err")
+            for row in bench_rows(bench):
+                times.setdefault((plan, row["case_name"]), []).append(row["elapsed_ms"])
+                floors[row["case_name"]] = row["floor_ms"]
+    lines = [f"{name}: plans {', '.join(plans)}, {rounds} interleaved rounds of {repeat}"]
+    for case in cases:
+        for plan in plans:
+            ms = times.get((plan, case), [])
+            shown = " / ".join(f"{t:.1f} ({100 * floors[case] / t:.1f}%)" for t in ms) or "no timing"
+            lines.append(f"  {case:13} {plan:18} ms (% of floor): {shown}")
+        lines.append(f"  {case:13} {'transformers':18} {time_transformers(weights, case, device, repeat):.1f} ms")
+    if judge:
+        for plan in plans:
+            verdict = folder / f"judge-{plan.replace(' ', '-')}.json"
+            code = run([sys.executable, "-m", "evaluator.evaluate", "--engine", str(engines[plan]), "--model-config",
+                        str(weights / "config.json"), "--weight-dir", str(weights), "--device", device,
+                        "--stress", "quick", "--no-benchmark", "--out", str(verdict)],
+                       folder / f"judge-{plan.replace(' ', '-')}.txt", tail=4)
+            result = json.loads(verdict.read_text()) if verdict.is_file() else {}
+            criterion, stress = result.get("criterion") or {}, result.get("stress") or {}
+            lines.append(f"  judge {plan}: exit {code}, {result.get('status')} at {result.get('stage')}; "
+                         f"criterion {json.dumps(criterion)[:300]}; stress {json.dumps(stress)[:160]}; "
+                         f"{str(result.get('error') or '')[:200]}")
+    return lines
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -136,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU: the plumbing, not the targets")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cpu with --tiny, else cuda")
+    p.add_argument("--plans", help="comma-separated library plans to render and time instead of run.sh")
+    p.add_argument("--rounds", type=int, default=2, help="with --plans: interleaved rounds")
+    p.add_argument("--judge", action="store_true", help="with --plans: judge each engine (public + quick stress)")
     p.add_argument("--out", default=out_dir("/tmp/gpu_hf"))
     a = p.parse_args(argv)
     cases = [c for c in (a.cases or (TINY_CASES if a.tiny else SCALE_CASES)).split(",") if c]
@@ -157,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         if not (weights / "config.json").is_file():
             build(weights, name, a.tiny)
         print(f"== {name}: {weights}", flush=True)
+        if a.plans:
+            summary += compare_plans(name, weights, folder, [x for x in a.plans.split(",") if x], cases, device,
+                                     a.repeat, a.rounds, a.judge)
+            (folder / "summary.txt").write_text("\n".join(summary) + "\n")
+            continue
         limit = ["--max-candidates", str(a.max_candidates)] if a.max_candidates else []
         code = run(["bash", "run.sh", "--weights", str(weights), "--device", device, "--budget", str(a.budget),
                     "--workspace", str(workspace), *limit], folder / "runsh.txt", tail=3)
