@@ -538,7 +538,6 @@ def check_layout_kernels(module, device, trials=12):
     addresses included), the same block table after, and every post acknowledged."""
     rng = random.Random()
     bs, scratch = module.BLOCK_SIZE, module.SCRATCH_ROW
-    width = 32
     box = module.Mailbox(4096, device)
 
     def both(form_torch, form_triton, values, *args):
@@ -554,6 +553,7 @@ def check_layout_kernels(module, device, trials=12):
         return out
 
     for _ in range(trials):
+        width = rng.choice([32, 700])   # 700: the row gather spans several column tiles
         table = torch.randint(1, 10_000, (64, width), dtype=torch.int32, device=device)
         table[scratch] = module.SCRATCH_BLOCK
         seq_lens = [rng.randint(1, 300) for _ in range(rng.randint(1, 20))]

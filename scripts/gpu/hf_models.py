@@ -134,13 +134,16 @@ def compare_plans(name: str, weights: Path, folder: Path, plans: list[str], case
     spec, library = load_spec(weights / "config.json", weights), library_plans()
     engines = {}
     for plan in plans:
+        if plan.endswith(".py"):   # an engine rendered beforehand (e.g. from another tree: before and after)
+            engines[plan] = Path(plan)
+            continue
         engines[plan] = folder / f"engine-{plan.replace(' ', '-')}.py"
         engines[plan].write_text(render_engine(library[plan], model=spec.conventions))
     times: dict[tuple[str, str], list[float]] = {}
     floors: dict[str, float] = {}
     for r in range(rounds):
         for plan in plans if r % 2 == 0 else plans[::-1]:
-            bench = folder / f"bench-{plan.replace(' ', '-')}-{r}.json"
+            bench = folder / f"bench-{Path(plan).stem.replace(' ', '-')}-{r}.json"
             run([sys.executable, "evaluator/benchmark_throughput.py", "--engine", str(engines[plan]),
                  "--model-config", str(weights / "config.json"), "--weight-dir", str(weights), "--device", device,
                  "--cases", ",".join(cases), "--repeat", str(repeat), "--no-verify"], bench,
@@ -157,11 +160,11 @@ def compare_plans(name: str, weights: Path, folder: Path, plans: list[str], case
         lines.append(f"  {case:13} {'transformers':18} {time_transformers(weights, case, device, repeat):.1f} ms")
     if judge:
         for plan in plans:
-            verdict = folder / f"judge-{plan.replace(' ', '-')}.json"
+            verdict = folder / f"judge-{Path(plan).stem.replace(' ', '-')}.json"
             code = run([sys.executable, "-m", "evaluator.evaluate", "--engine", str(engines[plan]), "--model-config",
                         str(weights / "config.json"), "--weight-dir", str(weights), "--device", device,
                         "--stress", "quick", "--no-benchmark", "--out", str(verdict)],
-                       folder / f"judge-{plan.replace(' ', '-')}.txt", tail=4)
+                       folder / f"judge-{Path(plan).stem.replace(' ', '-')}.txt", tail=4)
             result = json.loads(verdict.read_text()) if verdict.is_file() else {}
             criterion, stress = result.get("criterion") or {}, result.get("stress") or {}
             lines.append(f"  judge {plan}: exit {code}, {result.get('status')} at {result.get('stage')}; "
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU: the plumbing, not the targets")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cpu with --tiny, else cuda")
-    p.add_argument("--plans", help="comma-separated library plans to render and time instead of run.sh")
+    p.add_argument("--plans", help="comma-separated library plans (or engine files, .py) to time instead of run.sh")
     p.add_argument("--rounds", type=int, default=2, help="with --plans: interleaved rounds")
     p.add_argument("--judge", action="store_true", help="with --plans: judge each engine (public + quick stress)")
     p.add_argument("--out", default=out_dir("/tmp/gpu_hf"))
