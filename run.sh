@@ -29,8 +29,10 @@ if ! has_torch "$PY"; then
     "$PY" -m pip install --quiet torch >&2 || { echo "error: could not install torch for $PY" >&2; exit 2; }
   else
     # No NVIDIA GPU here: the CPU build (about 200 MB) instead of the default CUDA one (several GB).
+    # One retry and a short timeout: where PyTorch's index cannot be reached, pip's default five
+    # retries a package cost a minute or more before the pinned CPU build from the registry.
     echo "run.sh: $PY has no torch and this machine no NVIDIA GPU; installing torch's CPU build" >&2
-    "$PY" -m pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu >&2 \
+    "$PY" -m pip install --quiet --retries 1 --timeout 20 torch --index-url https://download.pytorch.org/whl/cpu >&2 \
       || "$PY" -m pip install --quiet "torch==2.13.0" >&2 \
       || { echo "error: could not install torch for $PY" >&2; exit 2; }
   fi

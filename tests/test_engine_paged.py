@@ -52,10 +52,12 @@ class Checked:
     """An engine and the reference side by side: every call's rows are checked against the
     reference run on the request's full history."""
 
-    def __init__(self, plan, cfg, tmp_path, device="cpu", atol=CPU_ATOL, rtol=0.0, seed=0, scale=CPU_SCALE):
+    def __init__(self, plan, cfg, tmp_path, device="cpu", atol=CPU_ATOL, rtol=0.0, seed=0, scale=CPU_SCALE,
+                 module=None):
+        """module: the plan's engine module, already loaded (and perhaps patched); by default fresh."""
         weights = random_weights(cfg, seed=seed, scale=scale, norm_spread=0.5)
         write_weights(weights, tmp_path)
-        self.engine = load_engine(plan).create_engine(cfg, str(tmp_path), device)
+        self.engine = (module or load_engine(plan)).create_engine(cfg, str(tmp_path), device)
         self.reference = ReferenceModel(cfg, weights, device)
         self.device, self.vocab, self.atol, self.rtol = device, cfg["vocab_size"], atol, rtol
         self.gen = torch.Generator(device=device).manual_seed(seed)
@@ -189,6 +191,28 @@ def test_ragged_trace_cpu(tmp_path, cfg, block_size):
     c = Checked(torch_plan(block_size=block_size, cache_tokens=32), cfg, tmp_path)
     ragged_trace(c)
     assert c.engine.blocks.num_blocks * block_size > 64      # the pool grew past its start
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_cpu_projections_run_packed_for_onednn_or_plain(tmp_path, monkeypatch, packed):
+    """On a CPU in fp32 the projection weights (and an untied lm_head) are laid out for oneDNN's
+    linear where this torch can (cpu_packing_works), and stay plain where it cannot; both match
+    the reference, in fused passes (decode, short prefills) and unfused ones (a long prefill)."""
+    plan = torch_plan()
+    module = load_engine(plan)
+    if not packed:
+        monkeypatch.setattr(module, "cpu_packing_works", lambda: False)
+    elif not module.cpu_packing_works():
+        pytest.skip("this torch cannot pack weights for oneDNN")
+    c = Checked(plan, config(num_key_value_heads=2, head_dim=24), tmp_path, module=module)
+    model = c.engine.model
+    weights = [w for layer in model.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    assert all(w.is_mkldnn == packed for w in [*weights, model.lm_head])
+    assert not model.embed.is_mkldnn
+    c.prefill([0, 1], [200, 5])                  # 205 tokens: above FUSED_ROWS, the unfused pass
+    for _ in range(3):
+        c.decode([1, 0])
+    ragged_trace(c, steps=6)
 
 
 def test_long_prompt_and_positions_beyond_config_cpu(tmp_path):

@@ -26,7 +26,11 @@ from tests.hf_models import build
 pytest.importorskip("transformers")
 
 LOAD_SLACK = 0.2          # the bound: peak during load at most ~1.2x the model
-ALLOWANCE_MB = 16.0       # the allocator's and the interpreter's own noise, the tables
+# The allocator's and the interpreter's own noise, the tables, and on a CPU oneDNN's own: the
+# paged engine packs its fp32 projections for oneDNN's linear (one packed copy replaces each
+# plain one), which allocates ~6 MB of its own once and leaves the freed plain copies to the
+# allocator (a few MB here; measured with malloc_trim, nineteenth session).
+ALLOWANCE_MB = 24.0
 CACHE_TOKENS = 1024       # the paged engine's first KV pool, its smallest choice
 MB = 2**20
 # ~26M parameters (104 MB in fp32): the weights dwarf the allowance, the largest tensor (the
