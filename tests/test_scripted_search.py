@@ -118,9 +118,11 @@ def test_a_good_models_variant_is_accepted_into_the_engine(tmp_path, monkeypatch
     report.finish([])
     results = json.loads((ws.root / RESULTS_JSON).read_text())
     model = [c for c in results["candidates"] if c["origin"] != "builtin"]
-    assert server.answers[0] == ("silu_mul", "fast") and model and model[0]["accepted"]
+    # Two episodes run at once (silu_mul's and norm's, the largest shares), so which variant reaches
+    # the judge first, and is accepted, depends on the machine's load: either is a good model's.
+    assert ("silu_mul", "fast") in server.answers and model and any(c["accepted"] for c in model)
     assert all(set(c["plan"]["slots"].values()) <= {"torch"} | {v for v in c["plan"]["slots"].values()
                                                                 if v.startswith("llm_")}
                for c in results["candidates"] if c["plan"]["engine"] == "paged")   # no library kernel
-    assert re.search(r"def silu_mul__llm_\d+\(", ws.engine.read_text())
+    assert re.search(r"def \w+__llm_\d+\(", ws.engine.read_text())
     assert state.best.origin != "builtin" and state.best_result.passed
