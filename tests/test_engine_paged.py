@@ -209,10 +209,26 @@ def test_cpu_projections_run_packed_for_onednn_or_plain(tmp_path, monkeypatch, p
     weights = [w for layer in model.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     assert all(w.is_mkldnn == packed for w in [*weights, model.lm_head])
     assert not model.embed.is_mkldnn
-    c.prefill([0, 1], [200, 5])                  # 205 tokens: above FUSED_ROWS, the unfused pass
+    c.prefill([0, 1], [700, 5])                  # 705 tokens: pieces of 512, 128, 64 and 1 (padded)
     for _ in range(3):
         c.decode([1, 0])
     ragged_trace(c, steps=6)
+
+
+def test_packed_weights_see_ten_row_counts_at_most():
+    """oneDNN keeps a kernel, with memory of its own, for every row count it is called with, so a
+    packed weight's inputs are cut and padded to powers of two up to PACKED_ROWS: every row count
+    splits into pieces that cover it exactly, each padded to a power of two no larger than that."""
+    module = load_engine(torch_plan())
+    seen = set()
+    for rows in [*range(0, 1100), 4096, 5000, 16385]:
+        position = 0
+        for start, n, padded in module.packed_chunks(rows):
+            assert start == position and 0 < n <= padded <= module.PACKED_ROWS and padded & (padded - 1) == 0
+            position += n
+            seen.add(padded)
+        assert position == rows
+    assert len(seen) <= 10
 
 
 def test_long_prompt_and_positions_beyond_config_cpu(tmp_path):
@@ -415,9 +431,12 @@ def test_rope_inside_prefill_attention_cpu(tmp_path):
     """A prefill_attention variant that defines prefill_attention_rope_cache takes RoPE and the
     cache writes of the prefill passes above fused_rows: no rope_cache call there, the same
     outputs. (The Triton variant's kernel is checked by slot_check; here a torch composition
-    stands in for it, to check the engine's wiring.)"""
-    c = Checked(torch_plan(fused_rows=8, **SMALL_CACHE), config(num_key_value_heads=2, head_dim=24), tmp_path)
-    module = sys.modules[type(c.engine).__module__]
+    stands in for it, to check the engine's wiring.) Plain weights: packed ones never take the
+    fused path."""
+    plan = torch_plan(fused_rows=8, **SMALL_CACHE)
+    module = load_engine(plan)
+    module.cpu_packing_works = lambda: False
+    c = Checked(plan, config(num_key_value_heads=2, head_dim=24), tmp_path, module=module)
     calls = {"rope_cache": 0, "fused": 0}
 
     def rope_cache(*args):
