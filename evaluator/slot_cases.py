@@ -155,6 +155,8 @@ class _PrefillAttention(_Slot):
                        ([2048, 1, rng.randint(200, 400)], 8, 1, 192, False),
                        ([rng.randint(1000, 2048) for _ in range(3)], 16, 4, 128, True),
                        ([rng.randint(1, 64) for _ in range(64)], 8, 8, 64, False),
+                       # more prompts than a kernel may hold its boundaries for in registers
+                       ([rng.randint(1, 4) for _ in range(1100)], 2, 1, 64, True),
                        ([2048, 2048], 32, 8, 64, True),
                        ([rng.randint(1, 300) for _ in range(9)], 8, 2, 80, False),
                        # wide heads: tiles tuned at D <= 192 overflow shared memory here

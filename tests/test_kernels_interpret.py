@@ -1,6 +1,7 @@
-"""The `fused_reduce` split reductions on the CPU through Triton's interpreter: the checks of
-tests/fixtures/interpret_fused.py, in a process of their own with TRITON_INTERPRET=1 (see its
-docstring for why and what they check). Skipped where triton is not installed (CI's CPU image)
+"""Triton kernels on the CPU through Triton's interpreter: the `fused_reduce` split reductions
+(tests/fixtures/interpret_fused.py) and the prefill attention's sequence lookup
+(tests/fixtures/interpret_prefill.py), each in a process of its own with TRITON_INTERPRET=1 (see
+their docstrings for why and what they check). Skipped where triton is not installed (CI's CPU image)
 or numpy is too new for its interpreter.
 """
 import importlib.util
@@ -29,6 +30,13 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
 
 def test_fused_reductions_under_the_interpreter():
     done = subprocess.run([sys.executable, "-m", "tests.fixtures.interpret_fused"], cwd=REPO,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+def test_prefill_sequence_lookup_under_the_interpreter():
+    done = subprocess.run([sys.executable, "-m", "tests.fixtures.interpret_prefill"], cwd=REPO,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
