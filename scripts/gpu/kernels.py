@@ -5,7 +5,7 @@ config and of a 1B GQA config, then a sweep of the attention and linear kernels'
 Prints a short table last; full logs go to --out ($OUT when set).
 
     python3 -m scripts.gpu kernels [--no-tests] [--no-bench] [--no-sweep] [--test-timeout 360]
-        [-k EXPR] [--slots linear,...] [--out DIR]
+        [-k EXPR] [--slots linear,...] [--configs public,1B] [--variants triton_split,...] [--out DIR]
 
 Times are medians over CUDA-graph replays (triton.testing.do_bench_cudagraph: what the kernel
 costs inside the engine's captured decode step) and, for reference, eager medians
@@ -32,7 +32,7 @@ CONFIGS = {
     "public": {"H": 768, "Hq": 4, "Hkv": 4, "D": 192, "I": 3072,
                "decode": [(8, 48), (8, 144)], "prefill": [[128] * 4]},
     "1B": {"H": 2048, "Hq": 32, "Hkv": 8, "D": 64, "I": 8192,
-           "decode": [(64, 544)], "prefill": [[2048] * 8]},
+           "decode": [(64, 544)], "prefill": [[2048] * 8, [512] * 64]},   # issue 21's two scale cases
 }
 BLOCK_SIZE = 16
 
@@ -142,10 +142,12 @@ def unfused_linear(fn: str):
     return lambda x, weight, residual, norm_w, eps: add_rmsnorm(linear(x, weight), residual, norm_w, eps)
 
 
-def run_bench(dtype, slots: set[str]) -> list[dict]:
+def run_bench(dtype, slots: set[str], configs: list[str], only: set[str]) -> list[dict]:
     rows = []
-    variants = {s: [v.name for v in vs if "cuda" in v.devices] for s, vs in menu().items()}
-    for cfg_name, cfg in CONFIGS.items():
+    variants = {s: [v.name for v in vs if "cuda" in v.devices and (not only or v.name in only)]
+                for s, vs in menu().items()}
+    for cfg_name in configs:
+        cfg = CONFIGS[cfg_name]
         for cfg_name_, label, slot, fn, kwargs in problems(cfg_name, cfg, dtype):
             if slots and slot not in slots:
                 continue
@@ -161,7 +163,9 @@ def run_bench(dtype, slots: set[str]) -> list[dict]:
     return rows
 
 
-DECODE_SWEEP = [{}] + [{"decode_splits": s, "decode_block_n": n} for s in (0, 1, 4, 16) for n in (16, 32, 64)]
+DECODE_SWEEP = ([{}] + [{"decode_splits": s, "decode_block_n": n} for s in (0, 1, 4, 16) for n in (16, 32, 64)]
+                + [{"decode_splits": 1, "decode_block_n": n, "decode_stages": st, "decode_warps": w}
+                   for n in (64, 128) for st in (2, 3, 4) for w in (4, 8)])
 EXACT_DECODE_SWEEP = [{}] + [{"decode_splits": s, "decode_block_n": n, "decode_warps": w}
                              for s in (1, 2, 3) for n in (32, 64) for w in (4, 8)]
 PREFILL_SWEEP = [{}] + [{"prefill_block_m": m, "prefill_block_n": n, "prefill_warps": w, "prefill_stages": st}
@@ -189,9 +193,10 @@ GEMM_SWEEP = [{}] + [{"linear_gemm_block_n": n, "linear_gemm_warps": w, "linear_
                                          (32, 4, 256, 2), (16, 4, 128, 1), (32, 4, 64, 4), (64, 8, 64, 3))]
 
 
-def run_sweep(dtype, slots: set[str]) -> list[dict]:
+def run_sweep(dtype, slots: set[str], configs: list[str], only: set[str]) -> list[dict]:
     rows = []
-    for cfg_name, cfg in CONFIGS.items():
+    for cfg_name in configs:
+        cfg = CONFIGS[cfg_name]
         for _, label, slot, fn, kwargs in problems(cfg_name, cfg, dtype):
             if slot == "decode_attention":
                 sweeps = [("triton_split", DECODE_SWEEP), ("triton_exact", EXACT_DECODE_SWEEP)]
@@ -204,6 +209,8 @@ def run_sweep(dtype, slots: set[str]) -> list[dict]:
             if slots and slot not in slots:
                 continue
             for variant, grid in sweeps:
+                if only and variant not in only:
+                    continue
                 rows += sweep_one(cfg_name, label, slot, variant, fn, kwargs, grid)
     return rows
 
@@ -268,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-k", dest="select", default="", help="pytest -k expression for the tests")
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--slots", default="", help="comma list: bench and sweep only these slots (default: all)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    ap.add_argument("--variants", default="", help="comma list: bench and sweep only these variants (default: all)")
     ap.add_argument("--out", default=out_dir("/tmp/gpu_kernels"), help="logs and tables ($OUT when set)")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -280,12 +289,17 @@ def main(argv: list[str] | None = None) -> int:
         print(summary[-1], flush=True)
     dtype = slot_check.DTYPE_NAMES[args.dtype]
     slots = {s for s in args.slots.split(",") if s}
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config {unknown[0]!r}; configs: {', '.join(CONFIGS)}")
+    only = {v for v in args.variants.split(",") if v}
     if not args.no_bench:
-        rows = run_bench(dtype, slots)
+        rows = run_bench(dtype, slots, configs, only)
         (out / "timings.json").write_text(json.dumps(rows, indent=1))
         summary.append(table(rows))
     if not args.no_sweep:
-        rows = run_sweep(dtype, slots)
+        rows = run_sweep(dtype, slots, configs, only)
         (out / "sweep.json").write_text(json.dumps(rows, indent=1))
         summary.append(sweep_table(rows))
     text = "\n\n".join(summary)
