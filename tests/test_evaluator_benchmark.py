@@ -121,3 +121,24 @@ def test_cli_prints_a_json_list(recompute_engine_path, tiny_model):
     (result,) = json.loads(proc.stdout)
     assert result["case_name"] == "prefill" and result["prefill_tokens"] == 512
     assert "20 GB/s" in proc.stderr
+
+
+def test_a_round_trip_measured_on_a_loaded_machine_cannot_zero_or_shorten_a_timing():
+    """The channel's round trip once measured 4.3 ms on a loaded H100 host: subtracted in full it
+    timed a short case at zero (ZeroDivisionError in the benchmark) and credited the engine with the
+    judge's own delay. The worker now caps it, and a run keeps at least half its clock."""
+    from evaluator import remote
+
+    worker = object.__new__(remote.Worker)
+    said: list[str] = []
+    worker.layers, worker.log = None, said.append
+    worker.jail = type("Jail", (), {"layers": lambda self, names: "layers: " + ", ".join(names)})()
+    worker._answer = lambda deadline, what: ({"layers": ["uid"]}, b"")
+    worker._measure_round_trip = lambda: 4.3e-3
+    worker.ready()
+    assert worker.round_trip == remote.ROUND_TRIP_CAP_SECONDS
+    assert any("4300 us" in line and "loaded" in line for line in said), said
+
+    assert remote.timed_seconds(13e-3, 1e-3) == pytest.approx(12e-3)
+    assert remote.timed_seconds(1.5e-3, 1e-3) == pytest.approx(0.75e-3)   # half the clock, never zero
+    assert remote.timed_seconds(1e-6, 1e-3) > 0
