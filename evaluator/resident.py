@@ -46,6 +46,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,12 +60,13 @@ STARTED = time.perf_counter()   # before torch is imported: the first verdict's 
 quiet_threads()
 
 from evaluator.benchmark_throughput import release_device_memory  # noqa: E402
-from evaluator.common import ConfigError, EvalFailure, load_config, parse_cases, resolve_device  # noqa: E402
+from evaluator.common import CRASH, ConfigError, load_config, parse_cases, resolve_device  # noqa: E402
 from evaluator.evaluate import (STRESS_MODES, JudgeSetup, add_timing_flags, default_memory_cap,  # noqa: E402
-                                evaluate, summary_line, write_json)
+                                evaluate, failed_result, summary_line, write_json)
 from evaluator.remote import Worker  # noqa: E402
 
 RESULT, STDOUT, STDERR = "result.json", "stdout.txt", "stderr.txt"
+ERROR_CHARS = 1500     # of the traceback, in a verdict for a timing the judge itself failed on
 OUTPUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND   # the caller made (and emptied) the files
 
 
@@ -190,13 +192,20 @@ class Resident:
             for label, engine, ticket in s.timings:
                 folder = s.out_dir / label
                 with self.output_to(folder):
-                    if held is not None and held.engine != engine:
-                        held.close()
-                        held = None
-                    if held is None:
-                        held = Held.start(engine, self.a.device, self.memory_bytes, self.a.triton_cache, self.log)
-                    self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else ""))
-                    result = self.evaluate(engine, "off", s.cases, reuse=held.worker if held else None, public=False)
+                    try:
+                        if held is not None and held.engine != engine:
+                            held.close()
+                            held = None
+                        if held is None:
+                            held = Held.start(engine, self.a.device, self.memory_bytes, self.a.triton_cache,
+                                              self.log)
+                        self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else ""))
+                        result = self.evaluate(engine, "off", s.cases, reuse=held.worker if held else None,
+                                               public=False)
+                    except Exception:  # noqa: BLE001 - the judge's own failure: this timing's verdict, not its end
+                        traceback.print_exc()
+                        result = failed_result(self.device, "unknown", CRASH, "the judge failed on this timing: "
+                                               + traceback.format_exc()[-ERROR_CHARS:])
                     if held is not None:
                         held.timed = True
                         if result["status"] != "passed":
@@ -227,7 +236,7 @@ class Held:
             worker = Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)
             worker.ready()
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
-        except EvalFailure:
+        except Exception:  # noqa: BLE001 - EvalFailure, or the worker's start (fork, channel) failing
             if worker is not None:
                 worker.close()
             return None

@@ -179,3 +179,42 @@ def test_a_result_json_the_judge_did_not_write_is_not_the_verdict(tiny_model, re
         forger.join()
     assert (verdict.status, verdict.error_kind) == ("failed", "timeout")
     assert time.monotonic() - started >= HANG_TIMEOUT_SECONDS
+
+
+SERIES_FAILING = r'''
+import argparse, json, sys
+from pathlib import Path
+from evaluator import resident
+
+def broken_worker(*args, **kwargs):
+    raise OSError("fork: resource temporarily unavailable")
+
+calls = []
+def evaluate(self, engine, *args, **kwargs):
+    calls.append(engine)
+    if len(calls) == 1:
+        raise RuntimeError("the judge's own bug")
+    return resident.failed_result("cpu", "benchmark", "wrong_result", "a verdict of its own")
+
+resident.Worker = broken_worker      # Held.start cannot start one: evaluate() is left to try
+resident.Resident.evaluate = evaluate
+judge = resident.Resident(argparse.Namespace(device="cpu", memory_gb=None, triton_cache=None), {})
+out = Path(sys.argv[1])
+judge.series(resident.SeriesRequest([("a-1", Path("a.py"), "t1"), ("b-1", Path("b.py"), "t2")], out))
+print(json.dumps([json.loads((out / label / "result.json").read_text()) for label in ("a-1", "b-1")]))
+'''
+
+
+def test_a_timing_the_judge_itself_fails_on_is_a_crash_verdict_and_the_series_goes_on(tmp_path):
+    """On the H100 a resident judge ended inside a contest and every timing after it was lost ("the
+    judge ended without this timing's verdict"). An exception of the judge's own, or a worker that
+    cannot be started, is now that timing's crash verdict, its traceback in the timing's stderr,
+    and the next timing runs."""
+    done = subprocess.run([sys.executable, "-c", SERIES_FAILING, str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = json.loads(done.stdout.strip().splitlines()[-1])
+    assert first["status"] == "failed" and first["error_kind"] == "crash"
+    assert "the judge's own bug" in first["error"] and first["ticket"] == "t1"
+    assert "RuntimeError" in (tmp_path / "a-1" / "stderr.txt").read_text()
+    assert second["stage"] == "benchmark" and second["error"] == "a verdict of its own" and second["ticket"] == "t2"
