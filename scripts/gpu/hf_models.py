@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -208,15 +209,23 @@ def main(argv: list[str] | None = None) -> int:
         folder, workspace = out / name, Path(f"/tmp/hf_ws_{name}")
         weights = Path(f"/tmp/hf_weights_{name}{'_tiny' if a.tiny else ''}")
         folder.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(workspace, ignore_errors=True)
         if not (weights / "config.json").is_file():
-            build(weights, name, a.tiny)
+            # built aside, then renamed: a second call on another GPU of the machine finds it whole
+            building = weights.with_name(f"{weights.name}.{os.getpid()}")
+            build(building, name, a.tiny)
+            try:
+                building.rename(weights)
+            except OSError:   # the other call's build got there first
+                shutil.rmtree(building, ignore_errors=True)
         print(f"== {name}: {weights}", flush=True)
         if a.plans:
             summary += compare_plans(name, weights, folder, [x for x in a.plans.split(",") if x], cases, device,
                                      a.repeat, a.rounds, a.judge)
             (folder / "summary.txt").write_text("\n".join(summary) + "\n")
             continue
+        # Emptied only here, where run.sh is about to write it (a --plans call beside a running
+        # search on the machine's other GPU once deleted the search's workspace under it).
+        shutil.rmtree(workspace, ignore_errors=True)
         limit = ["--max-candidates", str(a.max_candidates)] if a.max_candidates else []
         code = run(["bash", "run.sh", "--weights", str(weights), "--device", device, "--budget", str(a.budget),
                     "--workspace", str(workspace), *limit], folder / "runsh.txt", tail=3)
