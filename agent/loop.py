@@ -177,6 +177,11 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
     report.line(f"     {'ACCEPT' if decision.accepted else 'REJECT'}: {decision.reason}")
     if not decision.accepted:
         return decided(screen, decision.reason)
+    if left() < expected_seconds(state):   # a final cut by the deadline would be reported as the engine's timeout
+        why = (f"won its contest, but its final (the stress suite) cannot fit the {max(left(), 0):.0f}s of the "
+               f"budget left (an evaluation takes ~{expected_seconds(state):.0f}s): the best so far stays")
+        report.line(f"     NOT INSTALLED: {why}")
+        return decided(screen, why)
     final = decided(joined(spent("final", judge(engine, folder, timeout_for(state, left()), FINAL)), screen),
                     decision.reason)
     report.verdict(entry, final, label="final")

@@ -6,6 +6,7 @@ import json
 import random
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -454,3 +455,34 @@ def test_a_verdict_line_says_where_the_evaluators_time_went():
     r.stage_seconds = {"judge start": 2.54, "setup": 0.002, "worker": 2.6, "benchmark": 3.8}
     assert verdict_line(r).endswith("[9.6s; judge start 2.5, worker 2.6, benchmark 3.8]")
     assert verdict_line(passed(1.0, seconds=9.6)).endswith("[9.6s]")
+
+
+def test_a_winner_whose_final_cannot_fit_the_budget_is_not_started_and_says_why(tmp_path, monkeypatch):
+    """Seen on the H100: a challenger won its contest with 14 s of the budget left, its final
+    (the stress suite, ~80 s) was started and killed at the deadline, and the log called it a
+    timeout at stage unknown. Now the final is not started, and the log says why the best stays."""
+    a, b = Plan("paged", params={"x": 0}), Plan("paged", params={"x": 1})
+    clock = [1000.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    class SlowSeries:
+        """b's repeated timings take 60 s of the clock each (a's none); the challenger is 5% faster."""
+        def __init__(self, timings, folder):
+            self.timings, self.challenger, self.slow = dict(timings), folder, folder.name.startswith("003")
+
+        def result(self, label, timeout):
+            clock[0] += 60.0 if self.slow else 0.0
+            return passed(1.05 if self.timings[label].parent == self.challenger else 1.0)
+
+        def close(self):
+            pass
+    calls = []
+    verdicts = {CONSERVATIVE: passed(1.0), a.key(): passed(1.05, 50.0), b.key(): passed(1.1, 50.0)}
+    ws, state, _ = run_loop(tmp_path, ListProposer([a, b]), verdicts, budget=loop.RESERVE_SECONDS + 200,
+                            monkeypatch=monkeypatch, series=SlowSeries, calls=calls)
+    phases = [(key, phase) for key, phase, _ in calls]
+    assert (a.key(), loop.FINAL) in phases and installed_key(ws) == a.key()
+    assert (b.key(), loop.TIMING) in phases and (b.key(), loop.FINAL) not in phases
+    log = (ws.root / "results.log").read_text()
+    assert "NOT INSTALLED: won its contest, but its final (the stress suite) cannot fit the 20s" in log
+    assert "timeout" not in log
