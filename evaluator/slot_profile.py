@@ -14,8 +14,10 @@ torch.profiler. Attribution:
   whose ranges launched a kernel of that name in the same pass, else to `other`;
 * on the CPU, each outermost slot range's CPU time (its ops ran inside it).
 `other_ms` is the pass's wall time less the slots' (GEMMs of unfused passes, embedding,
-lm_head, host work, the profiler's own overhead). The numbers are the worker's claim: shown to
-the model, never scored (docs/reliability.md).
+lm_head, host work, the profiler's own overhead). `fused_rows` is the engine's own limit on the
+passes that run the linear slot (the paged engine's Kernels.fused_rows: 0 where its weights are
+packed for oneDNN or its linear variant is torch on CUDA), where it has one. The numbers are the
+worker's claim: shown to the model, never scored (docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -128,6 +130,8 @@ def merge(total: dict | None, part: dict) -> dict:
     out = {"source": part.get("source", total.get("source", "")),
            "total_ms": total["total_ms"] + part["total_ms"], "other_ms": total["other_ms"] + part["other_ms"],
            "slots": {}}
+    if "fused_rows" in part or "fused_rows" in total:
+        out["fused_rows"] = part.get("fused_rows", total.get("fused_rows"))
     for slot in sorted(set(total["slots"]) | set(part["slots"])):
         a, b = total["slots"].get(slot, {}), part["slots"].get(slot, {})
         shapes = dict(a.get("shapes", {}))

@@ -194,6 +194,9 @@ class Worker:
 
         run()
         result = slot_profile.profile_trace(torch, run, device)
+        rows = getattr(getattr(engine, "kernels", None), "fused_rows", None)   # the paged engine's Kernels
+        if isinstance(rows, int) and not isinstance(rows, bool):
+            result["fused_rows"] = rows
         engine = None
         self.release([])
         gc.collect()

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from agent.plan import Plan, engine_params, reference_slots
+from agent.records import Candidate
 from agent.providers import ProviderOptions, prompts
 from agent.render import render_engine
 from evaluator.evaluate import profiled_pass
@@ -131,6 +132,7 @@ def test_profiled_pass_attributes_time_to_slots_on_cpu(tiny_model, tmp_path):
     expected = {s: sum(c.calls for c in v) for s, v in call_shapes(Dims.from_config(tiny_model.config),
                                                                    ["prefill", "decode"], fused_rows).items()}
     assert {s: v["calls"] for s, v in slot_ms["slots"].items()} == expected
+    assert slot_ms["fused_rows"] == fused_rows   # the engine's own limit, reported with the pass
     in_slots = sum(v["ms"] for v in slot_ms["slots"].values())
     assert 0 < in_slots <= slot_ms["total_ms"] * 1.01
     assert slot_ms["other_ms"] == pytest.approx(max(slot_ms["total_ms"] - in_slots, 0.0), abs=1e-6)
@@ -141,6 +143,7 @@ def test_profiled_pass_attributes_time_to_slots_on_cpu(tiny_model, tmp_path):
     assert engine.read_text() == render_engine(plan)
     state = paged_state()
     state.best_result.slot_ms = slot_ms
+    assert prompts.fused_rows(state) == fused_rows   # what the prompt's call shapes are cut at
     profile = prompts.profile(state.best_result)
     assert profile.source.startswith(prompts.MEASURED) and sum(s for _, s in profile.shares) == pytest.approx(1.0)
 
@@ -201,3 +204,20 @@ def test_the_conservative_engine_is_timed_on_one_case_of_the_runs_at_its_warmup_
     assert flags(settings, TIMING) == (None, str(warmup), str(repeat))   # the evaluator's default cases
     assert flags(replace(settings, cases=f"decode,{CONSERVATIVE_CASE}"), VERIFY)[0] == CONSERVATIVE_CASE
     assert flags(replace(settings, cases="decode128,prefill"), VERIFY)[0] == "decode128"
+
+
+def test_the_prompts_fused_rows_follow_the_engine_not_the_plan_param():
+    """The prompt's call shapes (and its "passes of at most N tokens" line) assumed the plan's
+    fused_rows, 64, also where the engine runs every pass unfused: the torch linear variant on
+    CUDA, weights packed for oneDNN on a CPU. A profiled pass's report wins; without one, the
+    binding's rule; a report that is not a plausible row count is not believed."""
+    cpu, cuda = paged_state("cpu"), paged_state("cuda")
+    assert prompts.fused_rows(cpu) == 64 and prompts.fused_rows(cuda) == 0
+    assert prompts.slot_shapes(cuda, "linear") == []
+    triton = paged_state("cuda")
+    triton.best = Candidate(Plan("paged", {**triton.best.plan.slots, "linear": "triton"}, triton.best.plan.params),
+                            "builtin", "paged")
+    assert prompts.fused_rows(triton) == 64 and prompts.slot_shapes(triton, "linear")
+    for claim, believed in ((0, 0), (128, 128), (True, 64), (-1, 64), (10 ** 9, 64), ("64", 64)):
+        cpu.best_result.slot_ms = {"slots": {}, "total_ms": 1.0, "other_ms": 1.0, "fused_rows": claim}
+        assert prompts.fused_rows(cpu) == believed, claim

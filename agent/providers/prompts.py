@@ -17,7 +17,7 @@ from agent import policy
 from agent.plan import KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_params, engines, menu
 from agent.records import Candidate, EvalResult, SearchState
 from evaluator.slot_render import render_kernel
-from evaluator.slot_shapes import CallShape, Dims, ShapeTiming, call_shapes
+from evaluator.slot_shapes import DEFAULT_FUSED_ROWS, CallShape, Dims, ShapeTiming, call_shapes
 from evaluator.slots import CONTRACTS, SLOT_FUNCTIONS
 from evaluator.traces import PUBLIC_CASES
 
@@ -36,6 +36,7 @@ BANDWIDTH_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "L4": 30
 PEAK_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121, "A10": 125}
 SHAPES_SHOWN = 6      # call shapes per slot in a prompt, most called first
 JUDGED_SHOWN = 10     # judged plans in a prompt, best first
+MAX_FUSED_ROWS = 1 << 16   # a profiled pass's fused_rows above this is not believed (the worker's claim)
 
 
 @dataclass(frozen=True)
@@ -188,11 +189,28 @@ def model_dims(state: SearchState) -> Dims:
     return Dims(s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, s.layers, s.eps, s.theta, s.max_positions)
 
 
+def fused_rows(state: SearchState) -> int:
+    """The best engine's limit on the passes that run the linear slot's fused functions: what its
+    profiled pass reported (the engine's own Kernels.fused_rows), else the binding's rule
+    (templates/engine/paged/binding.py.j2): 0 for the torch linear variant on CUDA, the plan's
+    `fused_rows` otherwise. The plan param alone was wrong on CUDA with the torch variant and on
+    a CPU whose engine packs its weights for oneDNN (then every pass runs unfused)."""
+    slot_ms = state.best_result.slot_ms if state.best_result is not None else None
+    reported = slot_ms.get("fused_rows") if isinstance(slot_ms, dict) else None
+    if isinstance(reported, int) and not isinstance(reported, bool) and 0 <= reported <= MAX_FUSED_ROWS:
+        return reported
+    plan = state.best.plan if state.best is not None else None
+    if plan is None:
+        return DEFAULT_FUSED_ROWS
+    if state.device == "cuda" and plan.slots.get("linear", REFERENCE_VARIANT) == REFERENCE_VARIANT:
+        return 0
+    return int(plan.params.get("fused_rows", DEFAULT_FUSED_ROWS))
+
+
 def slot_shapes(state: SearchState, slot: str) -> list[CallShape]:
     """Where the best engine calls `slot` on the benchmark's public cases, most calls first."""
     params = state.best.plan.params if state.best is not None else {}
-    shapes = call_shapes(model_dims(state), PUBLIC_CASES, int(params.get("fused_rows", 64)),
-                         int(params.get("block_size", 16)))
+    shapes = call_shapes(model_dims(state), PUBLIC_CASES, fused_rows(state), int(params.get("block_size", 16)))
     return shapes.get(slot, [])
 
 
