@@ -669,3 +669,56 @@ def check_layout_kernels(module, device, trials=12):
 @cuda_only
 def test_layout_kernels_match_torch():
     check_layout_kernels(load_engine(torch_plan()), "cuda")
+
+
+def _reductions():
+    m = torch.backends.cuda.matmul
+    return m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction
+
+
+def _set_reductions(fp16: bool, bf16: bool) -> None:
+    m = torch.backends.cuda.matmul
+    m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = fp16, bf16
+
+
+def test_fp32_reductions_hold_inside_the_engines_calls_and_the_callers_settings_come_back():
+    """Issue 24: reduced-precision reductions off inside the engine's own calls only. create_engine
+    used to switch them off for the whole process, the caller's reference included."""
+    module = load_engine(torch_plan())
+    before = _reductions()
+    try:
+        _set_reductions(True, False)
+        with module.Fp32Reductions("cuda"):
+            assert _reductions() == (False, False)
+        assert _reductions() == (True, False)
+
+        class Host:
+            reductions = module.Fp32Reductions("cuda")
+
+            @module.in_fp32_reductions
+            def call(self, fail=False):
+                if fail:
+                    raise RuntimeError("the engine's call failed")
+                return _reductions()
+        assert Host().call() == (False, False) and _reductions() == (True, False)
+        with pytest.raises(RuntimeError):
+            Host().call(fail=True)
+        assert _reductions() == (True, False)
+        with module.Fp32Reductions("cpu"):   # a CPU engine leaves them alone
+            assert _reductions() == (True, False)
+    finally:
+        _set_reductions(*before)
+
+
+@cuda_only
+def test_a_cuda_engine_leaves_the_callers_reduction_settings_alone(tmp_path):
+    before = _reductions()
+    try:
+        _set_reductions(True, True)
+        plan = Plan("paged", slots=CUDA_PLANS.get("all-cuda", {}), params=SMALL_CACHE)
+        c = Checked(plan, config(), tmp_path, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL, scale=GPU_SCALE["float16"])
+        assert _reductions() == (True, True)
+        public_sequence(c)
+        assert _reductions() == (True, True)
+    finally:
+        _set_reductions(*before)
