@@ -177,9 +177,9 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
     report.line(f"     {'ACCEPT' if decision.accepted else 'REJECT'}: {decision.reason}")
     if not decision.accepted:
         return decided(screen, decision.reason)
-    if left() < expected_seconds(state):   # a final cut by the deadline would be reported as the engine's timeout
+    if left() < expected_final_seconds(state):   # a final cut by the deadline would read as the engine's timeout
         why = (f"won its contest, but its final (the stress suite) cannot fit the {max(left(), 0):.0f}s of the "
-               f"budget left (an evaluation takes ~{expected_seconds(state):.0f}s): the best so far stays")
+               f"budget left (a final takes ~{expected_final_seconds(state):.0f}s): the best so far stays")
         report.line(f"     NOT INSTALLED: {why}")
         return decided(screen, why)
     final = decided(joined(spent("final", judge(engine, folder, timeout_for(state, left()), FINAL)), screen),
@@ -297,6 +297,14 @@ def expected_seconds(state: SearchState) -> float:
     non-conservative engine (a candidate that overruns is killed at the deadline anyway)."""
     fast = [r.seconds for c, r in state.history if r.passed and c.plan.engine != search.CONSERVATIVE_ENGINE]
     return max(min(fast, default=MIN_EVAL_SECONDS), MIN_EVAL_SECONDS)
+
+
+def expected_final_seconds(state: SearchState) -> float:
+    """An optimistic guess of a final's length: the quickest earlier final of a non-conservative
+    engine (a verdict with its stress suite), else the quickest pass (expected_seconds)."""
+    finals = [r.seconds for c, r in state.history
+              if r.passed and r.stress is not None and c.plan.engine != search.CONSERVATIVE_ENGINE]
+    return max(min(finals), MIN_EVAL_SECONDS) if finals else expected_seconds(state)
 
 
 def timeout_for(state: SearchState, left: float) -> float:

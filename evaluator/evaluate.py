@@ -104,12 +104,12 @@ def profiled_pass(module: RemoteModule, config: dict, weight_dir: str | Path, ca
     return {**(total or {}), "cases": list(cases)}
 
 
-
 def failed_result(device: str, stage: str, kind: str | None = None, error: str | None = None) -> dict:
     """A verdict's fields as a failure at `stage` (evaluate fills in the rest as it goes)."""
     return {"status": "failed", "stage": stage, "error_kind": kind, "error": error, "device": device,
             "criterion": None, "public": None, "stress": None, "benchmark": None, "score": None,
             "reference_margin": None, "isolation": None, "slot_ms": None, "seconds": 0.0, "stage_seconds": {}}
+
 
 def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: str | Path,
              device: str = "auto", stress: str = "quick", cases=PUBLIC_CASES, warmup: int = 1,

@@ -89,6 +89,10 @@ class Worker:
         self.sock = ours
         try:
             self.proc = self.jail.spawn([str(WORKER_SCRIPT), str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+        except BaseException:   # no worker (a fork refused): nothing of this one is left behind
+            ours.close()
+            self.jail.close()
+            raise
         finally:
             theirs.close()
 

@@ -302,6 +302,25 @@ def test_a_prefill_grows_the_pool_once_for_the_whole_call_cpu(tmp_path, monkeypa
         c.decode([0, 1, 2, 3])
 
 
+def test_a_growth_with_no_block_held_drops_the_old_pool_first_cpu(tmp_path, monkeypatch):
+    """A fresh engine's first long prefill: nothing to keep, so the old pools are dropped before the
+    new ones are made and nothing is copied. With blocks held, each pool is copied, and K and V stay
+    two allocations (the old K is freed before the new V exists)."""
+    c = Checked(torch_plan(**SMALL_CACHE), config(), tmp_path)
+    layers, made = len(c.engine.k_cache), []
+    pool = c.engine._pool
+    monkeypatch.setattr(c.engine, "_pool", lambda shape: made.append(len(c.engine.k_cache) + len(c.engine.v_cache))
+                        or pool(shape))
+    c.prefill([0, 1], [40, 50])
+    assert made == [0, layers]                      # no old pool alive when the new ones were made
+    made.clear()
+    c.prefill([2], [200])                           # #0 and #1 hold blocks: copied, then replaced
+    assert made == [2 * layers, 2 * layers]
+    assert c.engine.k_cache[0].untyped_storage().data_ptr() != c.engine.v_cache[0].untyped_storage().data_ptr()
+    for _ in range(2):
+        c.decode([0, 1, 2])
+
+
 def test_many_requests_grow_the_row_table_cpu(tmp_path):
     c = Checked(torch_plan(**SMALL_CACHE), config(), tmp_path)
     ids = list(range(100, 100 + 70))              # more than the 64 rows the table starts with
@@ -676,7 +695,7 @@ def _reductions():
     return m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction
 
 
-def _set_reductions(fp16: bool, bf16: bool) -> None:
+def _set_reductions(fp16, bf16) -> None:
     m = torch.backends.cuda.matmul
     m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = fp16, bf16
 
@@ -685,7 +704,7 @@ def test_fp32_reductions_hold_inside_the_engines_calls_and_the_callers_settings_
     """Issue 24: reduced-precision reductions off inside the engine's own calls only. create_engine
     used to switch them off for the whole process, the caller's reference included."""
     module = load_engine(torch_plan())
-    before = _reductions()
+    before = module.reduction_settings()
     try:
         _set_reductions(True, False)
         with module.Fp32Reductions("cuda"):
@@ -706,6 +725,18 @@ def test_fp32_reductions_hold_inside_the_engines_calls_and_the_callers_settings_
         assert _reductions() == (True, False)
         with module.Fp32Reductions("cpu"):   # a CPU engine leaves them alone
             assert _reductions() == (True, False)
+        outer = module.Fp32Reductions("cuda")
+        with outer:
+            with outer:                        # nested: each puts back what it found
+                assert _reductions() == (False, False)
+            assert _reductions() == (False, False)
+        assert _reductions() == (True, False)
+        if isinstance(module.reduction_settings()[0], tuple):
+            # this torch has the split-K flag too (a bool sets it True): (False, False) comes back as it was
+            _set_reductions((False, False), True)
+            with module.Fp32Reductions("cuda"):
+                pass
+            assert module.reduction_settings() == ((False, False), (True, True))
     finally:
         _set_reductions(*before)
 

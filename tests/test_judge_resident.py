@@ -218,3 +218,19 @@ def test_a_timing_the_judge_itself_fails_on_is_a_crash_verdict_and_the_series_go
     assert "the judge's own bug" in first["error"] and first["ticket"] == "t1"
     assert "RuntimeError" in (tmp_path / "a-1" / "stderr.txt").read_text()
     assert second["stage"] == "benchmark" and second["error"] == "a verdict of its own" and second["ticket"] == "t2"
+
+
+def test_a_worker_that_cannot_be_started_leaves_no_jail_behind(monkeypatch):
+    """The resident judge now goes on after a worker fails to start; the jail made for it (its
+    folder, its channel) must not pile up meanwhile."""
+    from evaluator import isolation, remote
+
+    roots = []
+
+    def refuse(self, argv, pass_fds):
+        roots.append(self.root)
+        raise OSError("fork: resource temporarily unavailable")
+    monkeypatch.setattr(isolation.Jail, "spawn", refuse)
+    with pytest.raises(OSError, match="fork"):
+        remote.Worker("cpu")
+    assert roots and not roots[0].exists()

@@ -52,10 +52,12 @@ def fake_render(plan, extra_variants=None):
 
 
 def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: str = "cpu", monkeypatch=None,
-             verify=None, calls: list | None = None, stress=None, max_candidates: int | None = None, series=None):
+             verify=None, calls: list | None = None, stress=None, max_candidates: int | None = None, series=None,
+             finals: dict | None = None):
     """Run the real loop with a judge that looks full verdicts up by plan key (default: fail);
     the conservative engine's VERIFY phase gives its full verdict's CONSERVATIVE_CASE alone (or `verify`).
-    Like the evaluator, FINAL and STRESS carry no benchmark, and STRESS gives `stress` if set.
+    Like the evaluator, FINAL and STRESS carry no benchmark, STRESS gives `stress` if set, and FINAL
+    `finals[key]` where given.
     `calls` gets every (plan key, phase, out dir name) the judge was asked."""
     monkeypatch.setattr(loop, "render_engine", fake_render)
     judged = []
@@ -73,6 +75,8 @@ def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: 
                               if full.passed else full)
         if phase == loop.STRESS and stress is not None:
             return stress
+        if phase == loop.FINAL and finals and key in finals:
+            return finals[key]
         if phase in (loop.FINAL, loop.STRESS) and full.passed:
             return replace(full, benchmark=[], score=None)
         return full
@@ -478,11 +482,13 @@ def test_a_winner_whose_final_cannot_fit_the_budget_is_not_started_and_says_why(
             pass
     calls = []
     verdicts = {CONSERVATIVE: passed(1.0), a.key(): passed(1.05, 50.0), b.key(): passed(1.1, 50.0)}
-    ws, state, _ = run_loop(tmp_path, ListProposer([a, b]), verdicts, budget=loop.RESERVE_SECONDS + 200,
-                            monkeypatch=monkeypatch, series=SlowSeries, calls=calls)
+    # a's final took 100 s, twice its screen: b's final is expected to take as long, not a screen's 50 s
+    finals = {a.key(): replace(passed(1.05, 100.0), benchmark=[], score=None, stress={"passed": 18})}
+    ws, state, _ = run_loop(tmp_path, ListProposer([a, b]), verdicts, budget=loop.RESERVE_SECONDS + 260,
+                            monkeypatch=monkeypatch, series=SlowSeries, calls=calls, finals=finals)
     phases = [(key, phase) for key, phase, _ in calls]
     assert (a.key(), loop.FINAL) in phases and installed_key(ws) == a.key()
     assert (b.key(), loop.TIMING) in phases and (b.key(), loop.FINAL) not in phases
     log = (ws.root / "results.log").read_text()
-    assert "NOT INSTALLED: won its contest, but its final (the stress suite) cannot fit the 20s" in log
-    assert "timeout" not in log
+    assert "NOT INSTALLED: won its contest, but its final (the stress suite) cannot fit the 80s" in log
+    assert "a final takes ~100s" in log and "timeout" not in log

@@ -436,7 +436,7 @@ class LLMProposer:
         user = prompts.render("kernel", slot=info, variant=name, dtype=self._dtype(state),
                               best_plan=best.plan.describe(), current_variant=current, current_code=code.strip("\n"),
                               shapes=shapes[:prompts.SHAPES_SHOWN], measured=prompts.measured_shapes(state.best_result, slot),
-                              fused_rows=prompts.fused_rows(state),
+                              fused_rows=prompts.fused_rows(state, slot),
                               tolerance=prompts.tolerance(self._dtype(state)), **common)
         return _Episode(KERNEL, f"{slot}/{name}", [{"role": "system", "content": system},
                                                   {"role": "user", "content": user}], slot, name,

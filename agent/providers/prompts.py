@@ -189,28 +189,30 @@ def model_dims(state: SearchState) -> Dims:
     return Dims(s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, s.layers, s.eps, s.theta, s.max_positions)
 
 
-def fused_rows(state: SearchState) -> int:
-    """The best engine's limit on the passes that run the linear slot's fused functions: what its
-    profiled pass reported (the engine's own Kernels.fused_rows), else the binding's rule
-    (templates/engine/paged/binding.py.j2): 0 for the torch linear variant on CUDA, the plan's
-    `fused_rows` otherwise. The plan param alone was wrong on CUDA with the torch variant and on
-    a CPU whose engine packs its weights for oneDNN (then every pass runs unfused)."""
+def fused_rows(state: SearchState, slot: str = "") -> int:
+    """The limit on the passes that run the linear slot's fused functions, for a variant of `slot`
+    in the best engine: what its profiled pass reported (the engine's own Kernels.fused_rows), else
+    the binding's rule (templates/engine/paged/binding.py.j2): 0 for the torch linear variant on
+    CUDA, the plan's `fused_rows` otherwise. A linear variant written for CUDA replaces the torch
+    one, so it runs at the plan's limit. (The plan param alone was wrong on CUDA with the torch
+    variant and on a CPU whose engine packs its weights for oneDNN: then every pass runs unfused.)"""
+    plan = state.best.plan if state.best is not None else None
+    param = int(plan.params.get("fused_rows", DEFAULT_FUSED_ROWS)) if plan is not None else DEFAULT_FUSED_ROWS
+    if slot == "linear" and state.device == "cuda":
+        return param
     slot_ms = state.best_result.slot_ms if state.best_result is not None else None
     reported = slot_ms.get("fused_rows") if isinstance(slot_ms, dict) else None
     if isinstance(reported, int) and not isinstance(reported, bool) and 0 <= reported <= MAX_FUSED_ROWS:
         return reported
-    plan = state.best.plan if state.best is not None else None
-    if plan is None:
-        return DEFAULT_FUSED_ROWS
-    if state.device == "cuda" and plan.slots.get("linear", REFERENCE_VARIANT) == REFERENCE_VARIANT:
+    if plan is not None and state.device == "cuda" and plan.slots.get("linear", REFERENCE_VARIANT) == REFERENCE_VARIANT:
         return 0
-    return int(plan.params.get("fused_rows", DEFAULT_FUSED_ROWS))
+    return param
 
 
 def slot_shapes(state: SearchState, slot: str) -> list[CallShape]:
     """Where the best engine calls `slot` on the benchmark's public cases, most calls first."""
     params = state.best.plan.params if state.best is not None else {}
-    shapes = call_shapes(model_dims(state), PUBLIC_CASES, fused_rows(state), int(params.get("block_size", 16)))
+    shapes = call_shapes(model_dims(state), PUBLIC_CASES, fused_rows(state, slot), int(params.get("block_size", 16)))
     return shapes.get(slot, [])
 
 

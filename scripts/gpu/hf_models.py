@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary = []
     for name in models:
-        folder, workspace = out / name, Path(f"/tmp/hf_ws_{name}")
+        folder, workspace = out / name, Path(f"/tmp/hf_ws_{name}_{os.getpid()}")   # a call's own, beside others
         weights = Path(f"/tmp/hf_weights_{name}{'_tiny' if a.tiny else ''}")
         folder.mkdir(parents=True, exist_ok=True)
         if not (weights / "config.json").is_file():
@@ -215,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             build(building, name, a.tiny)
             try:
                 building.rename(weights)
-            except OSError:   # the other call's build got there first
+            except OSError:   # the other call's build got there first, or a stale folder is in the way
                 shutil.rmtree(building, ignore_errors=True)
+                if not (weights / "config.json").is_file():
+                    p.error(f"{weights} is in the way (a folder without config.json): remove it")
         print(f"== {name}: {weights}", flush=True)
         if a.plans:
             summary += compare_plans(name, weights, folder, [x for x in a.plans.split(",") if x], cases, device,
