@@ -93,8 +93,11 @@ class Archive:
         return next((m.index for m in self.members if m.candidate.key() == key), None)
 
     def summary(self) -> str:
-        """One line for the log: engines, variants, the best."""
+        """One line for the log: engines, variants, the highest score. That one need not be the
+        result: a contest may have found it within noise of the best (the log's summary says which
+        is installed)."""
         passing, variants = self.passing(), self.variants()
-        best = f"best #{passing[0].index:03d} score {passing[0].score:.4g}" if passing else "none passing"
+        best = (f"highest score #{passing[0].index:03d} ({passing[0].score:.4g})" if passing
+                else "none passing")
         return (f"archive: {len(passing)} passing engines of {len(self.members)}, "
                 f"{len(variants)} model-written variants; {best}")
