@@ -225,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                                      a.repeat, a.rounds, a.judge)
             (folder / "summary.txt").write_text("\n".join(summary) + "\n")
             continue
-        # Emptied only here, where run.sh is about to write it (a --plans call beside a running
-        # search on the machine's other GPU once deleted the search's workspace under it).
-        shutil.rmtree(workspace, ignore_errors=True)
+        shutil.rmtree(workspace, ignore_errors=True)   # an earlier call's, had it the same pid
         limit = ["--max-candidates", str(a.max_candidates)] if a.max_candidates else []
         code = run(["bash", "run.sh", "--weights", str(weights), "--device", device, "--budget", str(a.budget),
                     "--workspace", str(workspace), *limit], folder / "runsh.txt", tail=3)
