@@ -28,6 +28,7 @@ from tests.test_engine_paged import config, write_weights
 SM86_SHARED = 101376
 SM80_SHARED = 166912
 SM90_SHARED = 232448
+CPU = torch.device("cpu")   # a variant's config on the CPU: an H100's SM count stands in
 COMPILE_ERROR = "out of resource: shared memory, Required: 131072, Hardware limit: 101376"
 
 BROKEN_NORM = f'''# slot: norm    variant: llm_broken    devices: cuda
@@ -151,7 +152,7 @@ def test_linear_tiles_fit_a_capped_budget(shared):
     ns = slot_namespace("linear", "triton", shared)
     for m in (1, 8, 16, 33, 64, 65, 512):
         for weight_rows in (1, 2):   # linear / linear_rope_cache, linear_silu (gate and up tiles)
-            block_m, block_n, block_k, _, stages = ns["_gemm_config__triton"](m, weight_rows, 2)
+            block_m, block_n, block_k, _, stages = ns["_gemm_config__triton"](m, 8192, weight_rows, 2, CPU)
             assert gemm_bytes(block_m, weight_rows * block_n, block_k, stages) <= shared, (m, weight_rows)
         block_m, block_n, block_k, splits, k_chunk, _, stages = ns["_split_config__triton"](m, 768, 3072, 2)
         assert gemm_bytes(block_m, block_n, block_k, stages) <= shared, m
@@ -161,11 +162,22 @@ def test_linear_tiles_fit_a_capped_budget(shared):
 def test_linear_tiles_are_unchanged_on_an_h100():
     """Trimming only touches what a GPU could not compile: the H100's tuned tiles stay as measured."""
     ns = slot_namespace("linear", "triton", SM90_SHARED)
-    assert ns["_gemm_config__triton"](64, 2, 2) == (64, 32, 128, 4, 4)
-    assert ns["_gemm_config__triton"](512, 2, 2) == (128, 64, 64, 8, 3)
+    assert ns["_gemm_config__triton"](64, 3072, 2, 2, CPU) == (64, 32, 128, 4, 4)
+    assert ns["_gemm_config__triton"](512, 3072, 2, 2, CPU) == (128, 64, 64, 8, 3)
     assert ns["_split_config__triton"](8, 768, 3072, 2)[2::4] == (128, 4)   # BLOCK_K, stages
     capped = slot_namespace("linear", "triton", SM86_SHARED)
-    assert capped["_gemm_config__triton"](64, 2, 2) == (64, 32, 128, 4, 3)   # 128 KiB at 4 stages
+    assert capped["_gemm_config__triton"](64, 3072, 2, 2, CPU) == (64, 32, 128, 4, 3)   # 128 KiB at 4 stages
+
+
+def test_a_decode_gemm_gives_up_a_stage_to_run_in_one_wave():
+    """A 1B model's gate/up at 64 rows is 256 programs: at 4 stages (128 KiB) an H100's 132 SMs hold
+    one each (two waves), at 3 two each (one wave), which the sweep measured faster. Grids that fit
+    in one wave as they are (QKV: 96 programs), or in none at any stage count, keep their stages."""
+    ns = slot_namespace("linear", "triton", SM90_SHARED)   # the CPU stands for an H100's 132 SMs
+    assert ns["_gemm_config__triton"](64, 8192, 2, 2, CPU)[4] == 3
+    assert ns["_gemm_config__triton"](64, 3072, 1, 2, CPU)[4] == 4
+    assert ns["_gemm_config__triton"](64, 32768, 2, 2, CPU)[4] == 4
+    assert ns["_gemm_config__triton"](8, 8192, 2, 2, CPU)[4] == 4    # 20 KiB a stage: two an SM at 4
 
 
 def test_every_variant_with_staged_tiles_sizes_them_from_the_device():
