@@ -337,13 +337,26 @@ def test_a_growth_with_no_block_held_drops_the_old_pool_first_cpu(tmp_path, monk
         c.decode([0, 1, 2])
 
 
+def test_a_call_past_the_eager_mailbox_grows_it_cpu(tmp_path):
+    """A call whose metadata outgrows the eager mailbox gets a larger one (the first is sized so that
+    wide calls do not need it: EAGER_MAILBOX_WORDS); prefill and decode still match the reference."""
+    c = Checked(torch_plan(**SMALL_CACHE), config(), tmp_path)
+    module = sys.modules[type(c.engine).__module__]
+    c.engine.eager_box = module.Mailbox(8, "cpu")
+    c.prefill([0, 1, 2], [40, 7, 19])               # 3 x 3 + 1 + 3 x 6 words
+    assert c.engine.eager_box.capacity >= module.prefill_metadata_size(3, 6)
+    c.decode([2, 0, 1])
+
+
 def test_many_requests_grow_the_row_table_cpu(tmp_path):
     c = Checked(torch_plan(**SMALL_CACHE), config(), tmp_path)
-    ids = list(range(100, 100 + 70))              # more than the 64 rows the table starts with
+    module = sys.modules[type(c.engine).__module__]
+    ids = list(range(100, 100 + module.INITIAL_REQUEST_ROWS + 10))   # more rows than the table starts with
     c.prefill(ids, [1 + i % 5 for i in range(len(ids))])
+    assert c.engine.block_table.shape[0] > module.INITIAL_REQUEST_ROWS
     c.decode(ids[::-1])
-    c.remove(ids[:60])
-    c.decode(ids[60:])
+    c.remove(ids[:-10])
+    c.decode(ids[-10:])
 
 
 def test_remove_frees_blocks_cpu(tmp_path):
