@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "session": "session", "targets": "targets", "plan-check": "plan_check", "plans": "plans", "scale": "scale",
     "profile": "profile_run", "timeline": "timeline", "engines": "engines", "kernels": "kernels",
     "linear-sweep": "linear_sweep", "slot-session": "slot_session", "judge-split": "judge_split",
-    "hf": "hf_models", "scripted-search": "scripted_search",
+    "hf": "hf_models", "scripted-search": "scripted_search", "engine-cost": "engine_cost",
 }
 
 

@@ -1,0 +1,105 @@
+"""What one engine costs a candidate's evaluation on a GPU: create_engine by part, the public sequence, the benchmark.
+
+    python3 -m scripts.gpu engine-cost [--plan NAME | --engine PATH] [--repeat 3] [--out DIR]
+
+Why: a screen on the H100 takes ~70 s (public ~25 s, benchmark ~33 s: results.log's
+`[judge start, setup, worker, public, benchmark]`), and issue 24 asks for 3 candidates a minute.
+The benchmark builds 20 engines (5 cases x a warm-up engine and 3 fresh ones); this says what
+one create_engine costs and where (the engine's own methods timed by wrapping them: weights and
+probes, the prefill and decode graph captures, the warm-up), first in the process (with the
+Triton cache cold: a fresh directory, or --triton-cache, as a worker starts from the judge's
+shared one) and then again, and what the public sequence and a one-case benchmark take beyond
+it. Writes engine_cost.json.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from evaluator.benchmark_throughput import release_device_memory, run_benchmark
+from evaluator.common import load_config, load_engine_module
+from evaluator.test_correctness import run_public_sequence
+from scripts.gpu.common import (FINAL_PLAN, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights, library_plans, out_dir,
+                                render_to_file)
+
+WRAPPED = ("_capture_prefill", "_capture_decode", "_warm_up")   # Engine methods timed by part
+
+
+def timed_parts(module) -> dict[str, float]:
+    """Wrap the engine class's capture and warm-up methods so that each call adds its seconds
+    (after a device synchronize) to the returned dict."""
+    parts: dict[str, float] = {}
+    engine_class = module.Engine
+    for name in WRAPPED:
+        method = getattr(engine_class, name)
+
+        @functools.wraps(method)
+        def wrapped(self, *args, _method=method, _name=name, **kwargs):
+            start = time.perf_counter()
+            result = _method(self, *args, **kwargs)
+            torch.cuda.synchronize()
+            parts[_name] = parts.get(_name, 0.0) + time.perf_counter() - start
+            return result
+        setattr(engine_class, name, wrapped)
+    return parts
+
+
+def create_once(module, config: dict, parts: dict[str, float]) -> dict[str, float]:
+    parts.clear()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine = module.create_engine(config, PUBLIC_WEIGHTS, "cuda")
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    row = {"total": total, **parts, "rest (weights, probes)": total - sum(parts.values()),
+           "graphs": len(engine.prefill_graphs) + len(engine.decode_graphs)}
+    del engine
+    release_device_memory("cuda")
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", help="an engine file (default: render --plan)")
+    p.add_argument("--plan", default=FINAL_PLAN, help="a name from scripts.gpu.common.library_plans")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--triton-cache", help="a Triton cache to start from (default: a fresh one, cold)")
+    p.add_argument("--out", default=out_dir("engine-cost-out"))
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = a.triton_cache or tempfile.mkdtemp(prefix="engine-cost-triton-")
+    ensure_toy_weights()
+    engine_path = a.engine or str(render_to_file(library_plans()[a.plan], a.plan))
+    config = load_config(PUBLIC_CONFIG)
+    module = load_engine_module(engine_path)
+    parts = timed_parts(module)
+    report: dict = {"device": torch.cuda.get_device_name(), "engine": engine_path, "create_engine": []}
+    for i in range(a.repeat + 1):   # the first in this process: kernels compiled or read from the cache
+        report["create_engine"].append(create_once(module, config, parts))
+        print(f"create_engine {'first' if i == 0 else 'again'}: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in report["create_engine"][-1].items()), flush=True)
+    start = time.perf_counter()
+    run_public_sequence(module, config, PUBLIC_WEIGHTS, "cuda")
+    report["public_sequence_s"] = time.perf_counter() - start
+    print(f"public sequence (one create_engine, the reference's steps): {report['public_sequence_s']:.2f} s", flush=True)
+    for repeat in (3, 1):
+        start = time.perf_counter()
+        run_benchmark(module, config, PUBLIC_WEIGHTS, "cuda", ["mixed"], warmup=1, repeat=repeat)
+        report[f"benchmark_mixed_repeat{repeat}_s"] = seconds = time.perf_counter() - start
+        print(f"benchmark, mixed, warm-up 1, repeat {repeat}: {seconds:.2f} s", flush=True)
+    warm = report["create_engine"][1:]
+    report["create_engine_warm_median_s"] = statistics.median(r["total"] for r in warm) if warm else None
+    (out / "engine_cost.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
