@@ -98,10 +98,12 @@ def _next_power_of_2(n: int) -> int:
 TRITON_ARITHMETIC = SimpleNamespace(next_power_of_2=_next_power_of_2, cdiv=lambda a, b: -(-a // b))
 
 
-def slot_namespace(slot: str, variant: str, shared: int) -> dict:
-    """The variant's module as Python sees it, with the GPU's shared memory capped at `shared`."""
+def slot_namespace(slot: str, variant: str, shared: int, params: dict | None = None) -> dict:
+    """The variant's module as Python sees it (rendered with `params`), with the GPU's shared memory
+    capped at `shared`."""
     # From a file: @triton.jit reads its function's source, which a string exec does not have.
-    namespace = vars(load_source(render_slot_module(slot, variant), f"travel_{slot}_{variant}_{shared}"))
+    tag = "_".join(f"{k}{v}" for k, v in sorted((params or {}).items()))
+    namespace = vars(load_source(render_slot_module(slot, variant, params), f"travel_{slot}_{variant}_{shared}{tag}"))
     if namespace["triton"] is None:
         namespace["triton"] = TRITON_ARITHMETIC
     namespace["MAX_SHARED_MEMORY"] = shared
@@ -178,6 +180,8 @@ def test_a_decode_gemm_gives_up_a_stage_to_run_in_one_wave():
     assert ns["_gemm_config__triton"](64, 3072, 1, 2, CPU)[4] == 4
     assert ns["_gemm_config__triton"](64, 32768, 2, 2, CPU)[4] == 4
     assert ns["_gemm_config__triton"](8, 8192, 2, 2, CPU)[4] == 4    # 20 KiB a stage: two an SM at 4
+    pinned = slot_namespace("linear", "triton", SM90_SHARED, {"linear_stages": 4})
+    assert pinned["_gemm_config__triton"](64, 8192, 2, 2, CPU)[4] == 4   # a plan's stages are kept
 
 
 def test_every_variant_with_staged_tiles_sizes_them_from_the_device():
