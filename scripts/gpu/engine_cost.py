@@ -1,6 +1,7 @@
 """What one engine costs a candidate's evaluation on a GPU: create_engine by part, the public sequence, the benchmark.
 
     python3 -m scripts.gpu engine-cost [--plan NAME | --engine PATH] [--repeat 3] [--triton-cache DIR] [--out DIR]
+    python3 -m scripts.gpu engine-cost --judge [--plan NAME] [--other-plan NAME] [--out DIR]
 
 Why: a screen on the H100 takes ~70 s (public ~25 s, benchmark ~33 s: results.log's
 `[judge start, setup, worker, public, benchmark]`), and issue 24 asks for 3 candidates a minute.
@@ -10,6 +11,13 @@ probes, the prefill and decode graph captures, the warm-up), first in the proces
 Triton cache cold: a fresh directory, or --triton-cache, as a worker starts from the judge's
 shared one) and then again, and what the public sequence and a one-case benchmark take beyond
 it. Writes engine_cost.json.
+
+--judge asks the same of the judge: the engine's verdict (public sequence, no stress, no
+benchmark: `python3 -m evaluator.evaluate ... --triton-cache C --triton-cache-update`) twice on a
+shared cache that starts empty, then once for --other-plan (another variant in one slot: Triton
+keys a kernel by its starting line, so every kernel below that slot's block moves), and prints
+each verdict's stage_seconds and the cache's entries. If the second verdict's public phase is
+not near a warm create_engine, the judge's cache is not being hit. Writes judge_cost.json.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,9 +38,10 @@ from evaluator.benchmark_throughput import release_device_memory, run_benchmark
 from evaluator.common import load_config, load_engine_module
 from evaluator.test_correctness import run_public_sequence
 from scripts.gpu.common import (FINAL_PLAN, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights, library_plans, out_dir,
-                                render_to_file)
+                                render_to_file, run)
 
 WRAPPED = ("_capture_prefill", "_capture_decode", "_warm_up")   # Engine methods timed by part
+OTHER_PLAN = "lib split"   # the final plan with the torch linear variant: one slot's block differs
 
 
 def timed_parts(module) -> dict[str, float]:
@@ -70,17 +80,46 @@ def create_once(module, config: dict, parts: dict[str, float]) -> dict[str, floa
     return row
 
 
+def judge_costs(plan: str, other_plan: str, out: Path, device: str) -> dict:
+    """Three verdicts on one shared Triton cache (see --judge): `plan` twice, then `other_plan`."""
+    cache = Path(tempfile.mkdtemp(prefix="engine-cost-judge-cache-"))
+    engines = {name: render_to_file(library_plans()[name], f"judge {name}") for name in (plan, other_plan)}
+    rows = []
+    for i, name in enumerate((plan, plan, other_plan)):
+        verdict = out / f"verdict-{i}.json"
+        code = run([sys.executable, "-m", "evaluator.evaluate", "--engine", str(engines[name]), "--model-config",
+                    PUBLIC_CONFIG, "--weight-dir", PUBLIC_WEIGHTS, "--device", device, "--stress", "off",
+                    "--no-benchmark", "--triton-cache", str(cache), "--triton-cache-update", "--out", str(verdict)],
+                   out / f"verdict-{i}.txt")
+        result = json.loads(verdict.read_text()) if verdict.is_file() else {}
+        rows.append({"plan": name, "exit": code, "status": result.get("status"), "error": result.get("error"),
+                     "stage_seconds": result.get("stage_seconds"), "cache_entries": len(list(cache.iterdir()))})
+        print(f"verdict {i} ({name}): exit {code}, {result.get('status')}, stages "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in (result.get("stage_seconds") or {}).items())
+              + f"; shared cache {rows[-1]['cache_entries']} entries", flush=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    return {"verdicts": rows}
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Time create_engine (--repeat + 1 times), the public sequence, and the mixed case at repeat 3 and 1."""
+    """Time create_engine (--repeat + 1 times), the public sequence, and the mixed case at repeat 3 and 1;
+    with --judge, the judge's verdicts on a shared cache instead."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", help="an engine file (default: render --plan)")
     p.add_argument("--plan", default=FINAL_PLAN, help="a name from scripts.gpu.common.library_plans")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--triton-cache", help="a Triton cache to start from (default: a fresh one, cold)")
+    p.add_argument("--judge", action="store_true", help="the judge's verdicts on a shared cache (see above)")
+    p.add_argument("--other-plan", default=OTHER_PLAN, help="with --judge: the third verdict's plan")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="with --judge: cpu checks the plumbing")
     p.add_argument("--out", default=out_dir("engine-cost-out"))
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.judge:
+        ensure_toy_weights()
+        (out / "judge_cost.json").write_text(json.dumps(judge_costs(a.plan, a.other_plan, out, a.device), indent=1))
+        return
     cold = None if a.triton_cache else tempfile.mkdtemp(prefix="engine-cost-triton-")
     os.environ["TRITON_CACHE_DIR"] = a.triton_cache or cold
     ensure_toy_weights()
