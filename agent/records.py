@@ -71,6 +71,8 @@ class EvalResult:
     # Where the evaluation's time went, as the evaluator clocked it: {"judge start", "setup",
     # "worker", "public", "stress", "benchmark", "profile", "rest": seconds} (what ran).
     stage_seconds: dict | None = None
+    # On CUDA with the run's shared Triton cache: the kernels this verdict's worker compiled itself.
+    triton_compiled: int | None = None
 
     @property
     def passed(self) -> bool:

@@ -80,11 +80,13 @@ def verdict_line(r: EvalResult) -> str:
 
 
 def _stages(r: EvalResult) -> str:
-    """'; judge start 2.5, worker 2.6, benchmark 3.8': where the evaluator's time went (the
-    stages that took a tenth of a second or more)."""
+    """'; judge start 2.5, worker 2.6, benchmark 3.8; 12 kernels compiled': where the evaluator's
+    time went (the stages that took a tenth of a second or more), and on CUDA how many Triton
+    kernels its worker compiled rather than found in the run's shared cache."""
     stages = [f"{name} {sec:.1f}" for name, sec in (r.stage_seconds or {}).items()
               if isinstance(sec, (int, float)) and sec >= 0.05]
-    return "; " + ", ".join(stages) if stages else ""
+    compiled = f"; {r.triton_compiled} kernels compiled" if isinstance(r.triton_compiled, int) else ""
+    return ("; " + ", ".join(stages) if stages else "") + compiled
 
 
 def _spent(books: dict[str, list[float]]) -> str:

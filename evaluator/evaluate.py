@@ -62,7 +62,7 @@ from evaluator.session import draw_op_tokens  # noqa: E402
 from evaluator.slot_profile import merge as merge_profiles  # noqa: E402
 from evaluator.stress import run_stress  # noqa: E402
 from evaluator.test_correctness import run_public_sequence  # noqa: E402
-from evaluator.triton_cache import merge as merge_cache  # noqa: E402
+from evaluator.triton_cache import compiled as compiled_kernels, merge as merge_cache  # noqa: E402
 from evaluator.traces import BENCHMARK_CASES, PUBLIC_CASES, benchmark_trace  # noqa: E402
 
 STRESS_MODES = ("off", "quick", "full")
@@ -108,7 +108,8 @@ def failed_result(device: str, stage: str, kind: str | None = None, error: str |
     """A verdict's fields as a failure at `stage` (evaluate fills in the rest as it goes)."""
     return {"status": "failed", "stage": stage, "error_kind": kind, "error": error, "device": device,
             "criterion": None, "public": None, "stress": None, "benchmark": None, "score": None,
-            "reference_margin": None, "isolation": None, "slot_ms": None, "seconds": 0.0, "stage_seconds": {}}
+            "reference_margin": None, "isolation": None, "slot_ms": None, "seconds": 0.0, "stage_seconds": {},
+            "triton_compiled": None}
 
 
 def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: str | Path,
@@ -211,6 +212,9 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                 except EvalFailure as e:
                     log(f"profiled pass failed ({e.kind}): {str(e).splitlines()[0] if str(e) else ''}")
                 clock.lap("profile")
+            if triton_cache is not None and device == "cuda":
+                result["triton_compiled"] = compiled_kernels(worker.jail.compile_cache, triton_cache)
+                log(f"Triton: {result['triton_compiled']} kernels compiled (not in the shared cache)")
             if triton_cache is not None and update_cache:
                 added = merge_cache(worker.jail.compile_cache, triton_cache)
                 log(f"shared Triton cache: {added} compiled kernels added")

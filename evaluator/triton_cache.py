@@ -88,3 +88,11 @@ def merge(worker_cache: Path, shared: Path) -> int:
             budget -= size
             added += 1
     return added
+
+
+def compiled(worker_cache: Path, shared: Path) -> int:
+    """Entries of `worker_cache` that `shared` lacks: the kernels the worker compiled, its copy of
+    `shared` having held the rest. A verdict that compiles much when an earlier one compiled the
+    same engine says the shared cache is not being hit (docs/benchmarks.md, twenty-first session)."""
+    known = {e.name for e in shared.iterdir()} if shared.is_dir() else set()
+    return sum(1 for e in worker_cache.iterdir() if e.name not in known) if worker_cache.is_dir() else 0

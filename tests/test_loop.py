@@ -459,6 +459,8 @@ def test_a_verdict_line_says_where_the_evaluators_time_went():
     r.stage_seconds = {"judge start": 2.54, "setup": 0.002, "worker": 2.6, "benchmark": 3.8}
     assert verdict_line(r).endswith("[9.6s; judge start 2.5, worker 2.6, benchmark 3.8]")
     assert verdict_line(passed(1.0, seconds=9.6)).endswith("[9.6s]")
+    r.triton_compiled = 12                          # on CUDA: the kernels its worker compiled
+    assert verdict_line(r).endswith("[9.6s; judge start 2.5, worker 2.6, benchmark 3.8; 12 kernels compiled]")
 
 
 def test_a_winner_whose_final_cannot_fit_the_budget_is_not_started_and_says_why(tmp_path, monkeypatch):

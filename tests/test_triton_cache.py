@@ -60,3 +60,18 @@ def test_only_engines_of_our_own_code_update_the_cache(tmp_path):
     no_cache = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cpu", 0, memory_bytes=2**30)
     assert not no_cache.request(ours, tmp_path / "out")["update_cache"]
     assert "--triton-cache" not in no_cache.command()
+
+
+def test_what_a_worker_compiled_is_what_the_shared_cache_lacks(tmp_path):
+    """`compiled` counts the worker's entries that the shared cache does not hold: what its jail had
+    to compile rather than read from its copy (the verdict's triton_compiled)."""
+    shared, worker = tmp_path / "shared", tmp_path / "home" / ".triton"
+    entry(shared, "k1", {"kernel.cubin": b"1"})
+    entry(shared, "k2", {"kernel.cubin": b"2"})
+    triton_cache.seed(shared, worker, uid=None)
+    assert triton_cache.compiled(worker, shared) == 0
+    entry(worker, "k3", {"kernel.cubin": b"3"})
+    entry(worker, "k4", {"kernel.cubin": b"4"})
+    assert triton_cache.compiled(worker, shared) == 2
+    assert triton_cache.compiled(tmp_path / "absent", shared) == 0
+    assert triton_cache.compiled(worker, tmp_path / "no-shared-cache") == 4
