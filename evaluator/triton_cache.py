@@ -13,9 +13,18 @@ candidates compile the same library kernels. So the judge keeps one cache for th
 A Triton cache entry is a folder named by the hash of what was compiled (source, options, Triton
 version, target) holding the compiled artefacts. A worker that runs model-written code could
 write a folder under the key of a kernel that a later candidate compiles, with other machine code
-in it; that is why its writes never leave its jail."""
+in it; that is why its writes never leave its jail.
+
+A compiled kernel's entry also holds a group file (`__grp__<kernel>.json`) that lists its
+artefacts by *absolute path*, and Triton takes the kernel as cached only if every path listed
+exists (`FileCacheManager.get_group`, Triton 2.1 to 3.7). Copied to another folder as it is, an
+entry still names the folder it was compiled in: the jail of a worker long gone. So every copy
+here, into the shared cache and out of it, points the group files at the entry's new folder
+(`_relocate_group`); without that, no worker ever read a kernel from the shared cache and every
+verdict compiled its engine anew (~25 s on an H100, docs/benchmarks.md twenty-first session)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -24,12 +33,20 @@ from pathlib import Path
 
 MAX_ENTRY_BYTES = 64 * 2**20     # one compiled kernel's artefacts: far below this
 MAX_CACHE_BYTES = 4 * 2**30      # the shared cache stops growing here
+GROUP_PREFIX = "__grp__"         # Triton's group files: a kernel's artefacts by absolute path
 
 
 def seed(shared: Path, target: Path, uid: int | None) -> None:
-    """`target` (a worker's TRITON_CACHE_DIR) as a copy of `shared`, owned by the worker's uid."""
+    """`target` (a worker's TRITON_CACHE_DIR) as a copy of `shared`, owned by the worker's uid, its
+    group files pointing into the copy."""
     if shared.is_dir():
         shutil.copytree(shared, target, symlinks=True, dirs_exist_ok=True)
+        for entry in target.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                for group in entry.glob(f"{GROUP_PREFIX}*"):
+                    relocated = _relocate_group(_read_regular(group, MAX_ENTRY_BYTES), entry)
+                    if relocated is not None:
+                        group.write_bytes(relocated)
     else:
         target.mkdir(parents=True, exist_ok=True)
     if uid is not None:
@@ -50,6 +67,18 @@ def _read_regular(path: Path, limit: int) -> bytes | None:
             return None
         data = f.read(limit + 1)
     return data if len(data) <= limit else None
+
+
+def _relocate_group(data: bytes | None, folder: Path) -> bytes | None:
+    """A Triton group file's text with every artefact's path pointed into `folder` (same file
+    name; the artefacts of a kernel lie in its entry's folder); None if `data` is not one."""
+    try:
+        group = json.loads(data or b"")
+        paths = group["child_paths"]
+        moved = {str(name): str(folder / Path(str(path)).name) for name, path in paths.items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return json.dumps({**group, "child_paths": moved}).encode()
 
 
 def _size(path: Path) -> int:
@@ -77,6 +106,8 @@ def merge(worker_cache: Path, shared: Path) -> int:
             if not files or size > min(MAX_ENTRY_BYTES, budget):
                 continue
             staging = Path(tempfile.mkdtemp(dir=shared, prefix=".incoming-"))
+            for name in [n for n in files if n.startswith(GROUP_PREFIX)]:
+                files[name] = _relocate_group(files[name], shared / entry.name) or files[name]
             for name, data in files.items():
                 (staging / name).write_bytes(data)
             os.chmod(staging, 0o755)

@@ -2,8 +2,12 @@
 only new entries made of regular files, and only for engines of the repository's own code."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
+
+import pytest
 
 from agent.judge import JudgeSettings
 from agent.workspace import VARIANTS
@@ -75,3 +79,63 @@ def test_what_a_worker_compiled_is_what_the_shared_cache_lacks(tmp_path):
     assert triton_cache.compiled(worker, shared) == 2
     assert triton_cache.compiled(tmp_path / "absent", shared) == 0
     assert triton_cache.compiled(worker, tmp_path / "no-shared-cache") == 4
+
+
+def triton_group(folder: Path, kernel: str, written_in: Path) -> dict[str, str]:
+    """A compiled kernel's entry as Triton writes it: artefacts, and a group file naming them by
+    absolute path in the folder it was compiled in (`written_in`)."""
+    names = [f"{kernel}.cubin", f"{kernel}.json"]
+    entry(folder.parent, folder.name, {n: os.urandom(16) for n in names})
+    group = {n: str(written_in / n) for n in names}
+    (folder / f"__grp__{kernel}.json").write_text(json.dumps({"child_paths": group}))
+    return group
+
+
+def cached(folder: Path, kernel: str) -> bool:
+    """Triton's test for a cached kernel (FileCacheManager.get_group, then the metadata's path):
+    the group file's every path exists, the metadata's among them."""
+    paths = json.loads((folder / f"__grp__{kernel}.json").read_text())["child_paths"]
+    return f"{kernel}.json" in paths and all(Path(p).exists() for p in paths.values())
+
+
+def test_group_files_point_into_every_copy_of_an_entry(tmp_path):
+    """A worker's entry names its artefacts by absolute path in that worker's jail, which is gone
+    by the time the next worker reads the shared cache: merge and seed point the paths at the
+    entry's new folder, or no worker would ever find a kernel cached."""
+    jail = tmp_path / "jail-1" / ".triton"
+    triton_group(jail / "key1", "_gemm_kernel", written_in=jail / "key1")
+    shared, worker = tmp_path / "shared", tmp_path / "jail-2" / ".triton"
+    assert triton_cache.merge(jail, shared) == 1
+    shutil.rmtree(tmp_path / "jail-1")                      # the first worker's jail, torn down
+    assert cached(shared / "key1", "_gemm_kernel")
+    triton_cache.seed(shared, worker, uid=None)
+    assert cached(worker / "key1", "_gemm_kernel")
+    assert all(Path(p).parent == worker / "key1" for p in json.loads(
+        (worker / "key1" / "__grp___gemm_kernel.json").read_text())["child_paths"].values())
+
+
+def test_a_group_file_that_is_not_one_is_copied_as_it_is(tmp_path):
+    jail, shared = tmp_path / "jail" / ".triton", tmp_path / "shared"
+    entry(jail, "key1", {"__grp__k.json": b"not json", "k.cubin": b"1"})
+    entry(jail, "key2", {"__grp__k.json": b'{"child_paths": 3}', "k.cubin": b"2"})
+    assert triton_cache.merge(jail, shared) == 2
+    assert (shared / "key1" / "__grp__k.json").read_bytes() == b"not json"
+    assert (shared / "key2" / "__grp__k.json").read_bytes() == b'{"child_paths": 3}'
+
+
+def test_tritons_own_cache_manager_finds_a_kernel_in_a_seeded_copy(tmp_path, monkeypatch):
+    """The same with Triton's FileCacheManager itself (where Triton is installed): written in one
+    jail, merged, the jail removed, seeded into another, and found there."""
+    runtime_cache = pytest.importorskip("triton.runtime.cache")
+    jail, shared, worker = tmp_path / "jail-1", tmp_path / "shared", tmp_path / "jail-2"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(jail))
+    manager = runtime_cache.FileCacheManager("key1")
+    group = {name: manager.put(os.urandom(16), name, binary=True) for name in ("k.cubin", "k.json")}
+    manager.put_group("k.json", group)
+    assert set(manager.get_group("k.json")) == {"k.cubin", "k.json"}
+    triton_cache.merge(jail, shared)
+    shutil.rmtree(jail)
+    triton_cache.seed(shared, worker, uid=None)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(worker))
+    found = runtime_cache.FileCacheManager("key1").get_group("k.json")
+    assert set(found) == {"k.cubin", "k.json"} and all(Path(p).parent == worker / "key1" for p in found.values())
