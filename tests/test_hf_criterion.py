@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 
 STEPS = 10   # decode steps per trace: enough for the id reuse halfway, fast on a loaded CPU
+DECIDING_TRACES = 3   # traces the sound engine may take until greedy agreement decides a step
 
 
 def check(engine, config, weights):
@@ -62,9 +63,15 @@ def qwen(tmp_path_factory):
 
 
 def test_sound_bf16_engine_passes(qwen):
+    """Every trace passes, and greedy agreement decides steps in one of them. A short trace on a
+    tiny random model can have every fp32 top-two gap under 2·tol (no step decided: seen about once
+    in twenty runs), so up to DECIDING_TRACES traces with fresh prompts are run until one decides."""
     config, weights = qwen["Qwen3ForCausalLM"]
-    verdict = check(RefEngine(config, weights, torch.bfloat16), config, weights)
-    assert verdict.passed, verdict.line()
+    for _ in range(DECIDING_TRACES):
+        verdict = check(RefEngine(config, weights, torch.bfloat16), config, weights)
+        assert verdict.passed, verdict.line()
+        if verdict.decided:
+            break
     assert verdict.reference_error > 0 and verdict.decided > 0
 
 
