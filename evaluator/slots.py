@@ -161,6 +161,18 @@ PDL_SUPPORTED = (triton is not None and torch.cuda.is_available() and torch.cuda
 # kernel against (no bound in the CPU interpreter).
 MAX_SHARED_MEMORY = (triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())[
     "max_shared_mem"] if triton is not None and torch.cuda.is_available() else math.inf)
+DEFAULT_SM_COUNT = 132   # an H100's, where the device has none to tell (the CPU, Triton's interpreter)
+_SM_COUNTS = {}
+
+
+def sm_count(device):
+    """The device's SMs (streaming multiprocessors), asked once a device: what a kernel sizes its
+    grid or its pipeline by, to fill the GPU in one wave."""
+    key = str(device)
+    if key not in _SM_COUNTS:
+        _SM_COUNTS[key] = (torch.cuda.get_device_properties(device).multi_processor_count
+                           if device.type == "cuda" else DEFAULT_SM_COUNT)
+    return _SM_COUNTS[key]
 
 
 def fit_shared_memory(block_n, stages, rows, width, elem_bytes, min_block_n=16):
