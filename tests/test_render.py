@@ -161,3 +161,32 @@ def test_every_hf_skeleton_prints_the_shared_hf_part():
         alias = re.search(r'{% import "engine/hf/weights.py.j2" as (\w+)', text)
         assert alias, f"{engine} does not import the hf part"
         assert all(f"{{{{ {alias.group(1)}.{m}() }}}}" in text for m in macros), engine
+
+
+def jit_kernel_lines(source: str) -> dict[str, int]:
+    """Each `@triton.jit` function's name -> the line its `def` is on (Triton's cache key has it)."""
+    tree = ast.parse(source)
+    return {node.name: node.lineno for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+            and any("jit" in ast.unparse(d) for d in node.decorator_list)}
+
+
+def test_a_variant_change_keeps_every_other_slots_kernels_on_their_lines():
+    """Triton keys a compiled kernel by its starting line: a candidate that changes one slot's
+    variant must leave the other slots' kernels (and the engine's own) where they were, so that
+    the judge's shared Triton cache still holds them. Without the slots' padding (agent/render.py)
+    a norm change moved all 23 other kernels."""
+    base = Plan("paged", {s: v.name for s, vs in plan_module.menu().items() for v in vs[-1:]})
+    before = jit_kernel_lines(render_engine(base))
+    assert len(before) >= 20
+    compared = 0
+    for slot, variants in plan_module.menu().items():
+        region = {base.slots[slot], parse_header(kernel_path(slot, base.slots[slot]).read_text()).bf16}
+        for v in variants:
+            if v.name == base.slots[slot]:
+                continue
+            after = jit_kernel_lines(render_engine(Plan("paged", base.slots | {slot: v.name})))
+            others = {k: line for k, line in before.items()
+                      if k in after and not any(k.endswith(f"__{name}") for name in region | {v.name})}
+            assert others and all(after[k] == line for k, line in others.items()), (slot, v.name)
+            compared += 1
+    assert compared >= len(SLOTS)

@@ -10,6 +10,7 @@ its expressions evaluated (the live ones would create a file and set an environm
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import jinja2
@@ -28,6 +29,11 @@ from evaluator.slots import SLOTS
 SLOT, NAME = "silu_mul", "llm_1"
 ENV = "TEMPLATE_INJECTION_RAN"
 JINJA_OS = "cycler.__init__.__globals__.os"   # reaches `os` from any Jinja environment's globals
+PADDING = re.compile(r"^# \(\d+ lines of padding: .*\n\n*", re.MULTILINE)
+
+
+def unpadded(engine: str) -> str:
+    return PADDING.sub("", engine)
 # The first line alone is the attack that got through: `{%endraw%}` without spaces passed the
 # old check. The others are every other form of Jinja syntax, in comments and a string.
 PAYLOAD = [
@@ -94,7 +100,8 @@ def test_engine_and_slot_module_hold_the_code_byte_for_byte(code, tmp_path):
     engine = render_engine(plan(), {(SLOT, NAME): source})
     placeholder = variant_template(SLOT, NAME, "cpu", "@@CODE@@")
     stand_in = render_engine(plan(), {(SLOT, NAME): placeholder})
-    assert engine == stand_in.replace(placeholder, source)   # inserted as it is, nothing else moved
+    # inserted as it is, nothing else moved (but the slot's padding, agent/render.py, which counts its lines)
+    assert unpadded(engine) == unpadded(stand_in.replace(placeholder, source))
     compile(engine, "<engine>", "exec")
     module = render_slot_module(SLOT, NAME, None, {(SLOT, NAME): source})
     # 8-digit products: a temporary path (pytest-342) cannot contain them by chance
