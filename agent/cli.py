@@ -42,9 +42,11 @@ TOY_WEIGHTS_SCRIPT = REPO / "scripts" / "generate_toy_weights.py"
 DEFAULT_BUDGET = {"cpu": 600.0, "cuda": 1800.0}
 # Evaluator settings per device, the same for every candidate so their scores compare. On CPU
 # the recompute engine is slow (a decode step re-runs the whole prompt), so one timed run of
-# the public cases; on CUDA the official method (warm-up, median of 3) and every case.
-BENCH = {"cpu": {"warmup": 0, "repeat": 1, "cases": "prefill,decode,mixed"},
-         "cuda": {"warmup": 1, "repeat": 3, "cases": "prefill,decode,mixed,decode128,mixed128"}}
+# the public cases; on CUDA the official method (warm-up, median of 3) and every case for the
+# engine installed, one fresh engine a case for a screen or a contest's round (agent/judge.py).
+BENCH = {"cpu": {"warmup": 0, "repeat": 1, "screen_repeat": 1, "cases": "prefill,decode,mixed"},
+         "cuda": {"warmup": 1, "repeat": 3, "screen_repeat": 1,
+                  "cases": "prefill,decode,mixed,decode128,mixed128"}}
 DEVICES = ("auto", "cuda", "cpu")
 # What the builtin proposer walks: the library's kernel variants and the engine parameters
 # (full), or the all-torch engine's parameters only (params: kernels come from a model alone).
@@ -234,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = hardware(cfg.device, cfg.config)
     settings = JudgeSettings(sys.executable, cfg.config, cfg.weights, cfg.device, cfg.seed, stress="quick",
                              cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"],
+                             screen_repeat=bench["screen_repeat"],
                              bandwidth_gbs=facts[BANDWIDTH], peak_tflops=facts[PEAK],
                              profile=cfg.provider != "builtin")   # measured slot shares for the model's prompts
     state = SearchState(spec=spec, device=cfg.device, hardware=facts, seconds_left=cfg.budget)
@@ -322,4 +325,6 @@ def header_lines(cfg: RunConfig, spec: ModelSpec, hw: dict, settings: JudgeSetti
             f"model {spec.summary()}",
             *[f"warning: {w}" for w in spec.warnings],
             *hf_lines(spec),
-            f"evaluator python3 {' '.join(settings.command()[1:])} (one process for the run; a request per verdict)"]
+            f"evaluator python3 {' '.join(settings.command()[1:])} (one process for the run; a request per verdict)"
+            + (f"; screens and contest rounds time {settings.screen_repeat} fresh engine(s) a case, the engine "
+               f"installed {settings.repeat}" if settings.screens_time_less() else "")]

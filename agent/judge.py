@@ -48,14 +48,16 @@ KEPT_OUTPUT_BYTES = 2**20       # the tail of each output file kept on disk afte
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
 # Phases (agent/loop.py): VERIFY the conservative engine's one verdict before its stress: the
 # public sequence and the benchmark on one case only (`JudgeSettings.conservative_case`), at the
-# run's warm-up and repeats, so that its score compares case for case with every other engine's
-# (agent/acceptance.py pairs the cases both timed); TIMING the public sequence and the run's
-# benchmark, no stress (a challenger's screen and the back-to-back rounds); FINAL a finalist's
-# stress suite (its long cases) with the public sequence and the profiled pass, no benchmark: its
-# screen timed this very engine, and the loop joins the two into the verdict it installs; STRESS
-# the same without the profiled pass (the conservative engine's, when it stays the result). The
-# full stress (45 cases) takes minutes on a GPU too (docs/benchmarks.md, twelfth session): the
-# self-test commands results.log prints run it on the engine a run leaves.
+# screens' warm-up and repeats, so that its score compares case for case with every other engine's
+# (agent/acceptance.py pairs the cases both timed); TIMING the public sequence and the benchmark at
+# `screen_repeat` fresh engines a case, no stress (a challenger's screen and the back-to-back
+# rounds); FINAL a finalist's stress suite (its long cases) with the public sequence and the
+# profiled pass, and the benchmark at the run's full repeats where the screens time fewer (else no
+# benchmark: its screen timed this very engine the same way, and the loop joins the two into the
+# verdict it installs); STRESS the same without the profiled pass and the benchmark (the
+# conservative engine's, when it stays the result). The full stress (45 cases) takes minutes on a
+# GPU too (docs/benchmarks.md, twelfth session): the self-test commands results.log prints run it
+# on the engine a run leaves.
 VERIFY, TIMING, FINAL, STRESS = "verify", "timing", "final", "stress"
 # The conservative engine's one timed case. It recomputes every request from its first token, one
 # request at a time, so a case costs it one whole forward pass per request and step: prefill 4,
@@ -86,20 +88,32 @@ class JudgeSettings:
     triton_cache: Path | None = None   # the run's shared Triton cache (evaluator/triton_cache.py), judge-owned
     profile: bool = False        # a passing engine's profiled pass (slot_ms, for the model's prompts)
     benchmark: bool = True       # False: public sequence and stress only (no score)
+    # Fresh engines a case in a screen and a contest's round (None: `repeat`). A screen decides only
+    # which engine goes on, and its 20 create_engines at `repeat` 3 were ~18 s of a 33 s screen on
+    # an H100 (docs/benchmarks.md, twenty-first session); the installed engine's score is timed in full.
+    screen_repeat: int | None = None
+    spare_worker: str = "auto"   # evaluator/resident.py --spare-worker: the next verdict's worker started ahead
+    phase_repeat: int | None = None      # this phase's repeats (set by for_phase); None: `repeat`
 
     def for_phase(self, phase: str) -> "JudgeSettings":
-        """The settings of one phase (see VERIFY, TIMING, FINAL, STRESS); every timed phase has
-        the same warm-up and repeats, and VERIFY's one case is one of TIMING's, so their scores
-        compare case for case."""
+        """The settings of one phase (see VERIFY, TIMING, FINAL, STRESS); the screens and rounds
+        have the same warm-up and repeats, and VERIFY's one case is one of TIMING's, so their
+        scores compare case for case."""
         if phase == FINAL:   # the profiled pass: once per engine that becomes the best
-            return replace(self, benchmark=False)
+            return replace(self, benchmark=self.screens_time_less())
         if phase == STRESS:  # the conservative engine: no slots to profile
             return replace(self, benchmark=False, profile=False)
         if phase == TIMING:
-            return replace(self, stress="off", profile=False)
+            return replace(self, stress="off", profile=False, phase_repeat=self.screen_repeat)
         if phase == VERIFY:
-            return replace(self, stress="off", cases=self.conservative_case(), profile=False)
+            return replace(self, stress="off", cases=self.conservative_case(), profile=False,
+                           phase_repeat=self.screen_repeat)
         raise ValueError(f"unknown judge phase {phase!r}")
+
+    def screens_time_less(self) -> bool:
+        """Whether a screen times fewer fresh engines a case than the run's full benchmark (then a
+        finalist's verdict times its own, in full)."""
+        return self.screen_repeat is not None and self.screen_repeat < self.repeat
 
     def conservative_case(self) -> str:
         """CONSERVATIVE_CASE where the run times it; else the first of the run's cases, the one
@@ -123,14 +137,14 @@ class JudgeSettings:
 
     def command(self) -> list[str]:
         """The resident judge's command line."""
-        return [self.python, "-m", "evaluator.resident", *self.process_flags()]
+        return [self.python, "-m", "evaluator.resident", *self.process_flags(), "--spare-worker", self.spare_worker]
 
     def request(self, engine: Path, out_dir: Path) -> dict:
         """One verdict's request, in this phase's settings. Every worker reads a copy of the shared
         Triton cache; only an engine with no model-written variant (its candidate folder has no
         VARIANTS) adds to it."""
         return {"engine": str(engine), "out_dir": str(out_dir), "stress": self.stress, "cases": self.cases,
-                "benchmark": self.benchmark, "profile": self.profile,
+                "benchmark": self.benchmark, "profile": self.profile, "repeat": self.phase_repeat,
                 "update_cache": self.triton_cache is not None and not (engine.parent / VARIANTS).exists()}
 
 
@@ -376,7 +390,8 @@ class Series:
             self.since, self.before = time.monotonic(), children()
             self.running = self.judge.send({"timings": [[name, str(engine), self.tickets[name]]
                                                         for name, engine in self.timings],
-                                            "out_dir": str(self.out_dir), "cases": self.judge.settings.cases})
+                                            "out_dir": str(self.out_dir), "cases": self.judge.settings.cases,
+                                            "repeat": self.judge.settings.for_phase(TIMING).phase_repeat})
         outputs = [self.out_dir / name / f for name in labels for f in (STDOUT, STDERR)]
         killed_because = None if self.running is not self.judge.proc else \
             self.judge.watch(time.monotonic() + max(timeout, 1.0), outputs,

@@ -18,7 +18,9 @@ Every other candidate is a challenger (`challenge`): TIMING first (the public se
 benchmark, no stress: the screen), then back-to-back timings against the best
 (agent/acceptance.py), and only a finalist gets FINAL (the stress suite with its long cases);
 the verdict installed joins the final's stress to the screen's benchmark of the same engine, so
-no engine is timed twice for one verdict. Whatever is installed at the end was judged in full.
+no engine is timed twice for one verdict, unless the screens time fewer fresh engines than the
+full benchmark (on a GPU: agent/cli.py BENCH), where the final times it in full. Whatever is
+installed at the end was judged in full.
 """
 from __future__ import annotations
 
@@ -195,8 +197,9 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
 
 def joined(stressed: EvalResult, timed: EvalResult) -> EvalResult:
     """A verdict without a benchmark (FINAL, STRESS) completed by the benchmark of the same
-    engine in an earlier verdict (its screen, its timing); a failure stays what it is."""
-    if not stressed.passed:
+    engine in an earlier verdict (its screen, its timing); a failure, or a final that timed the
+    engine itself (the screens time fewer repeats: JudgeSettings.screen_repeat), stays what it is."""
+    if not stressed.passed or stressed.benchmark:
         return stressed
     return replace(stressed, benchmark=timed.benchmark, score=timed.score, note=timed.note)   # its own time: stage_seconds
 

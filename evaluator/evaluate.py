@@ -119,7 +119,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              log=lambda line: None, memory_bytes: int | None = None, triton_cache: Path | None = None,
              update_cache: bool = False, profile: bool = False, criterion: str = "auto",
              benchmark: bool = True, started: float | None = None, setup: JudgeSetup | None = None,
-             reuse: Worker | None = None, public: bool = True) -> dict:
+             reuse: Worker | None = None, public: bool = True, fresh: Worker | None = None) -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
     `triton_cache` the worker starts from a copy of that (judge-owned) cache, and with
@@ -133,7 +133,8 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     verdict that needs them and shared by the later ones (evaluator/resident.py: one judge for a
     run, so for the same model, device and seed); None: measured for this verdict alone. `reuse`:
     a worker that holds `engine` already and stays open (a series' consecutive timings of one
-    engine); None: a fresh worker for this evaluation, killed at its end. `public` False: no
+    engine); None: a fresh worker for this evaluation, killed at its end: `fresh` where one was
+    started ahead and has run nothing yet (evaluator/resident.py's spare), else a new one. `public` False: no
     public sequence before the benchmark (the bf16 criterion still runs: its tolerance is the one
     the benchmark's outputs are checked at), only for a repeated timing of an
     engine whose screen passed them in this run (evaluator/resident.py series): what it is for is
@@ -152,8 +153,10 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
         with ExitStack() as owned:
             # A fresh worker is started first: its confinement, torch import and device context
             # overlap the judge's setup below; it runs nothing of the candidate's before `load`.
-            worker = reuse if reuse is not None else \
-                owned.enter_context(closing(Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)))
+            worker = reuse if reuse is not None else owned.enter_context(closing(
+                fresh or Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)))
+            if fresh is not None:
+                log("the worker: the judge's spare, started when the previous verdict was written")
             if setup.hardware is None:
                 setup.hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
             hardware = setup.hardware

@@ -7,8 +7,8 @@
 Requests come on stdin, one JSON object a line, and are done one at a time, in order:
 
     {"engine": PATH, "out_dir": DIR, "stress": "quick", "cases": "mixed", "benchmark": true,
-     "profile": false, "update_cache": false, "ticket": T}         one verdict: DIR/result.json
-    {"timings": [[LABEL, PATH, T], ...], "out_dir": DIR, "cases": ...}
+     "profile": false, "update_cache": false, "repeat": 1, "ticket": T}   one verdict: DIR/result.json
+    {"timings": [[LABEL, PATH, T], ...], "out_dir": DIR, "cases": ..., "repeat": ...}
                                                                    a contest's series: DIR/LABEL/result.json
 
 Each verdict is exactly `python3 -m evaluator.evaluate` with the request's flags (a series'
@@ -85,6 +85,7 @@ class Verdict:
     benchmark: bool = True
     profile: bool = False
     update_cache: bool = False
+    repeat: int | None = None           # fresh engines a benchmark case; None: the process's --repeat
     ticket: str | None = None           # copied into result.json: how the caller knows it is this verdict
 
 
@@ -95,6 +96,7 @@ class SeriesRequest:
     timings: list[tuple[str, Path, str | None]]   # (label, engine, the ticket its result.json carries)
     out_dir: Path
     cases: list[str] | None = None      # None: the process's --cases
+    repeat: int | None = None           # None: the process's --repeat
 
 
 def parse_request(line: str) -> Verdict | SeriesRequest:
@@ -104,18 +106,21 @@ def parse_request(line: str) -> Verdict | SeriesRequest:
             raise BadRequest("a request is a JSON object with an out_dir")
         out_dir = Path(data["out_dir"])
         cases = parse_cases(data["cases"]) if data.get("cases") else None
+        repeat = data.get("repeat")
+        if repeat is not None and (type(repeat) is not int or repeat < 1):
+            raise BadRequest("repeat must be a positive integer")
         if "timings" in data:
             timings = [(str(label), Path(engine), _ticket(rest[0] if rest else None))
                        for label, engine, *rest in data["timings"]]
             if not timings or any(not _plain_name(label) for label, _, _ in timings) \
                     or len({label for label, _, _ in timings}) != len(timings):
                 raise BadRequest("timings: distinct LABELs of letters, digits, - and _")
-            return SeriesRequest(timings, out_dir, cases)
+            return SeriesRequest(timings, out_dir, cases, repeat)
         if data.get("stress", "quick") not in STRESS_MODES:
             raise BadRequest(f"stress must be one of {STRESS_MODES}")
         return Verdict(Path(data["engine"]), out_dir, data.get("stress", "quick"), cases,
                        bool(data.get("benchmark", True)), bool(data.get("profile", False)),
-                       bool(data.get("update_cache", False)), _ticket(data.get("ticket")))
+                       bool(data.get("update_cache", False)), repeat, _ticket(data.get("ticket")))
     except (ValueError, KeyError, TypeError) as e:
         raise BadRequest(f"bad request {line.strip()[:200]!r}: {e}") from None
 
@@ -141,6 +146,12 @@ class Resident:
         self.terminated = False   # SIGTERM came: what the verdict under way became is the stop's
         self.memory_bytes = int(a.memory_gb * 2**30) if a.memory_gb else None
         self.home = (os.dup(1), os.dup(2))     # where the judge's own output goes between verdicts
+        # A fresh worker started as soon as a verdict is written, for the next one: its start (confinement,
+        # torch's import, the device's context: 4-7 s on an H100) then runs while the agent prepares the
+        # next candidate instead of inside its verdict. Only where --spare-worker says so (auto: on a
+        # GPU; on a CPU its start would take cores from the agent's own work).
+        self.keep_spare = a.spare_worker == "on" or (a.spare_worker == "auto" and self.device == "cuda")
+        self.spare: Worker | None = None
 
     def log(self, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -166,21 +177,54 @@ class Resident:
 
     def evaluate(self, engine: Path, stress: str, cases: list[str] | None, benchmark: bool = True,
                  profile: bool = False, update_cache: bool = False, reuse: Worker | None = None,
-                 public: bool = True) -> dict:
+                 public: bool = True, repeat: int | None = None, fresh: Worker | None = None) -> dict:
         a = self.a
         result = evaluate(engine, self.config, a.weight_dir, a.device, stress, cases or parse_cases(a.cases),
-                          a.warmup, a.repeat, a.seed, a.bandwidth_gbs, a.peak_tflops, log=self.log,
+                          a.warmup, repeat or a.repeat, a.seed, a.bandwidth_gbs, a.peak_tflops, log=self.log,
                           memory_bytes=self.memory_bytes, triton_cache=a.triton_cache, update_cache=update_cache,
                           profile=profile, criterion=a.criterion, benchmark=benchmark, started=self.started,
-                          setup=self.setup, reuse=reuse, public=public)
+                          setup=self.setup, reuse=reuse, fresh=fresh, public=public)
         self.started = None
         if self.terminated:   # evaluate() turned the unwinding into a verdict: not the engine's
             raise SystemExit(128 + signal.SIGTERM)
         return result
 
+    def start_spare(self) -> None:
+        """The next verdict's worker, started now (after the last verdict merged its kernels into
+        the shared Triton cache, so the copy it starts from holds them)."""
+        if self.keep_spare and self.spare is None:
+            try:
+                self.spare = Worker(self.device, self.memory_bytes or default_memory_cap(), self.log, self.a.triton_cache)
+            except Exception as e:  # noqa: BLE001 - no spare: the next verdict starts its own, as before
+                self.log(f"no spare worker: {type(e).__name__}: {e}")
+
+    def take_spare(self) -> Worker | None:
+        """The spare worker if it is still running (else it is closed, and the verdict starts one)."""
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.proc.poll() is not None:
+            spare.close()
+            return None
+        return spare
+
+    def settle_spare(self) -> None:
+        """Wait until the spare has started (its hello): a series' first timing must not share the
+        machine with its start, which would slow whichever engine is timed first."""
+        if self.spare is not None:
+            try:
+                self.spare.ready()
+            except Exception as e:  # noqa: BLE001 - it failed to start: the next verdict starts its own
+                self.log(f"the spare worker did not start: {type(e).__name__}: {e}")
+                self.close_spare()
+
+    def close_spare(self) -> None:
+        spare = self.take_spare()
+        if spare is not None:
+            spare.close()
+
     def verdict(self, v: Verdict) -> None:
         with self.output_to(v.out_dir):
-            result = self.evaluate(v.engine, v.stress, v.cases, v.benchmark, v.profile, v.update_cache)
+            result = self.evaluate(v.engine, v.stress, v.cases, v.benchmark, v.profile, v.update_cache,
+                                   repeat=v.repeat, fresh=self.take_spare())
             print(summary_line(result), flush=True)
         write_json({**result, "ticket": v.ticket}, v.out_dir / RESULT)
         release_device_memory(self.device)
@@ -188,6 +232,7 @@ class Resident:
     def series(self, s: SeriesRequest) -> None:
         """Each timing in turn (stress off, no public sequence), DIR/LABEL/result.json after each."""
         held: Held | None = None   # the last engine's worker, for that engine's next timing
+        self.settle_spare()
         try:
             for label, engine, ticket in s.timings:
                 folder = s.out_dir / label
@@ -201,7 +246,7 @@ class Resident:
                                               self.log)
                         self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else ""))
                         result = self.evaluate(engine, "off", s.cases, reuse=held.worker if held else None,
-                                               public=False)
+                                               public=False, repeat=s.repeat)
                     except Exception:  # noqa: BLE001 - the judge's own failure: this timing's verdict, not its end
                         traceback.print_exc()
                         result = failed_result(self.device, "unknown", CRASH, "the judge failed on this timing: "
@@ -253,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="auto")
     add_timing_flags(p)
     p.add_argument("--seed", type=int, help="the stress suite's and the margin's seed (default: fresh)")
+    p.add_argument("--spare-worker", choices=("auto", "on", "off"), default="auto",
+                   help="start each verdict's worker once the previous verdict is written (auto: on a GPU)")
     a = p.parse_args(argv)
     try:
         config = load_config(a.model_config)
@@ -269,15 +316,19 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(128 + signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, terminate)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            request = parse_request(line)
-        except BadRequest as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        (judge.series if isinstance(request, SeriesRequest) else judge.verdict)(request)
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                request = parse_request(line)
+            except BadRequest as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                sys.exit(2)
+            (judge.series if isinstance(request, SeriesRequest) else judge.verdict)(request)
+            judge.start_spare()
+    finally:
+        judge.close_spare()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -3,7 +3,8 @@
     python3 -I evaluator/worker.py <channel fd> <jail spec JSON>      (started by evaluator/remote.py)
 
 First it confines itself (evaluator/isolation.py: own uid, no network, limits, death with the
-judge), then it imports torch, says hello with the layers it holds, and serves the judge's
+judge), then it imports torch (and on a GPU makes its context and imports Triton), says hello
+with the layers it holds, and serves the judge's
 requests one at a time: load the candidate, create an engine, run one call, run a whole timed
 trace, run a profiled pass (evaluator/slot_profile.py), release an engine. Token ids arrive with each request; logits go into the output buffer
 the judge lent it. Nothing here is trusted by the judge: a candidate can rewrite any of it in
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # isolated mode
 from evaluator.isolation import JailSpec, enter  # noqa: E402  (the standard library only)
 
 PREFILL, DECODE, REMOVE = "prefill", "decode", "remove"   # evaluator/traces.py's kinds
+WARM_OUTPUT_DTYPES = ("float16", "bfloat16", "float32")   # an engine's logits, copied into the fp32 staging rows
 
 
 class Refusal(Exception):
@@ -38,6 +40,12 @@ class Worker:
     def __init__(self, sock: socket.socket):
         import torch
         from evaluator import channel, common, guards
+        if torch.cuda.is_available():   # the device's context and Triton before the hello, not in a verdict's
+            torch.cuda.init()          # time: a spare worker (evaluator/resident.py) has them ready
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                pass
         self.torch, self.channel, self.common, self.guards = torch, channel, common, guards
         self.sock = sock
         self.module = None
@@ -133,6 +141,12 @@ class Worker:
         vocab = int(req["vocab"])
         self.staging = torch.empty(int(req["rows"]), vocab, dtype=torch.float32, device=device)
         self.key = torch.frombuffer(bytearray(payload), dtype=torch.int64).view(2, vocab).to(device)
+        # The judge's own kernels of the timed region run once here, outside the clock: CUDA loads a
+        # kernel at its first use, and the digest's were first used inside a worker's first timed
+        # trace, ~60 ms charged to the engine (a screen's prefill case on an H100, twenty-second session).
+        for dtype in WARM_OUTPUT_DTYPES:
+            self.staging[:1].copy_(torch.zeros(1, vocab, dtype=getattr(torch, dtype), device=device))
+        self.guards.output_digest(self.staging[:1], self.key).cpu()
         self.trace_request = req   # the trace's shape now, its tokens with the timed request
         self.common.synchronize(device)
         if device == "cuda":

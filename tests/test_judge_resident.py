@@ -198,7 +198,7 @@ def evaluate(self, engine, *args, **kwargs):
 
 resident.Worker = broken_worker      # Held.start cannot start one: evaluate() is left to try
 resident.Resident.evaluate = evaluate
-judge = resident.Resident(argparse.Namespace(device="cpu", memory_gb=None, triton_cache=None), {})
+judge = resident.Resident(argparse.Namespace(device="cpu", memory_gb=None, triton_cache=None, spare_worker="off"), {})
 out = Path(sys.argv[1])
 judge.series(resident.SeriesRequest([("a-1", Path("a.py"), "t1"), ("b-1", Path("b.py"), "t2")], out))
 print(json.dumps([json.loads((out / label / "result.json").read_text()) for label in ("a-1", "b-1")]))
@@ -234,3 +234,21 @@ def test_a_worker_that_cannot_be_started_leaves_no_jail_behind(monkeypatch):
     with pytest.raises(OSError, match="fork"):
         remote.Worker("cpu")
     assert roots and not roots[0].exists()
+
+
+def test_a_spare_worker_started_after_each_verdict_runs_the_next(tiny_model, recompute_engine_path, recompute_source,
+                                                                write_engine, tmp_path):
+    """--spare-worker on: every verdict after the first runs in a worker the judge started when the
+    previous verdict was written, one of its own (a failed engine's worker is not the next's), and
+    none is left when the judge ends."""
+    broken = write_engine(broken_source("raises_in_decode", recompute_source), "broken")
+    s = settings(tiny_model, random.randrange(2**31), stress="off", spare_worker="on")
+    before = children()
+    with Judge(s, tmp_path / "judge") as judge:
+        results = [judge.verdict(engine, tmp_path / f"v{i}", 600, s)
+                   for i, engine in enumerate([recompute_engine_path, broken, recompute_engine_path])]
+    assert [r.passed for r in results] == [True, False, True] and results[1].error_kind == "runtime_error"
+    spare_used = ["the judge's spare" in (tmp_path / f"v{i}" / "stderr.txt").read_text() for i in range(3)]
+    assert spare_used == [False, True, True]
+    assert len({r.isolation for r in results}) == 3
+    assert children() <= before

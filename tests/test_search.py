@@ -262,3 +262,18 @@ def test_verdicts_with_no_case_in_common_are_not_compared_by_their_scores():
     # scores meet only where a verdict carries no cases at all
     bare = EvalResult(status="passed", stage="done", device="cpu", score=2.0)
     assert acceptance.speedup(bare, incumbent) == pytest.approx(2.0)
+
+
+def test_a_final_keeps_its_own_full_timing_and_a_stress_only_one_takes_the_screens():
+    """loop.joined: a FINAL without a benchmark (screens timed as the final would) is completed by
+    the screen's; a FINAL that timed the engine itself in full (the screens time fewer fresh
+    engines: JudgeSettings.screen_repeat) keeps its own numbers; a failure stays a failure."""
+    from dataclasses import replace
+    from agent.loop import joined
+    screen = timed(1.0, [1, 1, 1])
+    stress_only = EvalResult(status="passed", stage="done", device="cpu", stress={"cases": 3})
+    assert joined(stress_only, screen).benchmark == screen.benchmark and joined(stress_only, screen).score == 1.0
+    full = replace(timed(1.2, [1, 1, 1]), stress={"cases": 3})
+    assert joined(full, screen) is full and joined(full, screen).score == 1.2
+    failed = EvalResult.failure("stress", "wrong_result", "", "cpu")
+    assert joined(failed, screen) is failed

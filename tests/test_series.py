@@ -109,9 +109,27 @@ def test_a_worker_whose_timing_failed_is_not_used_again(tiny_model, recompute_so
     assert first.isolation != second.isolation
 
 
+def test_screens_and_rounds_time_screen_repeat_engines_and_the_final_the_full_repeat(
+        tiny_model, recompute_engine_path, tmp_path):
+    """One judge process at --repeat 2: a screen (TIMING) and a contest's timing run one fresh
+    engine a case (screen_repeat 1), the finalist's verdict (FINAL) two, and is a whole verdict."""
+    from agent.judge import FINAL, TIMING
+    from dataclasses import replace
+    run = replace(settings(tiny_model), repeat=2, screen_repeat=1)
+    with Judge(run, tmp_path / "judge") as judge:
+        screen = judge.verdict(recompute_engine_path, tmp_path / "screen", 600, run.for_phase(TIMING))
+        with judge.series([("incumbent-1", recompute_engine_path)], tmp_path / "c") as series:
+            round_ = series.result("incumbent-1", 600)
+        final = judge.verdict(recompute_engine_path, tmp_path / "final", 600, run.for_phase(FINAL))
+    assert screen.passed and round_.passed and final.passed and judge.starts == 1
+    assert [len(r.benchmark[0]["runs_ms"]) for r in (screen, round_, final)] == [1, 1, 2]
+    assert final.stress is not None and screen.stress is None
+
+
 BAD_REQUESTS = ['{"timings": [["a/b", "engine.py"]], "out_dir": "x"}', '{"engine": "e.py"}',
                 '{"engine": "e.py", "out_dir": "x", "stress": "no"}', '{"engine": "e.py", "out_dir": "x", "ticket": 7}',
-                '[1, 2]', '{"timings": [["a", "e.py"], ["a", "e.py"]], "out_dir": "x"}']
+                '[1, 2]', '{"timings": [["a", "e.py"], ["a", "e.py"]], "out_dir": "x"}',
+                '{"engine": "e.py", "out_dir": "x", "repeat": 0}', '{"timings": [["a", "e.py"]], "out_dir": "x", "repeat": "2"}']
 
 
 @pytest.mark.parametrize("request_line", BAD_REQUESTS)
