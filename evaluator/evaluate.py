@@ -38,6 +38,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,7 +120,8 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              log=lambda line: None, memory_bytes: int | None = None, triton_cache: Path | None = None,
              update_cache: bool = False, profile: bool = False, criterion: str = "auto",
              benchmark: bool = True, started: float | None = None, setup: JudgeSetup | None = None,
-             reuse: Worker | None = None, public: bool = True, fresh: Worker | None = None) -> dict:
+             reuse: Worker | None = None, public: bool = True, fresh: Worker | None = None,
+             before_timing: Callable[[], None] = lambda: None) -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
     `triton_cache` the worker starts from a copy of that (judge-owned) cache, and with
@@ -134,7 +136,9 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     run, so for the same model, device and seed); None: measured for this verdict alone. `reuse`:
     a worker that holds `engine` already and stays open (a series' consecutive timings of one
     engine); None: a fresh worker for this evaluation, killed at its end: `fresh` where one was
-    started ahead and has run nothing yet (evaluator/resident.py's spare), else a new one. `public` False: no
+    started ahead and has run nothing yet (evaluator/resident.py's spare), else a new one.
+    `before_timing` is called before the benchmark and the profiled pass (the resident judge waits
+    there for the start of the next verdict's worker, which runs beside the untimed stages). `public` False: no
     public sequence before the benchmark (the bf16 criterion still runs: its tolerance is the one
     the benchmark's outputs are checked at), only for a repeated timing of an
     engine whose screen passed them in this run (evaluator/resident.py series): what it is for is
@@ -202,6 +206,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                     result["error"] = f"stress case {failure.name} (seed {report.seed}): {failure.error}"
                     return result
             if benchmark:
+                before_timing()
                 result["stage"] = "benchmark"
                 # A fresh seed the worker never sees: it gets each trace's tokens when the clock starts.
                 result["benchmark"] = run_benchmark(module, config, weight_dir, device, list(cases), warmup, repeat,
@@ -210,6 +215,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                 clock.lap("benchmark")
             result["stage"], result["status"] = "done", "passed"
             if profile:
+                before_timing()
                 try:
                     result["slot_ms"] = profiled_pass(module, config, weight_dir, list(cases))
                 except EvalFailure as e:

@@ -329,6 +329,13 @@ class Jail:
         if self.triton_cache is not None:
             triton_cache.seed(self.triton_cache, self.compile_cache, uid)
 
+    def refresh_cache(self) -> None:
+        """The shared Triton cache copied in again: a worker started ahead of its verdict
+        (evaluator/resident.py's spare) gets the kernels added since, before any candidate code
+        runs in it."""
+        if self.triton_cache is not None:
+            triton_cache.seed(self.triton_cache, self.compile_cache, self.spec.uid)
+
     @property
     def compile_cache(self) -> Path:
         """The worker's TRITON_CACHE_DIR (in its home: it goes with the jail)."""

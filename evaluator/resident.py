@@ -146,10 +146,11 @@ class Resident:
         self.terminated = False   # SIGTERM came: what the verdict under way became is the stop's
         self.memory_bytes = int(a.memory_gb * 2**30) if a.memory_gb else None
         self.home = (os.dup(1), os.dup(2))     # where the judge's own output goes between verdicts
-        # A fresh worker started as soon as a verdict is written, for the next one: its start (confinement,
-        # torch's import, the device's context: 4-7 s on an H100) then runs while the agent prepares the
-        # next candidate instead of inside its verdict. Only where --spare-worker says so (auto: on a
-        # GPU; on a CPU its start would take cores from the agent's own work).
+        # The next verdict's worker, started when a verdict begins: its start (confinement, torch's import,
+        # the device's context and Triton: 4-7 s on an H100) runs beside this verdict's untimed stages
+        # (its own worker's load, the public sequence, the stress suite) and is waited for before
+        # anything is timed. Only where --spare-worker says so (auto: on a GPU; on a CPU its start
+        # would take cores from the agent's and this verdict's work).
         self.keep_spare = a.spare_worker == "on" or (a.spare_worker == "auto" and self.device == "cuda")
         self.spare: Worker | None = None
 
@@ -183,15 +184,15 @@ class Resident:
                           a.warmup, repeat or a.repeat, a.seed, a.bandwidth_gbs, a.peak_tflops, log=self.log,
                           memory_bytes=self.memory_bytes, triton_cache=a.triton_cache, update_cache=update_cache,
                           profile=profile, criterion=a.criterion, benchmark=benchmark, started=self.started,
-                          setup=self.setup, reuse=reuse, fresh=fresh, public=public)
+                          setup=self.setup, reuse=reuse, fresh=fresh, public=public, before_timing=self.settle_spare)
         self.started = None
         if self.terminated:   # evaluate() turned the unwinding into a verdict: not the engine's
             raise SystemExit(128 + signal.SIGTERM)
         return result
 
     def start_spare(self) -> None:
-        """The next verdict's worker, started now (after the last verdict merged its kernels into
-        the shared Triton cache, so the copy it starts from holds them)."""
+        """The next verdict's worker, started now (`take_spare` gives it the shared Triton cache's
+        entries added meanwhile)."""
         if self.keep_spare and self.spare is None:
             try:
                 self.spare = Worker(self.device, self.memory_bytes or default_memory_cap(), self.log, self.a.triton_cache)
@@ -199,16 +200,19 @@ class Resident:
                 self.log(f"no spare worker: {type(e).__name__}: {e}")
 
     def take_spare(self) -> Worker | None:
-        """The spare worker if it is still running (else it is closed, and the verdict starts one)."""
+        """The spare worker if it is still running, its Triton cache brought up to date (else it is
+        closed, and the verdict starts one)."""
         spare, self.spare = self.spare, None
         if spare is not None and spare.proc.poll() is not None:
             spare.close()
             return None
+        if spare is not None:
+            spare.jail.refresh_cache()
         return spare
 
     def settle_spare(self) -> None:
-        """Wait until the spare has started (its hello): a series' first timing must not share the
-        machine with its start, which would slow whichever engine is timed first."""
+        """Wait until the spare has started (its hello): nothing may be timed while it starts,
+        which would slow whichever engine is timed then."""
         if self.spare is not None:
             try:
                 self.spare.ready()
@@ -223,8 +227,10 @@ class Resident:
 
     def verdict(self, v: Verdict) -> None:
         with self.output_to(v.out_dir):
+            fresh = self.take_spare()
+            self.start_spare()
             result = self.evaluate(v.engine, v.stress, v.cases, v.benchmark, v.profile, v.update_cache,
-                                   repeat=v.repeat, fresh=self.take_spare())
+                                   repeat=v.repeat, fresh=fresh)
             print(summary_line(result), flush=True)
         write_json({**result, "ticket": v.ticket}, v.out_dir / RESULT)
         release_device_memory(self.device)

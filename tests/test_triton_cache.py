@@ -139,3 +139,24 @@ def test_tritons_own_cache_manager_finds_a_kernel_in_a_seeded_copy(tmp_path, mon
     monkeypatch.setenv("TRITON_CACHE_DIR", str(worker))
     found = runtime_cache.FileCacheManager("key1").get_group("k.json")
     assert set(found) == {"k.cubin", "k.json"} and all(Path(p).parent == worker / "key1" for p in found.values())
+
+
+def test_a_worker_started_ahead_gets_the_kernels_added_since(tmp_path):
+    """The resident judge starts the next verdict's worker while this one runs (its spare); the
+    kernels this verdict then adds to the shared cache are copied into the spare's jail when it is
+    taken (Jail.refresh_cache), group files pointing into its copy."""
+    from evaluator import isolation
+    shared = tmp_path / "shared"
+    entry(shared, "early", {"kernel.cubin": os.urandom(16)})
+    jail = isolation.Jail("cpu", triton_cache=shared)
+    try:
+        assert sorted(p.name for p in jail.compile_cache.iterdir()) == ["early"]
+        late = entry(shared, "late", {"kernel.cubin": os.urandom(16)})
+        (late / f"{triton_cache.GROUP_PREFIX}kernel.json").write_text(
+            json.dumps({"child_paths": {"kernel.cubin": str(late / "kernel.cubin")}}))
+        jail.refresh_cache()
+        assert sorted(p.name for p in jail.compile_cache.iterdir()) == ["early", "late"]
+        group = json.loads((jail.compile_cache / "late" / f"{triton_cache.GROUP_PREFIX}kernel.json").read_text())
+        assert group["child_paths"]["kernel.cubin"] == str(jail.compile_cache / "late" / "kernel.cubin")
+    finally:
+        jail.close()
