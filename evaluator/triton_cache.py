@@ -37,20 +37,25 @@ GROUP_PREFIX = "__grp__"         # Triton's group files: a kernel's artefacts by
 
 
 def seed(shared: Path, target: Path, uid: int | None) -> None:
-    """`target` (a worker's TRITON_CACHE_DIR) as a copy of `shared`, owned by the worker's uid, its
-    group files pointing into the copy."""
+    """`target` (a worker's TRITON_CACHE_DIR) holding a copy of every entry of `shared` it lacks,
+    owned by the worker's uid, its group files pointing into the copy. An entry's name is the hash
+    of what it holds, so one already there is not copied again (a worker started ahead of its
+    verdict is seeded at its start and again when taken: `Jail.refresh_cache`)."""
+    target.mkdir(parents=True, exist_ok=True)
+    added = []
     if shared.is_dir():
-        shutil.copytree(shared, target, symlinks=True, dirs_exist_ok=True)
-        for entry in target.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                for group in entry.glob(f"{GROUP_PREFIX}*"):
-                    relocated = _relocate_group(_read_regular(group, MAX_ENTRY_BYTES), entry)
-                    if relocated is not None:
-                        group.write_bytes(relocated)
-    else:
-        target.mkdir(parents=True, exist_ok=True)
+        for source in shared.iterdir():
+            entry = target / source.name
+            if not source.is_dir() or source.is_symlink() or entry.exists():
+                continue
+            shutil.copytree(source, entry, symlinks=True)
+            for group in entry.glob(f"{GROUP_PREFIX}*"):
+                relocated = _relocate_group(_read_regular(group, MAX_ENTRY_BYTES), entry)
+                if relocated is not None:
+                    group.write_bytes(relocated)
+            added.append(entry)
     if uid is not None:
-        for path in [target, *target.rglob("*")]:
+        for path in [target, *added, *(p for entry in added for p in entry.rglob("*"))]:
             os.chown(path, uid, uid, follow_symlinks=False)
 
 
