@@ -174,3 +174,17 @@ def test_toy_weights_only_for_the_repository_target(tmp_path, monkeypatch):
     other = cli.RunConfig(config.resolve(), (tmp_path / "elsewhere").resolve(), "cpu", 60.0, "builtin", None, 0, tmp_path)
     cli.ensure_toy_weights(other)
     assert not (tmp_path / "elsewhere").exists()  # not the repository's target: never written
+
+
+def test_a_bf16_course_target_on_a_gpu_says_why_the_recompute_engine_is_likely_to_stay():
+    """results.log's header explains the measured reason (the bf16 reference misses its own
+    allclose when only GEMM sizes change) for bf16 course-format targets on a GPU only."""
+    from dataclasses import replace
+    from agent.cli import bf16_lines
+    from agent.spec import read_config, spec_from_config
+    from evaluator.checkpoint import Conventions
+    spec = spec_from_config(read_config(REPO / "target" / "model_config.json"), Path("x"), Path("y"))
+    bf16 = replace(spec, dtype="bfloat16")
+    assert "recompute engine" in " ".join(bf16_lines(bf16, "cuda"))
+    assert bf16_lines(spec, "cuda") == bf16_lines(bf16, "cpu") == []
+    assert bf16_lines(replace(bf16, conventions=Conventions(hf=True)), "cuda") == []
