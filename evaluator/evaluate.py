@@ -160,7 +160,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             worker = reuse if reuse is not None else owned.enter_context(closing(
                 fresh or Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)))
             if fresh is not None:
-                log("the worker: the judge's spare, started when the previous verdict was written")
+                log("the worker: the judge's spare, started while the previous verdict ran")
             if setup.hardware is None:
                 setup.hardware = detect_hardware(device, compute_dtype(config, device), bandwidth_gbs, peak_tflops)
             hardware = setup.hardware

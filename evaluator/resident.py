@@ -200,14 +200,19 @@ class Resident:
                 self.log(f"no spare worker: {type(e).__name__}: {e}")
 
     def take_spare(self) -> Worker | None:
-        """The spare worker if it is still running, its Triton cache brought up to date (else it is
-        closed, and the verdict starts one)."""
+        """The spare worker once it has said hello, its Triton cache brought up to date; None where
+        there is none or it failed to start (it is closed, and the verdict starts its own: the
+        judge's failure is never the engine's)."""
         spare, self.spare = self.spare, None
-        if spare is not None and spare.proc.poll() is not None:
+        if spare is None:
+            return None
+        try:
+            spare.ready()
+        except Exception as e:  # noqa: BLE001 - WorkerDied, a broken channel: not the candidate's doing
+            self.log(f"the spare worker did not start: {type(e).__name__}: {e}")
             spare.close()
             return None
-        if spare is not None:
-            spare.jail.refresh_cache()
+        spare.jail.refresh_cache()
         return spare
 
     def settle_spare(self) -> None:
@@ -221,7 +226,7 @@ class Resident:
                 self.close_spare()
 
     def close_spare(self) -> None:
-        spare = self.take_spare()
+        spare, self.spare = self.spare, None
         if spare is not None:
             spare.close()
 

@@ -252,3 +252,24 @@ def test_a_spare_worker_started_after_each_verdict_runs_the_next(tiny_model, rec
     assert spare_used == [False, True, True]
     assert len({r.isolation for r in results}) == 3
     assert children() <= before
+
+
+def test_a_spare_that_did_not_start_is_closed_and_the_verdict_starts_its_own():
+    """A spare worker that died before its verdict (killed, out of memory) must not become that
+    verdict's failure: `take_spare` hands out only a worker that said hello."""
+    import argparse
+    from evaluator import resident
+    from evaluator.remote import WorkerDied
+
+    class Dead:
+        closed = False
+
+        def ready(self):
+            raise WorkerDied("the worker exited with code -9")
+
+        def close(self):
+            self.closed = True
+    judge = resident.Resident(argparse.Namespace(device="cpu", memory_gb=None, triton_cache=None,
+                                                 spare_worker="on"), {})
+    judge.spare = dead = Dead()
+    assert judge.take_spare() is None and dead.closed and judge.spare is None
