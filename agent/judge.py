@@ -48,7 +48,7 @@ KEPT_OUTPUT_BYTES = 2**20       # the tail of each output file kept on disk afte
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
 # Phases (agent/loop.py): VERIFY the conservative engine's one verdict before its stress: the
 # public sequence and the benchmark on one case only (`JudgeSettings.conservative_case`), at the
-# screens' warm-up and repeats, so that its score compares case for case with every other engine's
+# run's full repeats (it is installed on this timing), so that its score compares case for case with every other engine's
 # (agent/acceptance.py pairs the cases both timed); TIMING the public sequence and the benchmark at
 # `screen_repeat` fresh engines a case, no stress (a challenger's screen and the back-to-back
 # rounds); FINAL a finalist's stress suite (its long cases) with the public sequence and the
@@ -106,8 +106,7 @@ class JudgeSettings:
         if phase == TIMING:
             return replace(self, stress="off", profile=False, phase_repeat=self.screen_repeat)
         if phase == VERIFY:
-            return replace(self, stress="off", cases=self.conservative_case(), profile=False,
-                           phase_repeat=self.screen_repeat)
+            return replace(self, stress="off", cases=self.conservative_case(), profile=False)
         raise ValueError(f"unknown judge phase {phase!r}")
 
     def screens_time_less(self) -> bool:

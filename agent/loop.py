@@ -184,15 +184,36 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
                f"budget left (a final takes ~{expected_final_seconds(state):.0f}s): the best so far stays")
         report.line(f"     NOT INSTALLED: {why}")
         return decided(screen, why)
+    incumbent_result = state.best_result
     final = decided(joined(spent("final", judge(engine, folder, timeout_for(state, left()), FINAL)), screen),
                     decision.reason)
     report.verdict(entry, final, label="final")
+    below = unconfirmed_win(final, screen, decision, incumbent_result)
+    if below is not None:
+        report.line(f"     NOT INSTALLED: {below}")
+        return decided(final, below)
     if final.passed and final.safe():
         install(entry, final, source, ws, report)
     elif final.passed:
         report.warn(f"#{entry.index:03d} passed with margin {final.margin():.2f} < "
                     f"{final.required_margin():.2f}: too close to the tolerance to keep")
     return final
+
+
+def unconfirmed_win(final: EvalResult, screen: EvalResult, decision: acceptance.Decision,
+                    incumbent: EvalResult | None) -> str | None:
+    """Why a finalist accepted on its screen alone (a clear win: no paired timings) is not
+    installed, or None. Where the final timed the engine itself in full (the screens time one fresh
+    engine a case), that timing must still beat the best's recorded one: a single screen run is
+    noisier than the median it was compared with."""
+    if not final.passed or final.benchmark is screen.benchmark or decision.p is not None \
+            or incumbent is None or not incumbent.passed or incumbent.rank() <= 0:
+        return None
+    ratio = acceptance.speedup(final, incumbent)
+    if ratio is None or ratio > 1:
+        return None
+    return (f"its screen was a clear win, but its full timing is {acceptance.percent(ratio)} "
+            f"over the cases both timed: the best so far stays")
 
 
 def joined(stressed: EvalResult, timed: EvalResult) -> EvalResult:

@@ -121,6 +121,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              update_cache: bool = False, profile: bool = False, criterion: str = "auto",
              benchmark: bool = True, started: float | None = None, setup: JudgeSetup | None = None,
              reuse: Worker | None = None, public: bool = True, fresh: Worker | None = None,
+             worker_ready: Callable[[], None] = lambda: None,
              before_timing: Callable[[], None] = lambda: None) -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
@@ -137,8 +138,9 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     a worker that holds `engine` already and stays open (a series' consecutive timings of one
     engine); None: a fresh worker for this evaluation, killed at its end: `fresh` where one was
     started ahead and has run nothing yet (evaluator/resident.py's spare), else a new one.
-    `before_timing` is called before the benchmark and the profiled pass (the resident judge waits
-    there for the start of the next verdict's worker, which runs beside the untimed stages). `public` False: no
+    `worker_ready` is called once the worker has measured its channel's round trip (the resident
+    judge starts the next verdict's worker then, beside the untimed stages), `before_timing`
+    before the benchmark and the profiled pass (it waits there for that start). `public` False: no
     public sequence before the benchmark (the bf16 criterion still runs: its tolerance is the one
     the benchmark's outputs are checked at), only for a repeated timing of an
     engine whose screen passed them in this run (evaluator/resident.py series): what it is for is
@@ -172,6 +174,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             clock.lap("setup")
             target_tol = tol
             worker.ready()
+            worker_ready()
             result["isolation"] = worker.layers
             if reuse is None:
                 worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")

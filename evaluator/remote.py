@@ -85,6 +85,7 @@ class Worker:
         self.buffer: channel.OutputBuffer | None = None
         self.layers: str | None = None    # set by `ready`: the layers its hello named
         self.round_trip = 0.0
+        self.measured = False             # set by `ready`: round_trip holds the measurement
         ours, theirs = socket.socketpair()
         self.sock = ours
         try:
@@ -96,16 +97,25 @@ class Worker:
         finally:
             theirs.close()
 
+    def started(self) -> "Worker":
+        """Wait for the worker's hello (once). A worker started ahead of its verdict (the resident
+        judge's spare) is waited for this way while another candidate's worker may still be alive:
+        its round trip is measured only in `ready`, when it is taken."""
+        if self.layers is None:
+            # From now, not from its start: the judge's own setup (a margin on large weights) may have
+            # taken longer than the worker's start, whose hello is then waiting already.
+            hello, _ = self._answer(time.monotonic() + HELLO_SECONDS, "starting the worker")
+            self.layers = self.jail.layers(list(hello.get("layers", [])))
+            self.log(self.layers)
+        return self
+
     def ready(self) -> "Worker":
-        """Wait for the worker's hello (once), then measure the channel's round trip."""
-        if self.layers is not None:
+        """Wait for the worker's hello (once), then measure the channel's round trip (once)."""
+        self.started()
+        if self.measured:
             return self
-        # From now, not from its start: the judge's own setup (a margin on large weights) may have
-        # taken longer than the worker's start, whose hello is then waiting already.
-        hello, _ = self._answer(time.monotonic() + HELLO_SECONDS, "starting the worker")
-        self.layers = self.jail.layers(list(hello.get("layers", [])))
-        self.log(self.layers)
         measured = self._measure_round_trip()
+        self.measured = True
         self.round_trip = min(measured, ROUND_TRIP_CAP_SECONDS)
         if measured > ROUND_TRIP_CAP_SECONDS:
             self.log(f"the channel's round trip measured {measured * 1e6:.0f} us (a loaded machine?): at most "

@@ -184,20 +184,31 @@ class Resident:
                           a.warmup, repeat or a.repeat, a.seed, a.bandwidth_gbs, a.peak_tflops, log=self.log,
                           memory_bytes=self.memory_bytes, triton_cache=a.triton_cache, update_cache=update_cache,
                           profile=profile, criterion=a.criterion, benchmark=benchmark, started=self.started,
-                          setup=self.setup, reuse=reuse, fresh=fresh, public=public, before_timing=self.settle_spare)
+                          setup=self.setup, reuse=reuse, fresh=fresh, public=public, worker_ready=self.start_spare,
+                          before_timing=self.settle_spare)
         self.started = None
         if self.terminated:   # evaluate() turned the unwinding into a verdict: not the engine's
             raise SystemExit(128 + signal.SIGTERM)
         return result
 
     def start_spare(self) -> None:
-        """The next verdict's worker, started now (`take_spare` gives it the shared Triton cache's
-        entries added meanwhile)."""
+        """The next verdict's worker, started now: after this verdict's own worker measured its
+        round trip (evaluate's `worker_ready`), so that the spare's start does not inflate it;
+        `take_spare` gives it the shared Triton cache's entries added meanwhile. Only a spare with
+        a uid of its own is kept: one under the candidate's uid (no root) could be stopped or
+        written to by the candidate running beside it."""
         if self.keep_spare and self.spare is None:
             try:
-                self.spare = Worker(self.device, self.memory_bytes or default_memory_cap(), self.log, self.a.triton_cache)
+                spare = Worker(self.device, self.memory_bytes or default_memory_cap(), self.log, self.a.triton_cache)
             except Exception as e:  # noqa: BLE001 - no spare: the next verdict starts its own, as before
                 self.log(f"no spare worker: {type(e).__name__}: {e}")
+                return
+            if spare.jail.spec.uid is None:
+                self.log("no spare worker: workers have no uid of their own here (not root)")
+                spare.close()
+                self.keep_spare = False
+                return
+            self.spare = spare
 
     def take_spare(self) -> Worker | None:
         """The spare worker once it has said hello, its Triton cache brought up to date; None where
@@ -207,12 +218,12 @@ class Resident:
         if spare is None:
             return None
         try:
-            spare.ready()
-        except Exception as e:  # noqa: BLE001 - WorkerDied, a broken channel: not the candidate's doing
-            self.log(f"the spare worker did not start: {type(e).__name__}: {e}")
+            spare.ready()   # its round trip measured now: the last verdict's worker is gone, no spare starts
+            spare.jail.refresh_cache()
+        except Exception as e:  # noqa: BLE001 - WorkerDied, a broken channel, a failed copy: not the candidate's
+            self.log(f"the spare worker is not used: {type(e).__name__}: {e}")
             spare.close()
             return None
-        spare.jail.refresh_cache()
         return spare
 
     def settle_spare(self) -> None:
@@ -220,7 +231,7 @@ class Resident:
         which would slow whichever engine is timed then."""
         if self.spare is not None:
             try:
-                self.spare.ready()
+                self.spare.started()
             except Exception as e:  # noqa: BLE001 - it failed to start: the next verdict starts its own
                 self.log(f"the spare worker did not start: {type(e).__name__}: {e}")
                 self.close_spare()
@@ -233,7 +244,6 @@ class Resident:
     def verdict(self, v: Verdict) -> None:
         with self.output_to(v.out_dir):
             fresh = self.take_spare()
-            self.start_spare()
             result = self.evaluate(v.engine, v.stress, v.cases, v.benchmark, v.profile, v.update_cache,
                                    repeat=v.repeat, fresh=fresh)
             print(summary_line(result), flush=True)

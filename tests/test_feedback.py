@@ -188,15 +188,16 @@ def test_only_timing_phases_run_the_benchmark(tmp_path):
 
 
 def test_where_screens_time_fewer_engines_the_final_times_its_own_in_full(tmp_path):
-    """With screen_repeat under repeat (a GPU run: agent/cli.py BENCH) the screens, the contest's
-    rounds and the conservative engine's one case ask for screen_repeat fresh engines a case, and a
-    finalist's verdict runs the benchmark itself at the judge's full --repeat; STRESS still none."""
+    """With screen_repeat under repeat (a GPU run: agent/cli.py BENCH) the screens and the contest's
+    rounds ask for screen_repeat fresh engines a case; a finalist's verdict runs the benchmark itself,
+    and the conservative engine its one case, at the judge's full --repeat (each is installed on
+    that timing); STRESS still none."""
     from agent.judge import FINAL, STRESS, TIMING, VERIFY, JudgeSettings
     settings = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cuda", 0, repeat=3, screen_repeat=1)
     asked = {phase: settings.for_phase(phase).request(tmp_path / "engine.py", tmp_path / "out")
              for phase in (VERIFY, STRESS, TIMING, FINAL)}
     assert {phase: (r["benchmark"], r["repeat"]) for phase, r in asked.items()} == \
-        {VERIFY: (True, 1), STRESS: (False, None), TIMING: (True, 1), FINAL: (True, None)}
+        {VERIFY: (True, None), STRESS: (False, None), TIMING: (True, 1), FINAL: (True, None)}
     cmd = settings.for_phase(TIMING).command()
     assert cmd[cmd.index("--repeat") + 1] == "3"   # one judge process for every phase
 

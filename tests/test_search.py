@@ -277,3 +277,21 @@ def test_a_final_keeps_its_own_full_timing_and_a_stress_only_one_takes_the_scree
     assert joined(full, screen) is full and joined(full, screen).score == 1.2
     failed = EvalResult.failure("stress", "wrong_result", "", "cpu")
     assert joined(failed, screen) is failed
+
+
+def test_a_clear_win_on_one_screen_run_is_installed_only_if_its_full_timing_still_wins():
+    """loop.unconfirmed_win: a challenger accepted on its screen alone (no paired timings) whose
+    final timed it in full below the best's recorded timing is not installed; one that timed
+    above is, and a contest's win (a sign test was run) or a final joined to its screen's timing
+    is not second-guessed."""
+    from dataclasses import replace
+    from agent.loop import unconfirmed_win
+    incumbent, screen = timed(1.0, [1, 1, 1]), timed(1.2, [1, 1, 1])
+    clear = acceptance.Decision(True, "faster", 1.2)
+    slower_in_full = replace(timed(0.97, [1, 1, 1]), stress={"cases": 3})
+    faster_in_full = replace(timed(1.15, [1, 1, 1]), stress={"cases": 3})
+    assert "stays" in unconfirmed_win(slower_in_full, screen, clear, incumbent)
+    assert unconfirmed_win(faster_in_full, screen, clear, incumbent) is None
+    assert unconfirmed_win(slower_in_full, screen, replace(clear, p=0.01), incumbent) is None
+    assert unconfirmed_win(replace(slower_in_full, benchmark=screen.benchmark), screen, clear, incumbent) is None
+    assert unconfirmed_win(slower_in_full, screen, clear, None) is None

@@ -72,7 +72,7 @@ def library_score(plan_name: str, config: str, weights: str, device: str, seed: 
     bench, facts = BENCH[device], hardware(device, Path(config))
     settings = JudgeSettings(sys.executable, Path(config).resolve(), Path(weights).resolve(), device, seed,
                              stress="quick", cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"],
-                             bandwidth_gbs=facts[BANDWIDTH], peak_tflops=facts[PEAK])
+                             screen_repeat=bench["screen_repeat"], bandwidth_gbs=facts[BANDWIDTH], peak_tflops=facts[PEAK])
     engine = render_to_file(library_plans()[plan_name], plan_name)
     result = judge(engine, out / "library", JUDGE_TIMEOUT_S, settings.for_phase(FINAL))
     shutil.copy(engine, out / "library" / "engine.py")
