@@ -131,7 +131,7 @@ def test_a_round_trip_measured_on_a_loaded_machine_cannot_zero_or_shorten_a_timi
 
     worker = object.__new__(remote.Worker)
     said: list[str] = []
-    worker.layers, worker.log = None, said.append
+    worker.layers, worker.measured, worker.log = None, False, said.append
     worker.jail = type("Jail", (), {"layers": lambda self, names: "layers: " + ", ".join(names)})()
     worker._answer = lambda deadline, what: ({"layers": ["uid"]}, b"")
     worker._measure_round_trip = lambda: 4.3e-3
