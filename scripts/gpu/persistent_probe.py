@@ -20,7 +20,7 @@ norms: the cost of one grid barrier, and the time of a step's four projections a
 Each projection reads the previous one's output as its input (o_proj takes QKV's first 768
 columns, down gate/up's first 3072), so the barriers are needed for the numbers to be right; the
 persistent result is checked against the separate one. The floor line is the weights' bytes at
-the measured copy bandwidth. Writes persistent_probe.json.
+the copy bandwidth the judge's floor measures (evaluator/floor.py). Writes persistent_probe.json.
 """
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
+from evaluator.floor import measure_hardware
 from scripts.gpu.common import out_dir
+from scripts.gpu.linear_sweep import graph_replay_us
 
 HIDDEN, INTER = 768, 3072
 # (in, out) of a layer's projections, in order; each reads the previous one's output (see above)
@@ -77,7 +79,7 @@ class Step:
 
 
 def graph_us(fn, iters: int) -> float:
-    """Microseconds a replay of `fn` captured as a CUDA graph takes (median of `iters` event pairs)."""
+    """Microseconds a replay of `fn` captured as a CUDA graph takes (median of `iters` timed replays)."""
     fn()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -85,30 +87,7 @@ def graph_us(fn, iters: int) -> float:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    """Bytes a second of a device-to-device copy of 1 GiB (reads and writes counted)."""
-    a = torch.empty(2**29, dtype=torch.float16, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 2 * a.numel() * a.element_size() * 10 / (start.elapsed_time(end) / 1e3)
+    return graph_replay_us(graph, 1, iters)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     got = step.x[:a.batch, :HIDDEN].float()
     err = (got - expected).abs().max().item() / max(expected.abs().max().item(), 1e-6)
 
-    bandwidth = copy_bandwidth()
+    bandwidth = measure_hardware("cuda", torch.float16)[0] * 1e9   # bytes a second, the judge's own copy
     floor_us = step.bytes() / bandwidth * 1e6
     rows = {"separate": graph_us(step.separate, a.iters),
             "persistent": graph_us(step.persistent, a.iters),
