@@ -168,18 +168,6 @@ def test_fused_reduce_reaches_the_kernels_and_the_cpu_engine_runs(tmp_path):
     public_sequence(Checked(plan, config(), tmp_path))
 
 
-def test_l2_prefetch_is_off_on_a_cpu_and_the_engine_still_matches(tmp_path):
-    """l2_prefetch (off by default) is the engine's own: on a CPU nothing is prefetched
-    (make_weight_prefetch gives None) and the engine matches the reference as without it."""
-    assert engine_params("paged")["l2_prefetch"].default is False
-    assert load_engine(Plan("paged", FUSED_REDUCE_SLOTS)).L2_PREFETCH is False
-    plan = Plan("paged", FUSED_REDUCE_SLOTS, {"l2_prefetch": True})
-    assert load_engine(plan).L2_PREFETCH is True
-    c = Checked(plan, config(), tmp_path)
-    assert c.engine.model.prefetch is None
-    public_sequence(c)
-
-
 def test_device_resolution_without_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("resolution to cpu is only observable without a GPU")
@@ -670,26 +658,6 @@ def test_cuda_fused_reduce(tmp_path, graphs, cfg):
     # The fused kernels themselves, not the torch variants a failed compile falls back to (probe_kernels).
     assert {s: c.engine.kernels.variants[s] for s in ("linear", "decode_attention")} == \
         {"linear": "triton", "decode_attention": "triton_split"}
-    public_sequence(c)
-    ragged_trace(c)
-    c.prefill([9, 10, 11, 12, 13, 14], [1100, 3, 64, 65, 2, 16])
-    for _ in range(3):
-        c.decode([14, 13, 12, 11, 10, 9])
-        c.decode([9, 11])
-
-
-@cuda_only
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-@pytest.mark.parametrize("cfg", [config(), config(torch_dtype="bfloat16", num_key_value_heads=2, head_dim=24,
-                                                  num_attention_heads=8)], ids=["fp16", "bf16-gqa"])
-def test_cuda_l2_prefetch(tmp_path, graphs, cfg):
-    """The engine with l2_prefetch through its traces, captured graphs and eager passes both: on
-    sm_90+ the prefetch runs (its probe launch passed), and the outputs match the reference."""
-    slots = CUDA_PLANS.get("all-cuda", FUSED_REDUCE_SLOTS)
-    plan = Plan("paged", slots=slots, params={**SMALL_CACHE, "decode_graphs": graphs, "max_graph_batch": 4,
-                                              "prefill_graphs": graphs, "max_graph_tokens": 64, "l2_prefetch": True})
-    c = Checked(plan, cfg, tmp_path, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL, scale=GPU_SCALE[cfg["torch_dtype"]])
-    assert (c.engine.model.prefetch is not None) == (torch.cuda.get_device_capability()[0] >= 9)
     public_sequence(c)
     ragged_trace(c)
     c.prefill([9, 10, 11, 12, 13, 14], [1100, 3, 64, 65, 2, 16])
