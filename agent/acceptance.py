@@ -9,7 +9,13 @@ run both accepts noise and rejects real small gains. Instead:
      SCREEN_KEEP of it (the geometric mean of the paired ratios) it is "screened out"; at
      CLEAR_WIN or more in every common case it is accepted as it stands
      (repeated timings of one engine on an H100 spread by a few percent a case, the short
-     prefill case by up to ~7%: docs/benchmarks.md, eighth session);
+     prefill case by up to ~7%: docs/benchmarks.md, eighth session). A screen of one run a case
+     can also be hit by a stall of the machine (an H200 host, twenty-third session: a case 2-3x
+     slow, the judge's request reaching the worker 2-4 ms late), and such noise only ever slows
+     a run. So a screen below SCREEN_KEEP that is at least as fast as the incumbent in some case
+     (mixed evidence, not an engine slower across the board) is timed once more
+     (`worth_timing_again`), and the screen is decided on each case's faster run (`fastest`);
+     the rounds then pair single runs only;
   2. rounds: the incumbent is timed again right after (and from the second round on, the two
      alternate order, ABBA, so a drift of the machine falls on both); every benchmark case of a
      round gives one paired ratio challenger / incumbent;
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agent.records import ACCEPTED, EvalResult
 
@@ -37,6 +43,7 @@ MAX_ROUNDS = 3        # back-to-back pairs at most per challenger (each costs on
 CLEAR_WIN = 1.10      # a screen this much faster in every case is accepted without rounds
 
 Timing = Callable[[str], EvalResult | None]   # (label) -> a timing run; None: no time left for one
+SCREEN_AGAIN = "screen-again"                  # the folder of a screen's second run (worth_timing_again)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,27 @@ def speedup(challenger: EvalResult, incumbent: EvalResult) -> float | None:
     return math.exp(sum(ratios) / len(ratios)) if ratios else None
 
 
+def worth_timing_again(screen: EvalResult, incumbent: EvalResult | None) -> bool:
+    """Whether a passing screen is below SCREEN_KEEP of the incumbent yet at least as fast in
+    some case both timed: what a stall in one or two of its single runs looks like."""
+    if incumbent is None or not incumbent.passed or not screen.passed:
+        return False
+    ratios = paired_log_ratios(screen, incumbent)
+    return bool(ratios) and math.exp(sum(ratios) / len(ratios)) < SCREEN_KEEP and max(ratios) >= 0
+
+
+def fastest(first: EvalResult, again: EvalResult) -> EvalResult:
+    """`again` with each benchmark case the faster of its two runs (rows of `first` where `again`
+    did not time the case): the screen's decision, and the timing a final without a benchmark of
+    its own takes (agent/loop.py joined). Timing noise only slows a run."""
+    rows = {c.get("case_name"): c for c in first.benchmark}
+    for c in again.benchmark:
+        old = rows.get(c.get("case_name"))
+        if old is None or float(c.get("tokens_per_second") or 0) >= float(old.get("tokens_per_second") or 0):
+            rows[c.get("case_name")] = c
+    return replace(again, benchmark=list(rows.values()))
+
+
 def percent(ratio: float) -> str:
     return f"{100 * ratio:.0f}% of best"
 
@@ -85,17 +113,21 @@ def order() -> list[tuple[str, bool]]:
 
 
 def contest(screen: EvalResult, incumbent: EvalResult | None, time_challenger: Timing,
-            time_incumbent: Timing) -> Decision:
+            time_incumbent: Timing, again: EvalResult | None = None) -> Decision:
     """Decide on a challenger whose screen passed (and kept a safe margin). `time_*` run one more
-    timing of each engine (stress off) and may return None when the budget has no room for it."""
+    timing of each engine (stress off) and may return None when the budget has no room for it.
+    `again`: the screen's second run (worth_timing_again); the screen is then decided on each
+    case's faster run, and the second run alone is the challenger's half of the first round."""
     if incumbent is None or not incumbent.passed or incumbent.rank() <= 0:
         return Decision(True, f"{ACCEPTED}: the incumbent has no timed score")
-    first = speedup(screen, incumbent)   # None: no case in common; the rounds time both alike
+    decided_on, twice = (screen, "") if again is None else (fastest(screen, again), ", the faster of two runs a case")
+    first = speedup(decided_on, incumbent)   # None: no case in common; the rounds time both alike
     if first is not None and first < SCREEN_KEEP:
-        return Decision(False, f"screened out: {percent(first)}{_over(screen, incumbent)}", first)
-    if first is not None and min(paired_log_ratios(screen, incumbent)) >= math.log(CLEAR_WIN):
-        return Decision(True, f"{ACCEPTED}: {percent(first)} on the screen, every case at least {CLEAR_WIN:g}x "
+        return Decision(False, f"screened out: {percent(first)}{twice}{_over(screen, incumbent)}", first)
+    if first is not None and min(paired_log_ratios(decided_on, incumbent)) >= math.log(CLEAR_WIN):
+        return Decision(True, f"{ACCEPTED}: {percent(first)} on the screen{twice}, every case at least {CLEAR_WIN:g}x "
                         f"the best's recorded timing (past any timing noise){_over(screen, incumbent)}", first)
+    screen = screen if again is None else again
     samples: list[float] = []
     stale = ""
     for round_ in range(1, MAX_ROUNDS + 1):

@@ -156,6 +156,12 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
                     f"{screen.required_margin():.2f}: too close to the tolerance to keep")
         return decided(screen, "too close to the tolerance")
     on_screen(screen)
+    again = None   # a second screen run where the first looks stalled (acceptance.worth_timing_again)
+    if acceptance.worth_timing_again(screen, state.best_result) and left() >= expected_seconds(state):
+        again = spent("screen", judge(engine, folder / acceptance.SCREEN_AGAIN, timeout_for(state, left()), TIMING))
+        report.verdict(entry, again, label="screen again")
+        if not again.passed:
+            return again
     incumbent = next((e for e in reversed(report.entries) if e.accepted), None)
 
     timings: Timings | None = None   # started at the first timing the contest asks for
@@ -169,7 +175,7 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
             timings = (series or (lambda t, f: OneByOne(judge, t, f)))(engines, folder)
         return spent("repeated timing", timings.result(label, timeout_for(state, left())))
     try:
-        decision = acceptance.contest(screen, state.best_result, timing, timing)
+        decision = acceptance.contest(screen, state.best_result, timing, timing, again)
     finally:
         if timings is not None:
             timings.close()   # the timings the decision did not need are not run
@@ -185,10 +191,11 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         report.line(f"     NOT INSTALLED: {why}")
         return decided(screen, why)
     incumbent_result = state.best_result
-    final = decided(joined(spent("final", judge(engine, folder, timeout_for(state, left()), FINAL)), screen),
+    timed = screen if again is None else acceptance.fastest(screen, again)
+    final = decided(joined(spent("final", judge(engine, folder, timeout_for(state, left()), FINAL)), timed),
                     decision.reason)
     report.verdict(entry, final, label="final")
-    below = unconfirmed_win(final, screen, decision, incumbent_result)
+    below = unconfirmed_win(final, timed, decision, incumbent_result)
     if below is not None:
         report.line(f"     NOT INSTALLED: {below}")
         return decided(final, below)

@@ -53,11 +53,11 @@ def fake_render(plan, extra_variants=None):
 
 def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: str = "cpu", monkeypatch=None,
              verify=None, calls: list | None = None, stress=None, max_candidates: int | None = None, series=None,
-             finals: dict | None = None):
+             finals: dict | None = None, agains: dict | None = None):
     """Run the real loop with a judge that looks full verdicts up by plan key (default: fail);
     the conservative engine's VERIFY phase gives its full verdict's CONSERVATIVE_CASE alone (or `verify`).
     Like the evaluator, FINAL and STRESS carry no benchmark, STRESS gives `stress` if set, and FINAL
-    `finals[key]` where given.
+    `finals[key]` where given, and a screen's second run (acceptance.SCREEN_AGAIN) `agains[key]`.
     `calls` gets every (plan key, phase, out dir name) the judge was asked."""
     monkeypatch.setattr(loop, "render_engine", fake_render)
     judged = []
@@ -77,6 +77,8 @@ def run_loop(tmp_path: Path, proposer, verdicts, budget: float = 600.0, device: 
             return stress
         if phase == loop.FINAL and finals and key in finals:
             return finals[key]
+        if out_dir.name == acceptance.SCREEN_AGAIN and agains and key in agains:
+            return agains[key]
         if phase in (loop.FINAL, loop.STRESS) and full.passed:
             return replace(full, benchmark=[], score=None)
         return full
@@ -358,6 +360,47 @@ def test_the_final_adds_the_stress_to_the_screens_timing_and_times_nothing_twice
     assert [c["case_name"] for c in installed["benchmark"]] == list(CASES)
     log = (ws.root / "results.log").read_text()
     assert "judge time: screen 1s, final 1s" in log and "candidates judged per minute" in log
+
+
+def stalled(score: float, slow: dict[str, float]) -> EvalResult:
+    """passed(score) with the named cases `slow` times slower, as a stall of the machine leaves a run."""
+    result = passed(score)
+    result.benchmark = [{**c, "tokens_per_second": c["tokens_per_second"] / slow.get(c["case_name"], 1.0)}
+                        for c in result.benchmark]
+    return result
+
+
+@pytest.mark.parametrize("again, installed", [(1.2, True), (0.6, False)])
+def test_a_screen_stalled_in_some_cases_is_timed_again_and_decided_on_each_cases_faster_run(tmp_path, monkeypatch,
+                                                                                             again, installed):
+    """A challenger 1.2x the best whose screen ran two cases 3x slow (below SCREEN_KEEP, but faster
+    in one case) is timed once more; on each case's faster run it is a clear win and installed.
+    One whose second run is slow across the board stays screened out, and says it was timed twice."""
+    a, b = Plan("paged"), Plan("paged", {"norm": "triton"})
+    calls = []
+    screen = stalled(6.0, {"prefill": 3.0, "mixed": 3.0})
+    ws, state, _ = run_loop(tmp_path, ListProposer([a, b]), {CONSERVATIVE: passed(1.0), a.key(): passed(5.0),
+                                                             b.key(): screen},
+                            monkeypatch=monkeypatch, calls=calls, agains={b.key(): passed(again * 5.0)})
+    assert [(phase, out) for key, phase, out in calls if key == b.key()][:2] == \
+        [(loop.TIMING, "timing"), (loop.TIMING, acceptance.SCREEN_AGAIN)]
+    log = (ws.root / "results.log").read_text()
+    assert "screen again: PASSED" in log
+    if installed:
+        assert installed_key(ws) == b.key() and "on the screen, the faster of two runs a case" in log
+        assert ws.installed_verdict()["result"]["benchmark"][1]["tokens_per_second"] == 6000.0   # each case's faster run
+    else:
+        assert installed_key(ws) == a.key() and "screened out: " in log and "the faster of two runs a case" in log
+
+
+def test_a_screen_slower_in_every_case_is_not_timed_again(tmp_path, monkeypatch):
+    a, b = Plan("paged"), Plan("paged", {"norm": "triton"})
+    calls = []
+    ws, _, _ = run_loop(tmp_path, ListProposer([a, b]), {CONSERVATIVE: passed(1.0), a.key(): passed(5.0),
+                                                          b.key(): passed(3.0)},
+                        monkeypatch=monkeypatch, calls=calls, agains={b.key(): passed(50.0)})
+    assert [out for key, _, out in calls if key == b.key()] == ["timing"]
+    assert "screened out: 60% of best" in (ws.root / "results.log").read_text()
 
 
 def test_the_conservative_stress_is_skipped_when_a_challenger_replaces_it(tmp_path, monkeypatch):

@@ -228,6 +228,23 @@ def test_a_challenger_within_noise_is_rejected_as_such_and_a_slow_one_screened_o
     assert not slow.accepted and slow.reason == "screened out: 70% of best"
 
 
+def test_a_second_screen_run_decides_the_screen_with_the_first_and_alone_pairs_in_the_rounds():
+    """The screen is decided on each case's faster run; the rounds pair single runs, so the
+    challenger's half of the first round is the second run, not the faster-of-two."""
+    stalled = timed(1.05, [1 / 3, 1, 1 / 3])
+    assert acceptance.worth_timing_again(stalled, timed(1.0, [1, 1, 1]))
+    assert not acceptance.worth_timing_again(timed(0.7, [1, 1, 1]), timed(1.0, [1, 1, 1]))   # slower in every case
+    assert not acceptance.worth_timing_again(timed(1.0, [1, 1, 1]), timed(1.0, [1, 1, 1]))   # not below SCREEN_KEEP
+    faster = acceptance.fastest(stalled, timed(1.0, [1, 0.9, 1]))   # 35, 105, 35 and 100, 90, 100 tok/s
+    assert faster.tokens_per_second() == pytest.approx(dict(zip(CASES, [100.0, 105.0, 100.0])))
+    again = timed(1.05, [1, 1, 1])
+    decision = acceptance.contest(stalled, timed(1.0, [1, 1, 1]), lambda label: timed(1.05, [1, 1, 1]),
+                                  lambda label: timed(1.0, [1, 1, 1]), again)
+    assert decision.accepted and decision.ratio == pytest.approx(1.05)   # no stalled run among the pairs
+    alone = acceptance.contest(stalled, timed(1.0, [1, 1, 1]), None, None)
+    assert not alone.accepted and alone.reason.startswith("screened out: ") and "two runs" not in alone.reason
+
+
 def test_sign_test_matches_its_definition():
     n = random.randint(3, 12)
     for wins in range(n + 1):
