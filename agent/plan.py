@@ -11,6 +11,12 @@ stands in for it on bf16 models, whose 8-bit mantissa leaves such a variant no m
 (SPEC.md §3, docs/benchmarks-kernel-notes.md):
 
     # bf16: triton_exact
+
+A variant that cannot be captured in a CUDA graph (its launches depend on more than tensor
+shapes: a loop over a host-side list, say) says so the same way, and an engine with it runs
+those passes eagerly (`graph_safe`; templates/engine/paged.py.j2):
+
+    # graphs: no
 """
 from __future__ import annotations
 
@@ -28,9 +34,10 @@ ENGINES = TEMPLATES / "engine"
 REFERENCE_VARIANT = "torch"
 _HEADER = re.compile(r"#\s*slot:\s*(\w+)\s+variant:\s*(\w+)\s+devices:\s*([\w, ]+)")
 _BF16 = re.compile(r"#\s*bf16:\s*(\w+)\s*$")
+_GRAPHS = re.compile(r"#\s*graphs:\s*no\b")
 _PARAM = re.compile(r"#\s*param:\s*(\w+)\s*=\s*(\S+)\s+choices:\s*(.+?)(?:\s+devices:\s*([\w, ]+?))?\s*$")
 ALL_DEVICES = ("cpu", "cuda")
-HEADER_LINES = 5   # the header lines (`# slot:`, `# bf16:`) sit among a variant's first lines
+HEADER_LINES = 5   # the header lines (`# slot:`, `# bf16:`, `# graphs:`) sit among a variant's first lines
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class Variant:
     devices: tuple[str, ...]
     path: Path | None  # None for a variant that lives only in memory (an LLM proposal)
     bf16: str | None = None  # the slot's variant an engine runs instead on bf16 models
+    graph_safe: bool = True  # False: `# graphs: no`, the engine runs the passes that call it eagerly
 
 
 @dataclass(frozen=True)
@@ -69,14 +77,15 @@ class Plan:
 
 def parse_header(text: str, path: Path | None = None) -> Variant:
     """Read the `# slot: ... variant: ... devices: ...` line that starts every variant, and the
-    optional `# bf16: V` line."""
+    optional `# bf16: V` and `# graphs: no` lines."""
     head = text.splitlines()[:HEADER_LINES]
     bf16 = next((m.group(1) for m in map(_BF16.match, head) if m), None)
+    graph_safe = not any(map(_GRAPHS.match, head))
     for line in head:
         m = _HEADER.search(line)
         if m:
             devices = tuple(d.strip() for d in m.group(3).split(",") if d.strip())
-            return Variant(m.group(1), m.group(2), devices, path, bf16)
+            return Variant(m.group(1), m.group(2), devices, path, bf16, graph_safe)
     where = path or "variant source"
     raise ValueError(f"{where}: no '# slot: S variant: V devices: D' header in its first lines")
 

@@ -68,6 +68,12 @@ def _bf16_slots(slots: dict[str, str], extra: ExtraVariants, model: Conventions)
     return {slot: _bf16_name(slot, name, extra, model) for slot, name in slots.items()}
 
 
+def graph_unsafe(slots: dict[str, str], extra: ExtraVariants | None = None) -> set[str]:
+    """The slots whose variant in `slots` cannot be captured in a CUDA graph (`# graphs: no` in
+    its header, agent/plan.py): an engine with one runs the passes that call it eagerly."""
+    return {slot for slot, name in slots.items() if not parse_header(variant_source(slot, name, extra)).graph_safe}
+
+
 def _optional_functions(slots: dict[str, str], bf16_slots: dict[str, str], extra: ExtraVariants) -> set[str]:
     """`fn__variant` of every optional slot function (evaluator/slots.py) that a chosen variant
     or bf16 stand-in defines: the engine binds those, None for the others."""
@@ -92,5 +98,6 @@ def render_engine(plan: Plan, extra_variants: ExtraVariants | None = None,
     bf16_slots = _bf16_slots(slots, extra, model)
     template = template_env().get_template(f"engine/{plan.engine}.py.j2")
     return template.render(plan=plan, model=model, slots=slots, bf16_slots=bf16_slots, params=plan.params,
+                           graph_unsafe=graph_unsafe(slots, extra) | graph_unsafe(bf16_slots, extra),
                            kernel_blocks=_kernel_blocks(slots, bf16_slots, plan.params, extra, model), prelude=PRELUDE,
                            optional_functions=_optional_functions(slots, bf16_slots, extra))

@@ -8,6 +8,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from agent.plan import Plan, engine_params, reference_slots
 from agent.records import Candidate
@@ -146,6 +147,27 @@ def test_profiled_pass_attributes_time_to_slots_on_cpu(tiny_model, tmp_path):
     assert prompts.fused_rows(state) == fused_rows   # what the prompt's call shapes are cut at
     profile = prompts.profile(state.best_result)
     assert profile.source.startswith(prompts.MEASURED) and sum(s for _, s in profile.shares) == pytest.approx(1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("slots", ["torch", "library"])
+def test_profiled_pass_attributes_kernel_time_to_slots_on_cuda(tiny_model, tmp_path, slots):
+    """The profiled pass through a confined CUDA worker, of the all-torch engine (eager: the torch
+    attention variants are not graph-safe) and of the library plan (captured graphs, whose kernels
+    are attributed by name): a profile comes back, the slots the pass calls get kernel time, and
+    what is not a slot's stays under the pass's wall time."""
+    from agent.search import PREFERRED
+    chosen = reference_slots() if slots == "torch" else {**reference_slots(), **PREFERRED, "linear": "triton"}
+    plan = Plan("paged", chosen, {k: p.default for k, p in engine_params("paged").items()})
+    engine = tmp_path / "engine.py"
+    engine.write_text(render_engine(plan))
+    with Worker("cuda") as worker:
+        worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
+        slot_ms = profiled_pass(RemoteModule(worker), tiny_model.config, tiny_model.weight_dir, ["prefill", "decode"])
+    timed = {s for s, v in slot_ms["slots"].items() if v["ms"] > 0}
+    assert {"prefill_attention", "decode_attention"} <= timed, slot_ms
+    assert 0 < sum(v["ms"] for v in slot_ms["slots"].values()) <= slot_ms["total_ms"], slot_ms
+    assert prompts.profile(replace(paged_state().best_result, slot_ms=slot_ms)).source.startswith(prompts.MEASURED)
 
 
 def test_search_picture_is_drawn_or_skipped_with_a_log_line(tmp_path):

@@ -10,6 +10,7 @@ import os
 import random
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -372,12 +373,37 @@ def test_prompt_carries_contract_hardware_model_profile_and_code():
     text = prompts.render("kernel", slot=info, variant="llm_1", dtype="float32", best_plan="paged",
                           current_variant="torch", current_code="", hardware={"gpu": "H100", "SMs": 132},
                           model=state.spec.summary(), profile=profile, history=[], plan_menu="",
-                          shapes=prompts.slot_shapes(state, "norm"), measured={}, fused_rows=64,
+                          shapes=prompts.slot_shapes(state, "norm"), measured={}, fused_rows=64, blocking=False,
                           tolerance=prompts.tolerance("float32"), judged=prompts.judged_lines(state))
     for needle in ("## Contract", "`rmsnorm__llm_1(x, w, eps) -> y[N,H]`; arguments x[N,H], w[H]", "gpu: H100", "12 layers, hidden 768",
                    "| prefill | 5.000 | 512 | 0.0300 |", "estimated", "def rmsnorm__torch",
                    "| `add_rmsnorm` | N=256, H=768 | 72 |", "paged"):
         assert needle in text
+
+
+def test_on_a_gpu_the_slots_that_keep_the_engine_eager_are_asked_for_first(tmp_path, monkeypatch):
+    """From an all-torch best engine on a GPU (its decode and prefill attention loop on the host:
+    no CUDA graphs), the first kernel episodes go to those two slots, decode first, each prompt
+    saying why; then the shares decide. On a CPU, or once the attention is graph-safe, nothing blocks."""
+    from agent.providers.llm import BLOCKING_TRIES, KERNEL
+    state = paged_state("cuda")
+    assert prompts.graph_blocking(state) == ["prefill_attention", "decode_attention"]
+    assert prompts.graph_blocking(paged_state("cpu")) == []
+    safe = Plan("paged", {**state.best.plan.slots, "decode_attention": "triton_split", "prefill_attention": "triton"},
+                state.best.plan.params)
+    assert prompts.graph_blocking(replace(state, best=Candidate(safe, "builtin", "paged"))) == []
+    with ScriptedServer("openai", []) as server:
+        point_at(monkeypatch, "openai", server.url)
+        from agent.providers.openai import create
+        options = ProviderOptions("cuda", 0, tmp_path, Empty())
+        options.log = lambda line: None
+        proposer = create(options)
+        episodes = [proposer._start(state, prompts.profile(state.best_result), KERNEL) for _ in range(2 * BLOCKING_TRIES + 1)]
+    assert [e.slot for e in episodes] == ["decode_attention", "prefill_attention"] * BLOCKING_TRIES + ["linear"]
+    first, last = episodes[0].messages[1]["content"], episodes[-1].messages[1]["content"]
+    assert "## Why this slot first" in first and "capture its decode steps in CUDA graphs" in first
+    assert "`decode_attention` variant `torch` loops on the host" in first
+    assert "Why this slot first" not in last
 
 
 def test_no_request_without_run_time_to_judge_its_answer(tmp_path, monkeypatch):

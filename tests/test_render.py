@@ -15,7 +15,7 @@ from agent.loop import conservative_candidate
 from agent.plan import Plan, parse_header
 from agent.providers.builtin import BuiltinProposer
 from agent.records import EvalResult, SearchState
-from agent.render import render_engine
+from agent.render import graph_unsafe, render_engine
 from evaluator.checkpoint import Conventions
 from evaluator.slot_render import kernel_path
 from evaluator.slots import SLOTS
@@ -190,3 +190,15 @@ def test_a_variant_change_keeps_every_other_slots_kernels_on_their_lines():
             assert others and all(after[k] == line for k, line in others.items()), (slot, v.name)
             compared += 1
     assert compared >= len(SLOTS)
+
+
+def test_graph_safety_is_read_from_the_variants_headers():
+    """`# graphs: no` marks the library variants that loop on the host (the torch attention
+    variants and SDPA prefill), and a model-written variant may say it too: the engine then runs
+    the passes that call it eagerly."""
+    unsafe = {(slot, v.name) for slot, vs in plan_module.menu().items() for v in vs if not v.graph_safe}
+    assert unsafe == {("decode_attention", "torch"), ("prefill_attention", "torch"), ("prefill_attention", "sdpa")}
+    header = "# slot: decode_attention    variant: llm_1    devices: cuda\n# graphs: no\n"
+    extra = {("decode_attention", "llm_1"): header + "def decode_attention__llm_1(*args):\n    raise NotImplementedError\n"}
+    assert graph_unsafe({"decode_attention": "llm_1", "norm": "triton"}, extra) == {"decode_attention"}
+    assert graph_unsafe({"decode_attention": "triton_split", "prefill_attention": "triton"}) == set()

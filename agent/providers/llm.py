@@ -52,6 +52,12 @@ LOG_CHARS = 300      # of a verdict's detail, in the log line
 SEED_STRIDE = 7919   # unit-check seeds: run seed * stride + check number
 HISTORY_LINES = 12   # most recent attempts shown in a prompt, to bound its size
 EVAL_RESERVE_S = 60.0  # run time kept free after a request, for judging what it produced
+# Episodes each graph-blocking slot gets first on a GPU (_choose_slot): while the best engine's
+# decode or prefill attention cannot be captured, every pass runs eagerly and no other kernel
+# shows its worth (a scripted good model's run from all-torch, twenty-third session: four slots
+# written and judged, none faster, the attention slots never asked for).
+BLOCKING_TRIES = 2
+BLOCKING_ORDER = ("decode_attention", "prefill_attention")   # decode steps dominate 4 of the 5 cases
 
 
 @dataclass
@@ -314,7 +320,14 @@ class LLMProposer:
             return PLAN
         return PLAN if self.episodes % self.settings.plan_every == 0 else KERNEL
 
-    def _choose_slot(self, profile: prompts.Profile) -> str:
+    def _choose_slot(self, state: SearchState, profile: prompts.Profile) -> str:
+        """On a GPU, a slot whose current variant keeps the engine from capturing CUDA graphs
+        (prompts.graph_blocking), for its first BLOCKING_TRIES episodes; then the largest share of
+        the time per attempt on the slot so far."""
+        blocking = [s for s in prompts.graph_blocking(state, self.variants) if self.attempts_per_slot[s] < BLOCKING_TRIES]
+        if blocking:
+            return min(blocking, key=lambda s: (self.attempts_per_slot[s], BLOCKING_ORDER.index(s)
+                                                if s in BLOCKING_ORDER else len(BLOCKING_ORDER) + SLOTS.index(s)))
         return max(SLOTS, key=lambda s: (profile.share(s) / (1 + self.attempts_per_slot[s]), -SLOTS.index(s)))
 
     # --- one episode: ask, check, repair --------------------------------------------------
@@ -422,7 +435,7 @@ class LLMProposer:
         if kind == PLAN:
             text = prompts.render("plan", best_plan_json=prompts.best_plan_json(best), **common)
             return _Episode(PLAN, f"plan change #{self.episodes}", [{"role": "user", "content": text}])
-        slot = self._choose_slot(profile)
+        slot = self._choose_slot(state, profile)
         self.attempts_per_slot[slot] += 1
         self.variants_written += 1
         name = f"llm_{self.variants_written}"
@@ -437,6 +450,7 @@ class LLMProposer:
                               best_plan=best.plan.describe(), current_variant=current, current_code=code.strip("\n"),
                               shapes=shapes[:prompts.SHAPES_SHOWN], measured=prompts.measured_shapes(state.best_result, slot),
                               fused_rows=prompts.fused_rows(state, slot),
+                              blocking=slot in prompts.graph_blocking(state, self.variants),
                               tolerance=prompts.tolerance(self._dtype(state)), **common)
         return _Episode(KERNEL, f"{slot}/{name}", [{"role": "system", "content": system},
                                                   {"role": "user", "content": user}], slot, name,

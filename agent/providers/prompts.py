@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 import jinja2
 
 from agent import policy
-from agent.plan import KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_params, engines, menu
+from agent.plan import ENGINES, KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_params, engines, menu
+from agent.render import graph_unsafe
 from agent.records import Candidate, EvalResult, SearchState
 from evaluator.slot_render import render_kernel
 from evaluator.slot_shapes import DEFAULT_FUSED_ROWS, CallShape, Dims, ShapeTiming, call_shapes
-from evaluator.slots import CONTRACTS, SLOT_FUNCTIONS
+from evaluator.slots import CONTRACTS, SLOT_FUNCTIONS, SLOTS
 from evaluator.traces import PUBLIC_CASES
 
 PROMPTS = TEMPLATES / "prompts"
@@ -207,6 +208,21 @@ def fused_rows(state: SearchState, slot: str = "") -> int:
     if plan is not None and state.device == "cuda" and plan.slots.get("linear", REFERENCE_VARIANT) == REFERENCE_VARIANT:
         return 0
     return param
+
+
+def graph_blocking(state: SearchState, variants: dict | None = None) -> list[str]:
+    """The slots whose variant in the best engine keeps it from capturing CUDA graphs on a GPU
+    (`# graphs: no`, agent/render.py graph_unsafe): the passes that call them run eagerly, every
+    kernel launched from the host. `variants`: model-written ones beside the best's own."""
+    best = state.best
+    # only an engine that captures graphs has slots that block them (the recompute engine has neither)
+    if state.device != "cuda" or best is None or "graph_unsafe" not in (ENGINES / f"{best.plan.engine}.py.j2").read_text():
+        return []
+    slots = {s: best.plan.slots.get(s, REFERENCE_VARIANT) for s in SLOTS}
+    try:
+        return sorted(graph_unsafe(slots, {**best.extra_variants, **(variants or {})}), key=SLOTS.index)
+    except ValueError:   # a variant without a header (not one this run wrote): nothing to say
+        return []
 
 
 def slot_shapes(state: SearchState, slot: str) -> list[CallShape]:
