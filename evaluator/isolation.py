@@ -77,6 +77,10 @@ ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "OMP_NUM_THREADS", "MKL_
 # A default: a caller's own OMP_WAIT_POLICY is kept. Set before torch is imported (libgomp reads
 # it once): by the judge (evaluator/evaluate.py) for itself, here for the worker.
 QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# The worker's user name for libraries that ask (getpass.getuser() reads USER/LOGNAME first):
+# a fresh uid has no passwd entry, and torch.profiler's start asked pwd for it and raised
+# "getpwuid(): uid not found", so the profiled pass never ran on a GPU (twenty-third session).
+WORKER_USER = "judge-worker"
 
 
 def quiet_threads(env: dict[str, str] | None = None) -> None:
@@ -281,7 +285,7 @@ def _clean_env(home: Path) -> dict[str, str]:
     tmp = home / "tmp"
     env.update(HOME=str(home), TMPDIR=str(tmp), TRITON_CACHE_DIR=str(home / ".triton"),   # Jail.compile_cache
                TRITON_HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), CUDA_CACHE_PATH=str(home / ".nv"),
-               PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+               PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1", USER=WORKER_USER, LOGNAME=WORKER_USER)
     return env
 
 

@@ -1193,3 +1193,13 @@ def test_a_worker_answering_without_writing_its_outputs_is_caught(recompute_sour
     result = evaluate(engine, tiny_model.config, tiny_model.weight_dir, **QUICK)
     assert (result["status"], result["stage"], result["error_kind"]) == ("failed", "public", "wrong_result")
     assert "non-finite" in result["error"]
+
+
+@needs_root
+def test_the_worker_has_a_user_name_though_its_uid_has_no_account(recompute_source, write_engine, tiny_model):
+    """A fresh uid has no passwd entry. A library that asks for the user name (torch.profiler's
+    start did, on a GPU: the profiled pass never ran there, twenty-third session) gets the
+    worker's from its environment, and the engine importing one still passes."""
+    engine = write_engine(recompute_source + "\n\nimport getpass\nassert getpass.getuser() == 'judge-worker'\n")
+    result = evaluate(engine, tiny_model.config, tiny_model.weight_dir, **QUICK)
+    assert result["status"] == "passed", result["error"]
