@@ -35,7 +35,7 @@ from agent import acceptance, policy, search
 from agent.archive import Archive
 from agent.judge import FINAL, RESULT as RESULT_FILE, STRESS, TIMING, VERIFY
 from agent.pipeline import Pipeline
-from agent.records import Candidate, EvalResult, Proposer, SearchState
+from agent.records import DEADLINE, Candidate, EvalResult, Proposer, SearchState
 from agent.render import render_engine
 from agent.report import Entry, Reporter, describe
 from agent.workspace import VARIANTS, Workspace, atomic_write
@@ -72,6 +72,7 @@ class OneByOne:
 RESERVE_SECONDS = 5.0        # kept back from the budget to write the summary and exit
 MIN_EVAL_SECONDS = 10.0      # less than this left: no evaluation can finish, stop proposing
 HANG_FACTOR, HANG_SLACK_SECONDS = 3.0, 120.0   # a candidate this much slower than any pass is hung
+BUDGET_CUT_SLACK_SECONDS = 1.0   # a timeout within this of the budget left was the budget's (cut_by_budget)
 RANKED_0 = "ranked 0 (any engine that passes replaces it)"   # a conservative engine whose stress failed
 
 
@@ -90,6 +91,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     timings (default: one `judge` call each, OneByOne)."""
     deadline = (time.monotonic() if started is None else started) + budget
     left = lambda: deadline - time.monotonic() - RESERVE_SECONDS  # noqa: E731
+    judge = budget_aware(judge, left)
     report.seconds_left = left
     state.seconds_left = left()
     with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line) as pipeline:
@@ -173,7 +175,9 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         if timings is None:
             engines = [(name, engine if mine else incumbent.directory / "engine.py") for name, mine in acceptance.order()]
             timings = (series or (lambda t, f: OneByOne(judge, t, f)))(engines, folder)
-        return spent("repeated timing", timings.result(label, timeout_for(state, left())))
+        budget = left()
+        timeout = timeout_for(state, budget)
+        return spent("repeated timing", cut_by_budget(timings.result(label, timeout), timeout, budget))
     try:
         decision = acceptance.contest(screen, state.best_result, timing, timing, again)
     finally:
@@ -336,6 +340,24 @@ def expected_final_seconds(state: SearchState) -> float:
     finals = [r.seconds for c, r in state.history
               if r.passed and r.stress is not None and c.plan.engine != search.CONSERVATIVE_ENGINE]
     return max(min(finals), MIN_EVAL_SECONDS) if finals else expected_seconds(state)
+
+
+def cut_by_budget(result: EvalResult, timeout: float, budget: float) -> EvalResult:
+    """`result`, or where it is a timeout whose limit was the run's remaining budget (`budget`
+    when the verdict was asked for) rather than the hang limit, the same marked DEADLINE: the
+    run ran out of time, the engine did not hang (records.DEADLINE)."""
+    if result.passed or result.error_kind != "timeout" or timeout < budget - BUDGET_CUT_SLACK_SECONDS:
+        return result
+    return replace(result, error_kind=DEADLINE,
+                   error=f"the run's budget ran out ({timeout:.0f}s were left when it started): not judged")
+
+
+def budget_aware(judge: Judge, left: Callable[[], float]) -> Judge:
+    """`judge` with cut_by_budget applied to its verdicts."""
+    def call(engine: Path, out_dir: Path, timeout: float, phase: str) -> EvalResult:
+        budget = left()
+        return cut_by_budget(judge(engine, out_dir, timeout, phase), timeout, budget)
+    return call
 
 
 def timeout_for(state: SearchState, left: float) -> float:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from agent.archive import Archive, Member
-from agent.records import Candidate, EvalResult, Proposer, SearchState
+from agent.records import DEADLINE, Candidate, EvalResult, Proposer, SearchState
 
 MAX_REPEATS = 20      # consecutive already-judged proposals from one side before it is given up
 PARALLEL_ENV = "LLM_PARALLEL"
@@ -88,7 +88,8 @@ class Pipeline:
         key = candidate.key()
         side = self.builtin if key in self._builtin_keys else self.proposer
         self._builtin_keys.discard(key)
-        side.feedback(candidate, result)
+        if result.error_kind != DEADLINE:   # the budget cut it short: nothing to learn of the candidate
+            side.feedback(candidate, result)
         with self.cond:
             self.screen = None   # its verdict is in: the archive holds it, or it failed
             self.cond.notify_all()   # a worker waiting for room (or for a basis) may go on

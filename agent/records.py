@@ -39,6 +39,12 @@ MARGIN_FLOOR = 0.3
 ACCEPTED = "faster"   # how an accepting decision begins (agent/acceptance.py)
 
 
+# The error kind of a verdict the run's budget cut short (agent/loop.py cut_by_budget): the judge
+# killed it because the run had no time left, not because the engine hung. Not a verdict on the
+# engine: proposers are not told of it, and --resume judges the candidate again.
+DEADLINE = "deadline"
+
+
 @dataclass
 class EvalResult:
     """The evaluator's JSON verdict (design.md §2), or one the judge made up for a
@@ -46,7 +52,7 @@ class EvalResult:
 
     status: str                      # "passed" | "failed"
     stage: str                       # "render" | "import" | "public" | "stress" | "benchmark" | "done" | "unknown"
-    error_kind: str | None = None    # None | compile_error | runtime_error | wrong_result | timeout | crash
+    error_kind: str | None = None    # None | compile_error | runtime_error | wrong_result | timeout | crash | DEADLINE
     error: str | None = None
     device: str = ""
     public: dict | None = None

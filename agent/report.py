@@ -16,7 +16,7 @@ from pathlib import Path
 
 from agent import plot
 from agent.plan import Plan, engine_params
-from agent.records import Candidate, EvalResult
+from agent.records import DEADLINE, Candidate, EvalResult
 from agent.workspace import ENGINE, RESULTS_JSON, RESULTS_LOG, atomic_write
 
 ERROR_CHARS = 400           # of an error, in the log line (the whole text is in results.json)
@@ -64,6 +64,8 @@ def _num(x) -> str:
 
 
 def verdict_line(r: EvalResult) -> str:
+    if r.error_kind == DEADLINE:
+        return f"NOT JUDGED: {r.error}  [{r.seconds:.1f}s]"
     if not r.passed:
         error = " ".join((r.error or "").split())
         if len(error) > ERROR_CHARS:
@@ -101,7 +103,8 @@ def summary_rows(entries: list[Entry]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for e in entries:
         r = e.result
-        verdict = ("unfinished" if r is None else f"{r.stage}:{r.error_kind}" if not r.passed
+        verdict = ("unfinished" if r is None else "not judged" if r.error_kind == DEADLINE
+                   else f"{r.stage}:{r.error_kind}" if not r.passed
                    else "unstressed" if r.unstressed else "verified" if r.rank() <= 0 else "passed")
         tps = r.tokens_per_second() if r else {}
         rows.append(["*" if e.accepted else "", str(e.index), describe(e.candidate.plan)[:PLAN_CHARS],

@@ -8,7 +8,8 @@ so none is judged twice), keeps the best, and numbers new candidates after the o
 A kill can land anywhere, so the record is made consistent first:
 - a candidate installed whose results.json entry was not written yet (the kill came between
   the two) is taken from engine.json, which holds its plan and verdict;
-- folders of candidates that never finished are removed (they are judged again, renumbered);
+- folders of candidates that never finished are removed (they are judged again, renumbered),
+  as are the last ones whose verdict the budget cut short (records.DEADLINE);
 - if engine.py is not the engine the record says is best (the kill came between writing
   engine.py and engine.json), the best recorded candidate's engine is installed again from its
   folder; with no passing candidate recorded, engine.py and engine.json are removed.
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agent.plan import Plan
-from agent.records import Candidate, EvalResult
+from agent.records import DEADLINE, Candidate, EvalResult
 from agent.report import Entry
 from agent.workspace import CANDIDATES, ENGINE, RESULTS_JSON, VARIANTS, VERDICT, Workspace
 
@@ -104,6 +105,8 @@ def load(ws: Workspace, run: dict[str, str]) -> Previous | None:
         raise ResumeError(f"{RESULTS_JSON} is not a record this agent wrote ({e})") from e
     if [e.index for e in entries] != list(range(1, len(entries) + 1)):
         raise ResumeError(f"{RESULTS_JSON} has gaps in its candidate numbers; run without --resume")
+    while entries and entries[-1].result.error_kind == DEADLINE and not entries[-1].accepted:
+        entries.pop()   # the budget ran out before its verdict: judged again, like an unfinished one
     previous = Previous(entries, int(old["seed"]) if str(old.get("seed", "")).isdigit() else None)
     best_source = _best_source(previous)  # may refuse: nothing is changed before this
     _drop_unfinished(ws, len(entries))

@@ -14,7 +14,7 @@ from agent import acceptance, loop
 from agent.plan import Param, Plan, Variant
 from agent.providers.builtin import BuiltinProposer
 from agent.judge import CONSERVATIVE_CASE
-from agent.records import MARGIN_FLOOR, MIN_GAIN, MIN_SAFETY_MARGIN, Candidate, EvalResult, SearchState, improves
+from agent.records import DEADLINE, MARGIN_FLOOR, MIN_GAIN, MIN_SAFETY_MARGIN, Candidate, EvalResult, SearchState, improves
 from agent.report import Reporter
 from agent.workspace import Workspace
 
@@ -401,6 +401,23 @@ def test_a_screen_slower_in_every_case_is_not_timed_again(tmp_path, monkeypatch)
                         monkeypatch=monkeypatch, calls=calls, agains={b.key(): passed(50.0)})
     assert [out for key, _, out in calls if key == b.key()] == ["timing"]
     assert "screened out: 60% of best" in (ws.root / "results.log").read_text()
+
+
+@pytest.mark.parametrize("budget, cut", [(60.0, True), (600.0, False)])
+def test_a_verdict_killed_when_the_budget_runs_out_is_not_the_engines_timeout(tmp_path, monkeypatch, budget, cut):
+    """A screen killed at a timeout that was the rest of the run's budget says the budget ran out
+    ("not judged"), and its proposer is not told of it; one killed at the hang limit, the budget
+    to spare, stays the engine's timeout."""
+    a, b = Plan("paged"), Plan("paged", {"norm": "triton"})
+    killed = EvalResult.failure("unknown", "timeout", "no verdict in time; evaluator killed", "cpu", 50.0)
+    proposer = ListProposer([a, b])
+    ws, state, _ = run_loop(tmp_path, proposer, {CONSERVATIVE: passed(1.0), a.key(): passed(5.0), b.key(): killed},
+                            budget=budget, monkeypatch=monkeypatch)
+    result = state.history[-1][1]
+    log = (ws.root / "results.log").read_text()
+    assert (result.error_kind == DEADLINE) == cut and installed_key(ws) == a.key()
+    assert ("NOT JUDGED: the run's budget ran out" in log) == cut and ("not judged" in log.split("summary")[1]) == cut
+    assert [k for k, _ in proposer.feedback_seen] == ([a.key()] if cut else [a.key(), b.key()])
 
 
 def test_the_conservative_stress_is_skipped_when_a_challenger_replaces_it(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ import pytest
 
 from agent import cli, loop, resume
 from agent.plan import Plan
-from agent.records import Candidate, EvalResult, SearchState
+from agent.records import DEADLINE, Candidate, EvalResult, SearchState
 from agent.report import Reporter
 from agent.workspace import TMP_PREFIX, Workspace, atomic_write
 
@@ -129,6 +129,23 @@ def test_resume_after_a_kill_between_engine_and_its_verdict(tmp_path, monkeypatc
     assert ws.engine.read_text() == fake_render(PLANS[0])  # #002 installed again from its folder
     assert ws.installed_verdict()["index"] == 2
     assert not list(ws.root.rglob(TMP_PREFIX + "*"))
+
+
+def test_a_candidate_the_budget_cut_short_is_judged_again_on_resume(tmp_path, monkeypatch):
+    """The last candidate's verdict was cut by the run's budget (records.DEADLINE): not a verdict
+    on it, so the resumed run drops it with its folder and judges its plan again."""
+    ws, _ = recorded_run(tmp_path, PLANS[:2], monkeypatch)
+    record = json.loads((ws.root / "results.json").read_text())
+    record["candidates"][-1]["accepted"] = False
+    record["candidates"][-1]["result"] = EvalResult.failure("unknown", DEADLINE, "the run's budget ran out", "cpu",
+                                                           9.0).to_dict()
+    (ws.root / "results.json").write_text(json.dumps(record))
+    (ws.root / "engine.json").unlink()
+    cut = next((ws.root / "candidates").glob("003-*"))
+    state, previous = resumed_state(ws)
+    assert [e.index for e in previous.entries] == [1, 2] and not cut.exists()
+    _, fake = recorded_run(tmp_path, PLANS[:2], monkeypatch, state)
+    assert fake.judged[0] == fake_render(PLANS[1])   # #003's plan, judged again
 
 
 @pytest.mark.parametrize("record", ["field", "old error text"])
