@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from agent.plan import Plan
 from agent.records import Candidate, EvalResult, SearchState
 
 EXPLORATION = 0.3      # UCB1's constant on scores normalised to the best (1.0): a parent at 80% of
@@ -91,6 +92,30 @@ class Archive:
     def index_of(self, candidate: Candidate) -> int | None:
         key = candidate.key()
         return next((m.index for m in self.members if m.candidate.key() == key), None)
+
+    def merge(self, replaced: int, accepted: int) -> Candidate | None:
+        """The two lineages as one engine: #`accepted` (the new best) was built on an engine other
+        than #`replaced` (the best it replaced), so what #`replaced` changed from that same parent,
+        in slots #`accepted` left as the parent had them, goes onto #`accepted`'s plan. None where
+        there is nothing to add or the three are not one engine's plans. Parallel model episodes
+        build on engines the bandit chooses, so two slots can win on separate branches (a scripted
+        good model on an H200, twenty-third session: a prefill attention won, then a decode
+        attention built on the engine before it replaced it, and the prefill win was dropped)."""
+        new, old = self.members[accepted - 1].candidate, self.members[replaced - 1].candidate
+        if new.parent is None or new.parent == replaced or old.plan.engine != new.plan.engine:
+            return None
+        base = self.members[new.parent - 1].candidate.plan
+        if base.engine != new.plan.engine:
+            return None
+        theirs = {s: v for s, v in old.plan.slots.items()
+                  if v != base.slots.get(s) and new.plan.slots.get(s) == base.slots.get(s)}
+        if not theirs:
+            return None
+        plan = Plan(new.plan.engine, {**new.plan.slots, **theirs}, new.plan.params)
+        known = {**old.extra_variants, **new.extra_variants}
+        changes = ", ".join(f"{s}={v}" for s, v in sorted(theirs.items()))
+        return Candidate(plan, "builtin", f"merge: #{replaced:03d}'s {changes} onto #{accepted:03d}",
+                         {(s, v): known[(s, v)] for s, v in plan.slots.items() if (s, v) in known}, accepted)
 
     def summary(self) -> str:
         """One line for the log: engines, variants, the highest score. That one need not be the

@@ -54,6 +54,8 @@ class Pipeline:
         self.stopped = False
         self.cond = threading.Condition()
         self._builtin_keys: set[str] = set()
+        self.merges: list[Candidate] = []   # Archive.merge's candidates, judged before anything else
+        self._best = Archive.of(state).index_of(state.best) if state.best is not None else None
         for i in range(self.parallel if self.parallel > 1 else 0):
             self.workers += 1
             threading.Thread(target=self._work, name=f"proposer-{i + 1}", daemon=True).start()
@@ -63,6 +65,11 @@ class Pipeline:
         """The next candidate to judge, or None when no side has anything left before the deadline."""
         while True:
             with self.cond:
+                while self.merges:
+                    candidate = self.merges.pop(0)
+                    if not self.state.tried(candidate):
+                        self._builtin_keys.add(candidate.key())
+                        return candidate
                 if self.ready and not self.last_model:
                     candidate = self._take()
                     if not self.state.tried(candidate):
@@ -90,6 +97,14 @@ class Pipeline:
         self._builtin_keys.discard(key)
         if result.error_kind != DEADLINE:   # the budget cut it short: nothing to learn of the candidate
             side.feedback(candidate, result)
+        archive = Archive.of(self.state)
+        best = archive.index_of(self.state.best) if self.state.best is not None else None
+        if best is not None and self._best is not None and best != self._best:   # a new best: join the lineages
+            merged = archive.merge(self._best, best)
+            if merged is not None:
+                self.log(f"     next: {merged.note}")
+                self.merges.append(merged)
+        self._best = best
         with self.cond:
             self.screen = None   # its verdict is in: the archive holds it, or it failed
             self.cond.notify_all()   # a worker waiting for room (or for a basis) may go on

@@ -153,6 +153,38 @@ def test_parents_are_chosen_by_score_with_room_for_exploration():
     assert Archive(history).choose_parent().index == 3             # the best has had its children
 
 
+def test_a_new_best_from_another_branch_is_merged_with_the_best_it_replaced():
+    """#3 won a prefill attention on #2; #4, built on #2 too, won a decode attention and replaced
+    #3: the merge (#4 with #3's prefill, its text carried) is the next candidate judged, and only
+    where the branches changed different slots."""
+    from agent.pipeline import Pipeline
+    torch_slots = {"prefill_attention": "torch", "decode_attention": "torch", "norm": "torch"}
+    prefill, decode = "def prefill_attention__llm_1(): pass\n", "def decode_attention__llm_2(): pass\n"
+    history = [member(Plan("recompute"), 0.01), member(Plan("paged", torch_slots), 1.0),
+               member(Plan("paged", {**torch_slots, "prefill_attention": "llm_1"}), 2.0,
+                      {("prefill_attention", "llm_1"): prefill}, parent=2, origin="openai:m"),
+               member(Plan("paged", {**torch_slots, "decode_attention": "llm_2"}, {"block_size": 32}), 3.0,
+                      {("decode_attention", "llm_2"): decode}, parent=2, origin="openai:m")]
+    merged = Archive(history).merge(3, 4)
+    assert merged.plan == Plan("paged", {**torch_slots, "prefill_attention": "llm_1", "decode_attention": "llm_2"},
+                               {"block_size": 32})
+    assert merged.extra_variants == {("prefill_attention", "llm_1"): prefill, ("decode_attention", "llm_2"): decode}
+    assert merged.parent == 4 and "merge: #003's prefill_attention=llm_1 onto #004" in merged.note
+    assert Archive(history).merge(2, 3) is None                     # built on the best it replaced
+    same_slot = history[:3] + [member(Plan("paged", {**torch_slots, "prefill_attention": "llm_2"}), 3.0, parent=2)]
+    assert Archive(same_slot).merge(3, 4) is None                   # both changed the same slot: nothing to add
+
+    state = SearchState(spec=None, device="cpu", hardware={}, history=history[:3], best=history[2][0],
+                        best_result=history[2][1])
+    lines: list[str] = []
+    from tests.test_loop import ListProposer
+    pipeline = Pipeline(ListProposer([]), state, 1, time.monotonic() + 60, lines.append)
+    state.history.append(history[3])
+    state.best, state.best_result = history[3]
+    pipeline.feedback(*history[3])
+    assert pipeline.next() == merged and any("next: merge: #003's" in line for line in lines)
+
+
 def test_resume_restores_the_archive(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "render_engine", lambda plan, extra=None, **kw: f"# {plan.key()} {sorted(extra or {})}\n")
     text = f"def silu_mul__llm_1(x):\n    return x  # {random.random()}\n"
