@@ -282,7 +282,7 @@ def settle_conservative(state: SearchState, judge: Judge, ws: Workspace, report:
         result = joined(stressed, first.result)
         install(first, result, engine.read_text(), ws, report)
     else:
-        why = (f"did not finish in the {budget:.0f}s of the budget left" if stressed.error_kind == "timeout"
+        why = (f"did not finish in the {budget:.0f}s of the budget left" if stressed.error_kind in ("timeout", DEADLINE)
                else "did not pass")
         report.warn(f"the conservative engine stays installed, {RANKED_0}: its stress suite {why} "
                     f"({stressed.error_kind} at {stressed.stage})")

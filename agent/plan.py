@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evaluator.slot_render import variant_source
 from evaluator.slots import SLOTS
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -88,6 +89,13 @@ def parse_header(text: str, path: Path | None = None) -> Variant:
             return Variant(m.group(1), m.group(2), devices, path, bf16, graph_safe)
     where = path or "variant source"
     raise ValueError(f"{where}: no '# slot: S variant: V devices: D' header in its first lines")
+
+
+def graph_unsafe(slots: dict[str, str], extra: dict[tuple[str, str], str] | None = None) -> set[str]:
+    """The slots whose variant in `slots` cannot be captured in a CUDA graph (`# graphs: no` in
+    its header; `extra`: model-written variants' texts): an engine with one runs the passes that
+    call it eagerly."""
+    return {slot for slot, name in slots.items() if not parse_header(variant_source(slot, name, extra)).graph_safe}
 
 
 def menu() -> dict[str, list[Variant]]:

@@ -5,7 +5,7 @@ by Jinja with the plan's params, model-written variants verbatim); the engine sk
 prints those blocks as values, so model text is never read as a template."""
 from __future__ import annotations
 
-from agent.plan import REFERENCE_VARIANT, Plan, engine_models, engines, menu, parse_header
+from agent.plan import REFERENCE_VARIANT, Plan, engine_models, engines, graph_unsafe, menu, parse_header
 from evaluator.checkpoint import Conventions
 from evaluator.slot_render import ExtraVariants, kernel_label, render_kernel, template_env, variant_source
 from evaluator.slots import OPTIONAL_FUNCTIONS, PRELUDE, SLOTS
@@ -66,12 +66,6 @@ def _bf16_name(slot: str, name: str, extra: ExtraVariants, model: Conventions) -
 def _bf16_slots(slots: dict[str, str], extra: ExtraVariants, model: Conventions) -> dict[str, str]:
     """Every slot's variant on bf16 models (`_bf16_name`)."""
     return {slot: _bf16_name(slot, name, extra, model) for slot, name in slots.items()}
-
-
-def graph_unsafe(slots: dict[str, str], extra: ExtraVariants | None = None) -> set[str]:
-    """The slots whose variant in `slots` cannot be captured in a CUDA graph (`# graphs: no` in
-    its header, agent/plan.py): an engine with one runs the passes that call it eagerly."""
-    return {slot for slot, name in slots.items() if not parse_header(variant_source(slot, name, extra)).graph_safe}
 
 
 def _optional_functions(slots: dict[str, str], bf16_slots: dict[str, str], extra: ExtraVariants) -> set[str]:

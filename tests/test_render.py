@@ -12,10 +12,10 @@ import torch
 from agent import plan as plan_module
 from agent import policy
 from agent.loop import conservative_candidate
-from agent.plan import Plan, parse_header
+from agent.plan import Plan, graph_unsafe, parse_header
 from agent.providers.builtin import BuiltinProposer
 from agent.records import EvalResult, SearchState
-from agent.render import graph_unsafe, render_engine
+from agent.render import render_engine
 from evaluator.checkpoint import Conventions
 from evaluator.slot_render import kernel_path
 from evaluator.slots import SLOTS

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 import jinja2
 
 from agent import policy
-from agent.plan import ENGINES, KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_params, engines, menu
-from agent.render import graph_unsafe
+from agent.plan import ENGINES, KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_params, engines, graph_unsafe, menu
 from agent.records import Candidate, EvalResult, SearchState
 from evaluator.slot_render import render_kernel
 from evaluator.slot_shapes import DEFAULT_FUSED_ROWS, CallShape, Dims, ShapeTiming, call_shapes
