@@ -14,8 +14,8 @@ run both accepts noise and rejects real small gains. Instead:
      slow, the judge's request reaching the worker 2-4 ms late), and such noise only ever slows
      a run. So a screen below SCREEN_KEEP that is at least as fast as the incumbent in some case
      (mixed evidence, not an engine slower across the board) is timed once more
-     (`worth_timing_again`), and the screen is decided on each case's faster run (`fastest`);
-     the rounds then pair single runs only;
+     (`worth_timing_again`), and whether it is screened out is decided on each case's faster run
+     (`fastest`); a clear win and the rounds take single runs only;
   2. rounds: the incumbent is timed again right after (and from the second round on, the two
      alternate order, ABBA, so a drift of the machine falls on both); every benchmark case of a
      round gives one paired ratio challenger / incumbent;
@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from agent.records import ACCEPTED, EvalResult
+from agent.records import ACCEPTED, DEADLINE, EvalResult
 
 ALPHA = 0.05          # the accepted risk of taking a no-faster engine for a faster one
 SCREEN_KEEP = 0.9     # a first timing below this fraction of the incumbent's score ends the contest
@@ -80,8 +80,8 @@ def speedup(challenger: EvalResult, incumbent: EvalResult) -> float | None:
 def worth_timing_again(screen: EvalResult, incumbent: EvalResult | None) -> bool:
     """Whether a passing screen is below SCREEN_KEEP of the incumbent yet at least as fast in
     some case both timed: what a stall in one or two of its single runs looks like."""
-    if incumbent is None or not incumbent.passed or not screen.passed:
-        return False
+    if incumbent is None or not incumbent.passed or incumbent.rank() <= 0 or not screen.passed:
+        return False   # (an incumbent with no timed score is beaten by any screen: contest says so)
     ratios = paired_log_ratios(screen, incumbent)
     return bool(ratios) and math.exp(sum(ratios) / len(ratios)) < SCREEN_KEEP and max(ratios) >= 0
 
@@ -95,7 +95,10 @@ def fastest(first: EvalResult, again: EvalResult) -> EvalResult:
         old = rows.get(c.get("case_name"))
         if old is None or float(c.get("tokens_per_second") or 0) >= float(old.get("tokens_per_second") or 0):
             rows[c.get("case_name")] = c
-    return replace(again, benchmark=list(rows.values()))
+    fractions = [float(c.get("floor_fraction") or 0) for c in rows.values()]
+    score = (math.exp(sum(map(math.log, fractions)) / len(fractions)) if fractions and min(fractions) > 0
+             else again.score)   # the evaluator's score (geometric mean of floor fractions) of these rows
+    return replace(again, benchmark=list(rows.values()), score=score)
 
 
 def percent(ratio: float) -> str:
@@ -116,18 +119,21 @@ def contest(screen: EvalResult, incumbent: EvalResult | None, time_challenger: T
             time_incumbent: Timing, again: EvalResult | None = None) -> Decision:
     """Decide on a challenger whose screen passed (and kept a safe margin). `time_*` run one more
     timing of each engine (stress off) and may return None when the budget has no room for it.
-    `again`: the screen's second run (worth_timing_again); the screen is then decided on each
-    case's faster run, and the second run alone is the challenger's half of the first round."""
+    `again`: the screen's second run (worth_timing_again); whether it is screened out is then
+    decided on each case's faster run, while a clear win and the rounds take single runs: the
+    second run alone is the challenger's half of the first round (the faster of two draws would
+    tilt them towards the challenger)."""
     if incumbent is None or not incumbent.passed or incumbent.rank() <= 0:
         return Decision(True, f"{ACCEPTED}: the incumbent has no timed score")
-    decided_on, twice = (screen, "") if again is None else (fastest(screen, again), ", the faster of two runs a case")
-    first = speedup(decided_on, incumbent)   # None: no case in common; the rounds time both alike
+    kept, twice = (screen, "") if again is None else (fastest(screen, again), ", the faster of two runs a case")
+    first = speedup(kept, incumbent)   # None: no case in common; the rounds time both alike
     if first is not None and first < SCREEN_KEEP:
         return Decision(False, f"screened out: {percent(first)}{twice}{_over(screen, incumbent)}", first)
-    if first is not None and min(paired_log_ratios(decided_on, incumbent)) >= math.log(CLEAR_WIN):
-        return Decision(True, f"{ACCEPTED}: {percent(first)} on the screen{twice}, every case at least {CLEAR_WIN:g}x "
-                        f"the best's recorded timing (past any timing noise){_over(screen, incumbent)}", first)
     screen = screen if again is None else again
+    single = speedup(screen, incumbent)
+    if single is not None and min(paired_log_ratios(screen, incumbent)) >= math.log(CLEAR_WIN):
+        return Decision(True, f"{ACCEPTED}: {percent(single)} on the screen, every case at least {CLEAR_WIN:g}x "
+                        f"the best's recorded timing (past any timing noise){_over(screen, incumbent)}", single)
     samples: list[float] = []
     stale = ""
     for round_ in range(1, MAX_ROUNDS + 1):
@@ -143,6 +149,8 @@ def contest(screen: EvalResult, incumbent: EvalResult | None, time_challenger: T
             mine = time_challenger(f"challenger-{round_}")
             pair = (mine, time_incumbent(f"incumbent-{round_}") if mine and mine.passed else None)
         mine, theirs = pair
+        if theirs is not None and theirs.error_kind == DEADLINE:   # the budget ran out under it: no time left
+            theirs = None
         if mine is not None and not mine.passed:
             return Decision(False, f"a repeated timing failed: {mine.stage}/{mine.error_kind}", failure=mine)
         if mine is None or theirs is None or not theirs.passed:

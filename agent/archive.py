@@ -93,19 +93,30 @@ class Archive:
         key = candidate.key()
         return next((m.index for m in self.members if m.candidate.key() == key), None)
 
+    def lineage(self, index: int) -> list[int]:
+        """#`index` and the engines it was built on, parent by parent (nearest first)."""
+        out = []
+        while index is not None and 1 <= index <= len(self.members) and index not in out:
+            out.append(index)
+            index = self.members[index - 1].candidate.parent
+        return out
+
     def merge(self, replaced: int, accepted: int) -> Candidate | None:
-        """The two lineages as one engine: #`accepted` (the new best) was built on an engine other
-        than #`replaced` (the best it replaced), so what #`replaced` changed from that same parent,
-        in slots #`accepted` left as the parent had them, goes onto #`accepted`'s plan. None where
-        there is nothing to add or the three are not one engine's plans. Parallel model episodes
-        build on engines the bandit chooses, so two slots can win on separate branches (a scripted
-        good model on an H200, twenty-third session: a prefill attention won, then a decode
-        attention built on the engine before it replaced it, and the prefill win was dropped)."""
-        new, old = self.members[accepted - 1].candidate, self.members[replaced - 1].candidate
-        if new.parent is None or new.parent == replaced or old.plan.engine != new.plan.engine:
+        """The two lineages as one engine: what #`replaced` (the best #`accepted` replaced)
+        changed from their nearest common ancestor, in slots #`accepted` left as that ancestor had
+        them, put onto #`accepted`'s plan. None where there is nothing to add: #`replaced` is one
+        of #`accepted`'s ancestors (its changes are in already), they share no ancestor, or not
+        the same engine. Parallel model episodes build on engines the bandit chooses, so two slots
+        can win on separate branches (a scripted good model on an H200, twenty-third session: a
+        prefill attention won, then a decode attention built on the engine before it replaced it,
+        and the prefill win was dropped)."""
+        mine = self.lineage(accepted)
+        common = next((i for i in self.lineage(replaced) if i in mine), None)
+        if common is None or common == replaced:
             return None
-        base = self.members[new.parent - 1].candidate.plan
-        if base.engine != new.plan.engine:
+        new, old = self.members[accepted - 1].candidate, self.members[replaced - 1].candidate
+        base = self.members[common - 1].candidate.plan
+        if not base.engine == old.plan.engine == new.plan.engine:
             return None
         theirs = {s: v for s, v in old.plan.slots.items()
                   if v != base.slots.get(s) and new.plan.slots.get(s) == base.slots.get(s)}

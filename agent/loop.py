@@ -91,7 +91,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     timings (default: one `judge` call each, OneByOne)."""
     deadline = (time.monotonic() if started is None else started) + budget
     left = lambda: deadline - time.monotonic() - RESERVE_SECONDS  # noqa: E731
-    judge = budget_aware(judge, left)
+    judge = budget_aware(judge, left, state)
     report.seconds_left = left
     state.seconds_left = left()
     with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line) as pipeline:
@@ -164,6 +164,8 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         report.verdict(entry, again, label="screen again")
         if not again.passed:
             return again
+        if not again.safe():
+            return decided(again, "too close to the tolerance")
     incumbent = next((e for e in reversed(report.entries) if e.accepted), None)
 
     timings: Timings | None = None   # started at the first timing the contest asks for
@@ -177,7 +179,7 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
             timings = (series or (lambda t, f: OneByOne(judge, t, f)))(engines, folder)
         budget = left()
         timeout = timeout_for(state, budget)
-        return spent("repeated timing", cut_by_budget(timings.result(label, timeout), timeout, budget))
+        return spent("repeated timing", cut_by_budget(timings.result(label, timeout), timeout, budget, state))
     try:
         decision = acceptance.contest(screen, state.best_result, timing, timing, again)
     finally:
@@ -278,11 +280,16 @@ def settle_conservative(state: SearchState, judge: Judge, ws: Workspace, report:
         return
     stressed = report.spending(first)("conservative", judge(engine, first.directory, budget, STRESS))
     report.verdict(first, stressed, label="stress")
+    if stressed.error_kind == DEADLINE:   # the budget ran out under it: unstressed still (--resume runs it)
+        report.warn(f"the conservative engine stays the result without its stress suite: the budget ran out "
+                    f"before it finished (its self-tests, below, run it)")
+        report.finished(first)
+        return
     if stressed.passed:
         result = joined(stressed, first.result)
         install(first, result, engine.read_text(), ws, report)
     else:
-        why = (f"did not finish in the {budget:.0f}s of the budget left" if stressed.error_kind in ("timeout", DEADLINE)
+        why = (f"did not finish in the {budget:.0f}s of the budget left" if stressed.error_kind == "timeout"
                else "did not pass")
         report.warn(f"the conservative engine stays installed, {RANKED_0}: its stress suite {why} "
                     f"({stressed.error_kind} at {stressed.stage})")
@@ -342,21 +349,25 @@ def expected_final_seconds(state: SearchState) -> float:
     return max(min(finals), MIN_EVAL_SECONDS) if finals else expected_seconds(state)
 
 
-def cut_by_budget(result: EvalResult, timeout: float, budget: float) -> EvalResult:
+def cut_by_budget(result: EvalResult, timeout: float, budget: float, state: SearchState) -> EvalResult:
     """`result`, or where it is a timeout whose limit was the run's remaining budget (`budget`
-    when the verdict was asked for) rather than the hang limit, the same marked DEADLINE: the
-    run ran out of time, the engine did not hang (records.DEADLINE)."""
-    if result.passed or result.error_kind != "timeout" or timeout < budget - BUDGET_CUT_SLACK_SECONDS:
+    when the verdict was asked for) rather than the hang limit, and shorter than the slowest
+    verdict that passed (an honest engine could have needed more), the same marked DEADLINE: the
+    run ran out of time, the engine was not shown to hang (records.DEADLINE). A hang given at
+    least that long stays a timeout, so a resumed run does not give it the budget again."""
+    slowest = max((r.seconds for _, r in state.history if r.passed), default=0.0)
+    if result.passed or result.error_kind != "timeout" or timeout < budget - BUDGET_CUT_SLACK_SECONDS \
+            or timeout >= slowest:
         return result
     return replace(result, error_kind=DEADLINE,
                    error=f"the run's budget ran out ({timeout:.0f}s were left when it started): not judged")
 
 
-def budget_aware(judge: Judge, left: Callable[[], float]) -> Judge:
+def budget_aware(judge: Judge, left: Callable[[], float], state: SearchState) -> Judge:
     """`judge` with cut_by_budget applied to its verdicts."""
     def call(engine: Path, out_dir: Path, timeout: float, phase: str) -> EvalResult:
         budget = left()
-        return cut_by_budget(judge(engine, out_dir, timeout, phase), timeout, budget)
+        return cut_by_budget(judge(engine, out_dir, timeout, phase), timeout, budget, state)
     return call
 
 

@@ -20,6 +20,7 @@ those passes eagerly (`graph_safe`; templates/engine/paged.py.j2):
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ _BF16 = re.compile(r"#\s*bf16:\s*(\w+)\s*$")
 _GRAPHS = re.compile(r"#\s*graphs:\s*no\b")
 _PARAM = re.compile(r"#\s*param:\s*(\w+)\s*=\s*(\S+)\s+choices:\s*(.+?)(?:\s+devices:\s*([\w, ]+?))?\s*$")
 ALL_DEVICES = ("cpu", "cuda")
-HEADER_LINES = 5   # the header lines (`# slot:`, `# bf16:`, `# graphs:`) sit among a variant's first lines
+HEADER_LINES = 5   # the header lines (`# slot:`, `# bf16:`, `# graphs:`) sit among a variant's first comment lines
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,9 @@ class Plan:
 
 def parse_header(text: str, path: Path | None = None) -> Variant:
     """Read the `# slot: ... variant: ... devices: ...` line that starts every variant, and the
-    optional `# bf16: V` and `# graphs: no` lines."""
-    head = text.splitlines()[:HEADER_LINES]
+    optional `# bf16: V` and `# graphs: no` lines: within the comment lines it starts with (a
+    model-written variant's two header lines end at a blank line, so its code cannot add one)."""
+    head = list(itertools.takewhile(lambda line: line.startswith("#"), text.splitlines()[:HEADER_LINES]))
     bf16 = next((m.group(1) for m in map(_BF16.match, head) if m), None)
     graph_safe = not any(map(_GRAPHS.match, head))
     for line in head:

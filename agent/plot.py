@@ -12,8 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from agent.records import DEADLINE
+
 SEARCH_PNG = "search.png"
-FAILURE_MARKERS = {"compile_error": "x", "runtime_error": "v", "wrong_result": "X", "timeout": "s", "crash": "D"}
+FAILURE_MARKERS = {"compile_error": "x", "runtime_error": "v", "wrong_result": "X", "timeout": "s", "crash": "D",
+                   DEADLINE: "|"}
 BUILTIN = "builtin"
 FIGURE_SIZE = (9, 5)   # inches
 DPI = 110
@@ -71,7 +74,8 @@ def draw(path: Path, points: list[Point], log: Callable[[str], None]) -> bool:
         mine = [p for p in points if p.score_pct is None and (p.failure or "crash") == kind]
         if mine:
             ax.scatter([p.seconds for p in mine], [failed_y] * len(mine), marker=marker,
-                       color=[colours[_proposer(p.origin)] for p in mine], label=f"failed: {kind}", zorder=3)
+                       color=[colours[_proposer(p.origin)] for p in mine], zorder=3,
+                       label="not judged: the budget ran out" if kind == DEADLINE else f"failed: {kind}")
     ax.set_xlabel("run time (s)")
     ax.set_ylabel("score (% of the physical floor)")
     ax.set_title(f"{len(points)} candidates, {len(best)} accepted")

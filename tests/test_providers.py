@@ -392,6 +392,9 @@ def test_on_a_gpu_the_slots_that_keep_the_engine_eager_are_asked_for_first(tmp_p
     safe = Plan("paged", {**state.best.plan.slots, "decode_attention": "triton_split", "prefill_attention": "triton"},
                 state.best.plan.params)
     assert prompts.graph_blocking(replace(state, best=Candidate(safe, "builtin", "paged"))) == []
+    no_decode_graphs = Plan("paged", state.best.plan.slots, {**state.best.plan.params, "decode_graphs": False})
+    assert prompts.graph_blocking(replace(state, best=Candidate(no_decode_graphs, "builtin", "paged"))) == \
+        ["prefill_attention"]   # graphs off by the plan: a graph-safe decode variant would change nothing
     with ScriptedServer("openai", []) as server:
         point_at(monkeypatch, "openai", server.url)
         from agent.providers.openai import create
@@ -404,6 +407,9 @@ def test_on_a_gpu_the_slots_that_keep_the_engine_eager_are_asked_for_first(tmp_p
     assert "## Why this slot first" in first and "capture its decode steps in CUDA graphs" in first
     assert "`decode_attention` variant `torch` loops on the host" in first
     assert "Why this slot first" not in last
+    for slot in ("decode_attention", "prefill_attention"):   # a `# graphs:` header line is not contract text
+        contract = prompts.slot_info(slot, "llm_1").contract
+        assert contract.lstrip().startswith("numerics") and "graphs:" not in contract and "contract (" not in contract
 
 
 def test_no_request_without_run_time_to_judge_its_answer(tmp_path, monkeypatch):

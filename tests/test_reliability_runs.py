@@ -289,10 +289,8 @@ def test_the_budget_holds_when_a_candidate_hangs(cli_env, tmp_path, monkeypatch,
     assert elapsed <= BUDGET_SECONDS + BUDGET_OVERRUN_SECONDS, elapsed
     results = json.loads((ws / "results.json").read_text())
     verdicts = [(c["plan"]["params"], c["result"]["error_kind"]) for c in results["candidates"]]
-    # the hang took the rest of the budget: its timeout was the budget's, so it reads as cut short
-    # (a longer run kills a hang at HANG_FACTOR times the slowest pass, and that is its timeout)
-    assert verdicts == [({}, None), ({"hangs": True}, DEADLINE)]
-    assert "NOT JUDGED: the run's budget ran out" in (ws / "results.log").read_text()
+    # the hang took the rest of the budget, longer than the conservative engine's pass: a timeout, not a cut
+    assert verdicts == [({}, None), ({"hangs": True}, "timeout")]
     assert public_check(ws / "engine.py", cli_env)
 
 

@@ -202,3 +202,9 @@ def test_graph_safety_is_read_from_the_variants_headers():
     extra = {("decode_attention", "llm_1"): header + "def decode_attention__llm_1(*args):\n    raise NotImplementedError\n"}
     assert graph_unsafe({"decode_attention": "llm_1", "norm": "triton"}, extra) == {"decode_attention"}
     assert graph_unsafe({"decode_attention": "triton_split", "prefill_attention": "triton"}) == set()
+    # the model's code (below the header the agent writes) cannot set either header field, even
+    # when it starts by copying the current variant's top (which the prompt shows)
+    from agent.providers.proposals import variant_template
+    copied = variant_template("prefill_attention", "llm_2", "cuda", "# graphs: no (copied)\n# bf16: torch\n"
+                              "def prefill_attention__llm_2(*args):\n    raise NotImplementedError\n")
+    assert parse_header(copied).graph_safe and parse_header(copied).bf16 is None

@@ -173,6 +173,15 @@ def test_a_new_best_from_another_branch_is_merged_with_the_best_it_replaced():
     assert Archive(history).merge(2, 3) is None                     # built on the best it replaced
     same_slot = history[:3] + [member(Plan("paged", {**torch_slots, "prefill_attention": "llm_2"}), 3.0, parent=2)]
     assert Archive(same_slot).merge(3, 4) is None                   # both changed the same slot: nothing to add
+    # #5 built on #3 (a descendant of the best it replaces, #2 here): its parent's changes are in already
+    descendant = history[:4] + [member(Plan("paged", {**torch_slots, "prefill_attention": "llm_1", "norm": "triton"}),
+                                       4.0, parent=3)]
+    assert Archive(descendant).merge(2, 5) is None
+    # #5 built on #4 replaces #3: only #3's change since their common ancestor #2 comes over, not #4's undone
+    cousin = history[:4] + [member(Plan("paged", {**torch_slots, "decode_attention": "llm_2", "norm": "triton"}),
+                                   4.0, {("decode_attention", "llm_2"): decode}, parent=4)]
+    assert Archive(cousin).merge(3, 5).plan.slots == {"prefill_attention": "llm_1", "decode_attention": "llm_2",
+                                                      "norm": "triton"}
 
     state = SearchState(spec=None, device="cpu", hardware={}, history=history[:3], best=history[2][0],
                         best_result=history[2][1])
@@ -261,20 +270,31 @@ def test_a_challenger_within_noise_is_rejected_as_such_and_a_slow_one_screened_o
 
 
 def test_a_second_screen_run_decides_the_screen_with_the_first_and_alone_pairs_in_the_rounds():
-    """The screen is decided on each case's faster run; the rounds pair single runs, so the
-    challenger's half of the first round is the second run, not the faster-of-two."""
-    stalled = timed(1.05, [1 / 3, 1, 1 / 3])
+    """Whether the screen is screened out is decided on each case's faster run; a clear win and
+    the rounds take single runs, so the challenger's half of the first round is the second run,
+    not the faster-of-two (here the first run's decode case is the faster, 1.26 against 1.05)."""
+    stalled = timed(1.05, [1 / 3, 1.2, 1 / 3])
     assert acceptance.worth_timing_again(stalled, timed(1.0, [1, 1, 1]))
     assert not acceptance.worth_timing_again(timed(0.7, [1, 1, 1]), timed(1.0, [1, 1, 1]))   # slower in every case
     assert not acceptance.worth_timing_again(timed(1.0, [1, 1, 1]), timed(1.0, [1, 1, 1]))   # not below SCREEN_KEEP
-    faster = acceptance.fastest(stalled, timed(1.0, [1, 0.9, 1]))   # 35, 105, 35 and 100, 90, 100 tok/s
-    assert faster.tokens_per_second() == pytest.approx(dict(zip(CASES, [100.0, 105.0, 100.0])))
+    faster = acceptance.fastest(stalled, timed(1.0, [1, 0.9, 1]))   # 35, 126, 35 and 100, 90, 100 tok/s
+    assert faster.tokens_per_second() == pytest.approx(dict(zip(CASES, [100.0, 126.0, 100.0])))
     again = timed(1.05, [1, 1, 1])
     decision = acceptance.contest(stalled, timed(1.0, [1, 1, 1]), lambda label: timed(1.05, [1, 1, 1]),
                                   lambda label: timed(1.0, [1, 1, 1]), again)
-    assert decision.accepted and decision.ratio == pytest.approx(1.05)   # no stalled run among the pairs
+    assert decision.accepted and decision.p is not None and decision.ratio == pytest.approx(1.05)
     alone = acceptance.contest(stalled, timed(1.0, [1, 1, 1]), None, None)
     assert not alone.accepted and alone.reason.startswith("screened out: ") and "two runs" not in alone.reason
+
+
+def test_the_faster_of_two_runs_is_scored_on_its_own_rows():
+    """fastest's score is the evaluator's (the geometric mean of the floor fractions) over the rows it keeps."""
+    def run(fractions):
+        return EvalResult(status="passed", stage="done", device="cpu", score=math.exp(sum(map(math.log, fractions)) / 3),
+                          benchmark=[{"case_name": c, "tokens_per_second": 1000 * f, "floor_fraction": f}
+                                     for c, f in zip(CASES, fractions)])
+    merged = acceptance.fastest(run([0.1, 0.4, 0.2]), run([0.3, 0.2, 0.2]))
+    assert merged.score == pytest.approx((0.3 * 0.4 * 0.2) ** (1 / 3))
 
 
 def test_sign_test_matches_its_definition():

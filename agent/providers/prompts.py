@@ -56,8 +56,9 @@ def slot_info(slot: str, variant: str) -> SlotInfo:
     head = 0
     while head < len(lines) and lines[head].startswith("#"):
         head += 1
+    title = next((i for i in range(head) if lines[i].startswith("# contract")), 0)
     contract = "\n".join(line.lstrip("#")[1:] if line.startswith("# ") else line.lstrip("#")
-                         for line in lines[2:head])   # below the `# slot:` line and the block's title
+                         for line in lines[title + 1:head])   # below the header lines and the block's title
     reference = "\n".join(lines[head:]).strip("\n")
     required = tuple(f.describe(variant) for f in CONTRACTS[slot] if not f.optional)
     optional = tuple(f.describe(variant) for f in CONTRACTS[slot] if f.optional)
@@ -209,15 +210,22 @@ def fused_rows(state: SearchState, slot: str = "") -> int:
     return param
 
 
+# The slots whose variant decides whether the paged engine captures a pass as a CUDA graph
+# (templates/engine/paged.py.j2 graph_safe_*), and the plan param that turns those graphs on.
+GRAPHED_SLOTS = {"decode_attention": "decode_graphs", "prefill_attention": "prefill_graphs"}
+
+
 def graph_blocking(state: SearchState, variants: dict | None = None) -> list[str]:
     """The slots whose variant in the best engine keeps it from capturing CUDA graphs on a GPU
-    (`# graphs: no`, agent/render.py graph_unsafe): the passes that call them run eagerly, every
-    kernel launched from the host. `variants`: model-written ones beside the best's own."""
+    (`# graphs: no`, agent/plan.py graph_unsafe) where the plan has those graphs on: the passes
+    that call them run eagerly, every kernel launched from the host. `variants`: model-written
+    ones beside the best's own."""
     best = state.best
     # only an engine that captures graphs has slots that block them (the recompute engine has neither)
     if state.device != "cuda" or best is None or "graph_unsafe" not in (ENGINES / f"{best.plan.engine}.py.j2").read_text():
         return []
-    slots = {s: best.plan.slots.get(s, REFERENCE_VARIANT) for s in SLOTS}
+    slots = {s: best.plan.slots.get(s, REFERENCE_VARIANT) for s, param in GRAPHED_SLOTS.items()
+             if best.plan.params.get(param, True) is not False}
     try:
         return sorted(graph_unsafe(slots, {**best.extra_variants, **(variants or {})}), key=SLOTS.index)
     except ValueError:   # a variant without a header (not one this run wrote): nothing to say
