@@ -281,8 +281,8 @@ def settle_conservative(state: SearchState, judge: Judge, ws: Workspace, report:
     stressed = report.spending(first)("conservative", judge(engine, first.directory, budget, STRESS))
     report.verdict(first, stressed, label="stress")
     if stressed.error_kind == DEADLINE:   # the budget ran out under it: unstressed still (--resume runs it)
-        report.warn(f"the conservative engine stays the result without its stress suite: the budget ran out "
-                    f"before it finished (its self-tests, below, run it)")
+        report.warn("the conservative engine stays the result without its stress suite: the budget ran out "
+                    "before it finished (its self-tests, below, run it)")
         report.finished(first)
         return
     if stressed.passed:

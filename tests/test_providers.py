@@ -387,7 +387,7 @@ def test_on_a_gpu_the_slots_that_keep_the_engine_eager_are_asked_for_first(tmp_p
     saying why; then the shares decide. On a CPU, or once the attention is graph-safe, nothing blocks."""
     from agent.providers.llm import BLOCKING_TRIES, KERNEL
     state = paged_state("cuda")
-    assert prompts.graph_blocking(state) == ["prefill_attention", "decode_attention"]
+    assert prompts.graph_blocking(state) == ["decode_attention", "prefill_attention"]
     assert prompts.graph_blocking(paged_state("cpu")) == []
     safe = Plan("paged", {**state.best.plan.slots, "decode_attention": "triton_split", "prefill_attention": "triton"},
                 state.best.plan.params)

@@ -57,7 +57,6 @@ EVAL_RESERVE_S = 60.0  # run time kept free after a request, for judging what it
 # shows its worth (a scripted good model's run from all-torch, twenty-third session: four slots
 # written and judged, none faster, the attention slots never asked for).
 BLOCKING_TRIES = 2
-BLOCKING_ORDER = ("decode_attention", "prefill_attention")   # decode steps dominate 4 of the 5 cases
 
 
 @dataclass
@@ -323,11 +322,10 @@ class LLMProposer:
     def _choose_slot(self, state: SearchState, profile: prompts.Profile) -> str:
         """On a GPU, a slot whose current variant keeps the engine from capturing CUDA graphs
         (prompts.graph_blocking), for its first BLOCKING_TRIES episodes; then the largest share of
-        the time per attempt on the slot so far."""
+        the time per attempt on the slot so far. (min keeps graph_blocking's order among ties: decode first.)"""
         blocking = [s for s in prompts.graph_blocking(state, self.variants) if self.attempts_per_slot[s] < BLOCKING_TRIES]
         if blocking:
-            return min(blocking, key=lambda s: (self.attempts_per_slot[s], BLOCKING_ORDER.index(s)
-                                                if s in BLOCKING_ORDER else len(BLOCKING_ORDER) + SLOTS.index(s)))
+            return min(blocking, key=lambda s: self.attempts_per_slot[s])
         return max(SLOTS, key=lambda s: (profile.share(s) / (1 + self.attempts_per_slot[s]), -SLOTS.index(s)))
 
     # --- one episode: ask, check, repair --------------------------------------------------

@@ -18,7 +18,7 @@ from agent.plan import ENGINES, KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_pa
 from agent.records import Candidate, EvalResult, SearchState
 from evaluator.slot_render import render_kernel
 from evaluator.slot_shapes import DEFAULT_FUSED_ROWS, CallShape, Dims, ShapeTiming, call_shapes
-from evaluator.slots import CONTRACTS, SLOT_FUNCTIONS, SLOTS
+from evaluator.slots import CONTRACTS, SLOT_FUNCTIONS
 from evaluator.traces import PUBLIC_CASES
 
 PROMPTS = TEMPLATES / "prompts"
@@ -211,7 +211,8 @@ def fused_rows(state: SearchState, slot: str = "") -> int:
 
 
 # The slots whose variant decides whether the paged engine captures a pass as a CUDA graph
-# (templates/engine/paged.py.j2 graph_safe_*), and the plan param that turns those graphs on.
+# (templates/engine/paged.py.j2 graph_safe_*), and the plan param that turns those graphs on;
+# decode first: decode steps dominate four of the five benchmark cases.
 GRAPHED_SLOTS = {"decode_attention": "decode_graphs", "prefill_attention": "prefill_graphs"}
 
 
@@ -219,7 +220,7 @@ def graph_blocking(state: SearchState, variants: dict | None = None) -> list[str
     """The slots whose variant in the best engine keeps it from capturing CUDA graphs on a GPU
     (`# graphs: no`, agent/plan.py graph_unsafe) where the plan has those graphs on: the passes
     that call them run eagerly, every kernel launched from the host. `variants`: model-written
-    ones beside the best's own."""
+    ones beside the best's own. In GRAPHED_SLOTS' order."""
     best = state.best
     # only an engine that captures graphs has slots that block them (the recompute engine has neither)
     if state.device != "cuda" or best is None or "graph_unsafe" not in (ENGINES / f"{best.plan.engine}.py.j2").read_text():
@@ -227,7 +228,8 @@ def graph_blocking(state: SearchState, variants: dict | None = None) -> list[str
     slots = {s: best.plan.slots.get(s, REFERENCE_VARIANT) for s, param in GRAPHED_SLOTS.items()
              if best.plan.params.get(param, True) is not False}
     try:
-        return sorted(graph_unsafe(slots, {**best.extra_variants, **(variants or {})}), key=SLOTS.index)
+        unsafe = graph_unsafe(slots, {**best.extra_variants, **(variants or {})})
+        return [s for s in GRAPHED_SLOTS if s in unsafe]
     except ValueError:   # a variant without a header (not one this run wrote): nothing to say
         return []
 
