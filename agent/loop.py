@@ -73,6 +73,12 @@ RESERVE_SECONDS = 5.0        # kept back from the budget to write the summary an
 MIN_EVAL_SECONDS = 10.0      # less than this left: no evaluation can finish, stop proposing
 HANG_FACTOR, HANG_SLACK_SECONDS = 3.0, 120.0   # a candidate this much slower than any pass is hung
 BUDGET_CUT_SLACK_SECONDS = 1.0   # a timeout within this of the budget left was the budget's (cut_by_budget)
+# Before any final: a first final's length against the quickest pass, by device. On a GPU a final
+# adds the stress suite to timing the engine at the full repeat (screens time one fresh engine a
+# case): 33-46 s against screens of 13-25 s (H100 and H200, public config, twenty-second and
+# twenty-third sessions). On a CPU a final times nothing (its screen's timing is joined in) and
+# took less than a screen: expected_seconds stands.
+FIRST_FINAL_FACTOR = {"cuda": 2.5}
 RANKED_0 = "ranked 0 (any engine that passes replaces it)"   # a conservative engine whose stress failed
 
 
@@ -191,9 +197,9 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
     report.line(f"     {'ACCEPT' if decision.accepted else 'REJECT'}: {decision.reason}")
     if not decision.accepted:
         return decided(screen, decision.reason)
-    if left() < expected_final_seconds(state):   # a final cut by the deadline would read as the engine's timeout
+    if left() < expected_final_seconds(state, screen):   # a final cut by the deadline would be lost
         why = (f"won its contest, but its final (the stress suite) cannot fit the {max(left(), 0):.0f}s of the "
-               f"budget left (a final takes ~{expected_final_seconds(state):.0f}s): the best so far stays")
+               f"budget left (a final takes ~{expected_final_seconds(state, screen):.0f}s): the best so far stays")
         report.line(f"     NOT INSTALLED: {why}")
         return decided(screen, why)
     incumbent_result = state.best_result
@@ -341,12 +347,20 @@ def expected_seconds(state: SearchState) -> float:
     return max(min(fast, default=MIN_EVAL_SECONDS), MIN_EVAL_SECONDS)
 
 
-def expected_final_seconds(state: SearchState) -> float:
+def expected_final_seconds(state: SearchState, screen: EvalResult) -> float:
     """An optimistic guess of a final's length: the quickest earlier final of a non-conservative
-    engine (a verdict with its stress suite), else the quickest pass (expected_seconds)."""
+    engine (a verdict with its stress suite), else on a device with a FIRST_FINAL_FACTOR the
+    quickest pass (this candidate's `screen` among them) times it, else the quickest pass
+    (expected_seconds)."""
     finals = [r.seconds for c, r in state.history
               if r.passed and r.stress is not None and c.plan.engine != search.CONSERVATIVE_ENGINE]
-    return max(min(finals), MIN_EVAL_SECONDS) if finals else expected_seconds(state)
+    if finals:
+        return max(min(finals), MIN_EVAL_SECONDS)
+    factor = FIRST_FINAL_FACTOR.get(state.device)
+    if factor is None:   # a final no longer than a pass
+        return expected_seconds(state)
+    passes = [r.seconds for c, r in state.history if r.passed and c.plan.engine != search.CONSERVATIVE_ENGINE]
+    return max(min(passes + [screen.seconds]), MIN_EVAL_SECONDS) * factor
 
 
 def cut_by_budget(result: EvalResult, timeout: float, budget: float, state: SearchState) -> EvalResult:

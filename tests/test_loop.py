@@ -420,6 +420,24 @@ def test_a_verdict_killed_when_the_budget_runs_out_is_not_the_engines_timeout(tm
     assert [k for k, _ in proposer.feedback_seen] == ([a.key()] if cut else [a.key(), b.key()])
 
 
+@pytest.mark.parametrize("device, installed", [("cuda", False), ("cpu", True)])
+def test_a_first_final_on_a_gpu_is_expected_to_take_longer_than_a_screen(tmp_path, monkeypatch, device, installed):
+    """No final judged yet: on a GPU a final (stress suite and the full timing) is expected to take
+    FIRST_FINAL_FACTOR times the quickest screen, so a clear winner with less left is not started
+    into a cut final; on a CPU (the final times nothing) the quickest pass stands."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(loop, "time", SimpleNamespace(monotonic=lambda: 1000.0))
+    a = Plan("paged")
+    left = 60.0   # above a's 30 s screen, below 2.5 times it
+    ws, _, _ = run_loop(tmp_path, ListProposer([a]), {CONSERVATIVE: passed(1.0), a.key(): passed(5.0, 30.0)},
+                        budget=loop.RESERVE_SECONDS + left, device=device, monkeypatch=monkeypatch)
+    log = (ws.root / "results.log").read_text()
+    assert (installed_key(ws) == a.key()) == installed
+    assert ("NOT INSTALLED: won its contest, but its final (the stress suite) cannot fit the 60s" in log) != installed
+    if not installed:
+        assert f"a final takes ~{30 * loop.FIRST_FINAL_FACTOR['cuda']:.0f}s" in log
+
+
 def test_the_conservative_stress_is_skipped_when_a_challenger_replaces_it(tmp_path, monkeypatch):
     a = Plan("paged")
     calls = []
