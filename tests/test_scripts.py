@@ -114,3 +114,12 @@ def test_the_profile_finds_where_the_gpu_waits():
     facts = idle_gaps(ops, t0)
     assert facts["idle_gaps"] == 1 and abs(facts["idle_gaps_us"] - long_gap) < 0.2
     assert [(g["after"], g["before"]) for g in facts["largest_gaps"]] == [("near", "far")]
+
+
+def test_first_run_reads_each_timed_runs_delivery_from_the_judges_moments():
+    """A verdict's split_ms per run: (judge sent -> worker received, ..., worker answered -> judge has it);
+    the delivery is its first part, per case and run."""
+    from scripts.gpu.first_run import deliveries
+    bench = [{"case_name": "prefill", "split_ms": [[2.76, 0.04, 1.35, 0.004, 0.14], [0.03, 0.03, 1.3, 0.004, 0.1]]},
+             {"case_name": "mixed", "split_ms": [[3.96, 0.03, 7.96, 0.005, 0.15]]}, {"case_name": "decode"}]
+    assert deliveries(bench) == {"prefill": [2.76, 0.03], "mixed": [3.96], "decode": []}

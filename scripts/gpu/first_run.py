@@ -11,8 +11,11 @@ runs, as SPEC.md §5 orders them); then the order of the judge again with torch.
 the first timed run, printing what took its time. Writes first_run.json and first_run_profile.txt.
 
 --judge instead asks the run's judge (agent/judge.py, as run.sh does) for screens of the engine
-(TIMING, one fresh engine a case), three with --spare-worker off and three with it on, and
-prints each screen's runs.
+(TIMING, one fresh engine a case), --screens with --spare-worker off and as many with it on, and
+prints each screen's runs and each run's delivery: the judge sending the timed request to the
+worker having it, which a stalled run showed at 1.2-4.0 ms against ~0.03 (twenty-third session,
+two jobs on one host; `first-run --judge --screens 10` on one GPU with nothing beside it says
+whether the second job was the cause).
 """
 from __future__ import annotations
 
@@ -38,6 +41,11 @@ def runs(bench: list[dict]) -> dict[str, list[float]]:
     return {c["case_name"]: [round(ms, 2) for ms in c["runs_ms"]] for c in bench}
 
 
+def deliveries(bench: list[dict]) -> dict[str, list[float]]:
+    """Per case, each timed run's delivery in ms (the first of its split_ms: judge sent, worker received)."""
+    return {c["case_name"]: [round(split[0], 3) for split in c.get("split_ms") or []] for c in bench}
+
+
 def profiled_first_run(module, config: dict, weights: str, out: Path) -> float:
     """Warm-ups of CASES with the reference (as run_benchmark), then the first prefill run profiled."""
     cases = [_Case(name, benchmark_trace(name), make_generator(0, "cuda")) for name in CASES]
@@ -60,8 +68,8 @@ def profiled_first_run(module, config: dict, weights: str, out: Path) -> float:
     return run.seconds * 1e3
 
 
-def judge_screens(engine: Path, out: Path) -> dict[str, list[dict]]:
-    """Three screens of `engine` from one judge process per --spare-worker setting."""
+def judge_screens(engine: Path, out: Path, screens: int) -> dict[str, list[dict]]:
+    """`screens` screens of `engine` from one judge process per --spare-worker setting."""
     import sys
     from agent.judge import TIMING, Judge, JudgeSettings
     found = {}
@@ -71,10 +79,10 @@ def judge_screens(engine: Path, out: Path) -> dict[str, list[dict]]:
                                  triton_cache=out / "triton-cache")
         (out / "triton-cache").mkdir(exist_ok=True)
         with Judge(settings, out / f"judge-{spare}") as judge:
-            for i in range(3):
+            for i in range(screens):
                 r = judge.verdict(engine, out / f"spare-{spare}-{i}", 600, settings.for_phase(TIMING))
                 row = {"status": r.status, "error": r.error, "stages": r.stage_seconds,
-                       "runs": runs(r.benchmark or [])}
+                       "runs": runs(r.benchmark or []), "delivery_ms": deliveries(r.benchmark or [])}
                 print(f"spare {spare}, screen {i}: {row}", flush=True)
                 found.setdefault(f"spare {spare}", []).append(row)
     return found
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plan", default=FINAL_PLAN)
     p.add_argument("--engine")
     p.add_argument("--judge", action="store_true", help="screens through the run's judge, its spare worker off and on")
+    p.add_argument("--screens", type=int, default=3, help="with --judge: screens per spare-worker setting")
     p.add_argument("--out", default=out_dir("/tmp/first_run"))
     a = p.parse_args(argv)
     out = Path(a.out)
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     ensure_toy_weights()
     engine = Path(a.engine) if a.engine else render_to_file(library_plans()[a.plan], "first_run")
     if a.judge:
-        (out / "first_run.json").write_text(json.dumps(judge_screens(engine, out), indent=2) + "\n")
+        (out / "first_run.json").write_text(json.dumps(judge_screens(engine, out, a.screens), indent=2) + "\n")
         return
     module = load_engine_module(engine)
     config = load_config(PUBLIC_CONFIG)
