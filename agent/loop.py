@@ -197,9 +197,10 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
     report.line(f"     {'ACCEPT' if decision.accepted else 'REJECT'}: {decision.reason}")
     if not decision.accepted:
         return decided(screen, decision.reason)
-    if left() < expected_final_seconds(state, screen):   # a final cut by the deadline would be lost
+    final_seconds = expected_final_seconds(state, screen)
+    if left() < final_seconds:   # a final cut by the deadline would be lost
         why = (f"won its contest, but its final (the stress suite) cannot fit the {max(left(), 0):.0f}s of the "
-               f"budget left (a final takes ~{expected_final_seconds(state, screen):.0f}s): the best so far stays")
+               f"budget left (a final takes ~{final_seconds:.0f}s): the best so far stays")
         report.line(f"     NOT INSTALLED: {why}")
         return decided(screen, why)
     incumbent_result = state.best_result
@@ -340,11 +341,12 @@ def install(entry: Entry, result: EvalResult, source: str, ws: Workspace, report
               f"{entry.candidate.note}\n{json.dumps(entry.candidate.to_dict(), indent=2)}")
 
 
-def expected_seconds(state: SearchState) -> float:
+def expected_seconds(state: SearchState, also: tuple[float, ...] = ()) -> float:
     """An optimistic guess of the next evaluation's length: the quickest pass of a
-    non-conservative engine (a candidate that overruns is killed at the deadline anyway)."""
+    non-conservative engine, `also` (passes not in the history yet) among them (a candidate that
+    overruns is killed at the deadline anyway)."""
     fast = [r.seconds for c, r in state.history if r.passed and c.plan.engine != search.CONSERVATIVE_ENGINE]
-    return max(min(fast, default=MIN_EVAL_SECONDS), MIN_EVAL_SECONDS)
+    return max(min(fast + list(also), default=MIN_EVAL_SECONDS), MIN_EVAL_SECONDS)
 
 
 def expected_final_seconds(state: SearchState, screen: EvalResult) -> float:
@@ -359,8 +361,7 @@ def expected_final_seconds(state: SearchState, screen: EvalResult) -> float:
     factor = FIRST_FINAL_FACTOR.get(state.device)
     if factor is None:   # a final no longer than a pass
         return expected_seconds(state)
-    passes = [r.seconds for c, r in state.history if r.passed and c.plan.engine != search.CONSERVATIVE_ENGINE]
-    return max(min(passes + [screen.seconds]), MIN_EVAL_SECONDS) * factor
+    return expected_seconds(state, (screen.seconds,)) * factor
 
 
 def cut_by_budget(result: EvalResult, timeout: float, budget: float, state: SearchState) -> EvalResult:

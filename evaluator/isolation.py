@@ -330,13 +330,12 @@ class Jail:
             for path in (self.home, self.home / "tmp"):
                 os.chown(path, uid, uid)
             os.chmod(self.home, 0o700)
-        if self.triton_cache is not None:
-            triton_cache.seed(self.triton_cache, self.compile_cache, uid)
+        self.refresh_cache()
 
     def refresh_cache(self) -> None:
-        """The shared Triton cache copied in again: a worker started ahead of its verdict
-        (evaluator/resident.py's spare) gets the kernels added since, before any candidate code
-        runs in it."""
+        """The shared Triton cache's entries the worker's cache lacks, copied in: at the jail's
+        start, and again for a worker started ahead of its verdict (evaluator/resident.py's spare),
+        which gets the kernels added since, before any candidate code runs in it."""
         if self.triton_cache is not None:
             triton_cache.seed(self.triton_cache, self.compile_cache, self.spec.uid)
 

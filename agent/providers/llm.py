@@ -319,11 +319,12 @@ class LLMProposer:
             return PLAN
         return PLAN if self.episodes % self.settings.plan_every == 0 else KERNEL
 
-    def _choose_slot(self, state: SearchState, profile: prompts.Profile) -> str:
+    def _choose_slot(self, blocking: list[str], profile: prompts.Profile) -> str:
         """On a GPU, a slot whose current variant keeps the engine from capturing CUDA graphs
-        (prompts.graph_blocking), for its first BLOCKING_TRIES episodes; then the largest share of
-        the time per attempt on the slot so far. (min keeps graph_blocking's order among ties: decode first.)"""
-        blocking = [s for s in prompts.graph_blocking(state, self.variants) if self.attempts_per_slot[s] < BLOCKING_TRIES]
+        (`blocking`, prompts.graph_blocking), for its first BLOCKING_TRIES episodes; then the
+        largest share of the time per attempt on the slot so far. (min keeps graph_blocking's
+        order among ties: decode first.)"""
+        blocking = [s for s in blocking if self.attempts_per_slot[s] < BLOCKING_TRIES]
         if blocking:
             return min(blocking, key=lambda s: self.attempts_per_slot[s])
         return max(SLOTS, key=lambda s: (profile.share(s) / (1 + self.attempts_per_slot[s]), -SLOTS.index(s)))
@@ -433,7 +434,8 @@ class LLMProposer:
         if kind == PLAN:
             text = prompts.render("plan", best_plan_json=prompts.best_plan_json(best), **common)
             return _Episode(PLAN, f"plan change #{self.episodes}", [{"role": "user", "content": text}])
-        slot = self._choose_slot(state, profile)
+        blocking = prompts.graph_blocking(state, self.variants)
+        slot = self._choose_slot(blocking, profile)
         self.attempts_per_slot[slot] += 1
         self.variants_written += 1
         name = f"llm_{self.variants_written}"
@@ -448,7 +450,7 @@ class LLMProposer:
                               best_plan=best.plan.describe(), current_variant=current, current_code=code.strip("\n"),
                               shapes=shapes[:prompts.SHAPES_SHOWN], measured=prompts.measured_shapes(state.best_result, slot),
                               fused_rows=prompts.fused_rows(state, slot),
-                              blocking=slot in prompts.graph_blocking(state, self.variants),
+                              blocking=slot in blocking,
                               tolerance=prompts.tolerance(self._dtype(state)), **common)
         return _Episode(KERNEL, f"{slot}/{name}", [{"role": "system", "content": system},
                                                   {"role": "user", "content": user}], slot, name,

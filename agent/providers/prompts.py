@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import jinja2
 
 from agent import policy
-from agent.plan import ENGINES, KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_params, engines, graph_unsafe, menu
+from agent.plan import KERNELS, REFERENCE_VARIANT, TEMPLATES, engine_params, engines, graph_unsafe, menu
 from agent.records import Candidate, EvalResult, SearchState
 from evaluator.slot_render import render_kernel
 from evaluator.slot_shapes import DEFAULT_FUSED_ROWS, CallShape, Dims, ShapeTiming, call_shapes
@@ -222,11 +222,11 @@ def graph_blocking(state: SearchState, variants: dict | None = None) -> list[str
     that call them run eagerly, every kernel launched from the host. `variants`: model-written
     ones beside the best's own. In GRAPHED_SLOTS' order."""
     best = state.best
-    # only an engine that captures graphs has slots that block them (the recompute engine has neither)
-    if state.device != "cuda" or best is None or "graph_unsafe" not in (ENGINES / f"{best.plan.engine}.py.j2").read_text():
+    if state.device != "cuda" or best is None:
         return []
+    params = engine_params(best.plan.engine)   # an engine without the graph params captures none (recompute)
     slots = {s: best.plan.slots.get(s, REFERENCE_VARIANT) for s, param in GRAPHED_SLOTS.items()
-             if best.plan.params.get(param, True) is not False}
+             if param in params and best.plan.params.get(param, params[param].default) is not False}
     try:
         unsafe = graph_unsafe(slots, {**best.extra_variants, **(variants or {})})
         return [s for s in GRAPHED_SLOTS if s in unsafe]
