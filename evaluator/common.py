@@ -167,7 +167,11 @@ def load_weights(weight_dir: str | Path, config: dict | None = None) -> dict[str
     config), the HF folder's files (evaluator/checkpoint.py) for a config naming its architecture."""
     if config is not None and is_hf(config):
         return load_hf_weights(weight_dir, config)
-    return torch.load(Path(weight_dir) / WEIGHT_FILE, map_location="cpu", weights_only=True)
+    path = Path(weight_dir) / WEIGHT_FILE
+    try:   # mapped: each tensor is read when it is cast (a private mapping: writes never reach the file)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:   # a legacy, non-zip file cannot be mapped
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def synchronize(device: str) -> None:

@@ -183,6 +183,25 @@ def test_public_sequence_cpu(tmp_path):
     public_sequence(Checked(torch_plan(), config(), tmp_path))
 
 
+@pytest.mark.parametrize("engine", ["paged", "recompute"])
+def test_a_legacy_weight_file_loads_where_it_cannot_be_mapped_cpu(tmp_path, monkeypatch, engine):
+    """Engines map model.pt; a file torch saved in its old, non-zip format cannot be mapped, and
+    is read whole instead. The check: such a file gives the same logits as the mapped one."""
+    plan = torch_plan() if engine == "paged" else Plan("recompute")
+    module = load_engine(plan)
+    weights = random_weights(config(), seed=3, scale=CPU_SCALE, norm_spread=0.5)
+    logits = []
+    for legacy in (False, True):
+        folder = tmp_path / str(legacy)
+        folder.mkdir()
+        torch.save(weights, folder / "model.pt", _use_new_zipfile_serialization=not legacy)
+        eng = module.create_engine(config(), str(folder), "cpu")
+        logits.append(eng.prefill([0], [torch.arange(9)]))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="mmap"):
+        torch.load(tmp_path / "True" / "model.pt", weights_only=True, mmap=True)
+
+
 @pytest.mark.parametrize("cfg", [
     config(),
     config(num_key_value_heads=2, head_dim=24),                # GQA, head_dim != hidden/heads
