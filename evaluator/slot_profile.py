@@ -11,7 +11,14 @@ The trace then runs once untimed (compilation, CUDA-graph capture), and once und
 torch.profiler. Attribution:
 * on CUDA, each kernel goes to the slot range it was launched from; kernels launched from no
   slot range (a replayed CUDA graph launches them all from one cudaGraphLaunch) go to the slot
-  whose ranges launched a kernel of that name in the same pass, else to `other`;
+  whose ranges launched a kernel of that name, in the same pass or in the engine's creation,
+  else to `other`. An engine that captures every pass it runs launches nothing from a slot
+  range in the pass itself (its slot functions ran while it captured its graphs), so on CUDA
+  its creation is watched too, for the kernel names alone (`named_while`): torch.profiler for
+  what torch launches (it ties no Triton kernel to a CPU range: Triton launches through the
+  driver API), and Triton's launch hook for Triton's, each name with the slot open at its
+  launch. A name launched from two slots, or also from outside any (a fill, a copy, a cuBLAS
+  GEMM shared with lm_head), is learnt for none: its replayed kernels stay `other`;
 * on the CPU, each outermost slot range's CPU time (its ops ran inside it).
 `other_ms` is the pass's wall time less the slots' (GEMMs of unfused passes, embedding,
 lm_head, host work, the profiler's own overhead). `fused_rows` is the engine's own limit on the
@@ -40,6 +47,9 @@ def _shape(value) -> str:
     return "[" + ",".join(str(int(d)) for d in shape) + "]" if shape is not None else ""
 
 
+_OPEN: list[tuple[str, str]] = []   # the slot ranges open now, outermost first (wrap_slots' wrappers)
+
+
 def wrap_slots(namespace: dict, record_function: Callable) -> dict:
     """Replace every slot function in `namespace` (a module's globals) by a profiled wrapper;
     return the originals to put back."""
@@ -53,8 +63,13 @@ def wrap_slots(namespace: dict, record_function: Callable) -> dict:
 
         def profiled(*args, __f=value, __slot=slot, __fn=fn, __first=first, **kwargs):
             arg = args[0] if args else kwargs.get(__first)
-            with record_function(f"{RANGE}{__slot}:{__fn} {__first}{_shape(arg)}"):
-                return __f(*args, **kwargs)
+            label = f"{__fn} {__first}{_shape(arg)}"
+            with record_function(f"{RANGE}{__slot}:{label}"):
+                _OPEN.append((__slot, label))
+                try:
+                    return __f(*args, **kwargs)
+                finally:
+                    _OPEN.pop()
         saved[name] = value
         namespace[name] = profiled
     return saved
@@ -71,8 +86,86 @@ def _slot_of(event) -> tuple[str, str] | None:
     return found
 
 
-def attribute(events, device: str, wall_ms: float) -> dict:
-    """EvalResult.slot_ms from a profiler's events (torch.profiler.profile().events())."""
+Seen = dict[str, set]   # kernel name -> every (slot, label) it was launched from; None: from outside any slot
+
+
+def _seen_in_events(events, seen: Seen) -> None:
+    """What torch.profiler tied to CPU ranges: each kernel with its event's outermost slot range."""
+    for e in events:
+        for k in getattr(e, "kernels", []):
+            seen.setdefault(k.name, set()).add(_slot_of(e))
+
+
+def kernel_names(seen: Seen) -> dict[str, tuple[str, str]]:
+    """kernel name -> (slot, "fn arg[shape]"), for the names launched from one slot only, never
+    from two slots nor from outside any; of that slot's ranges, the least label (one name may
+    serve several call shapes: its replayed time goes to one of them)."""
+    names = {}
+    for name, wheres in seen.items():
+        if None not in wheres and len({slot for slot, _ in wheres}) == 1:
+            names[name] = min(wheres)
+    return names
+
+
+class _TritonLaunches:
+    """Triton's launch hook, while open: every Triton kernel launched, with the slot open then.
+    Triton 3.4+ keeps its hooks in `triton.knobs.runtime` (a chain from 3.7, a single hook
+    before), older ones on CompiledKernel; no Triton, or no hook there: nothing is seen."""
+
+    def __init__(self, seen: Seen):
+        self.seen, self.owner, self.before = seen, None, None
+
+    def hook(self, metadata) -> None:
+        try:
+            name = metadata.get()["name"]
+        except Exception:   # a metadata shape this Triton does not give: the name stays unknown
+            return
+        self.seen.setdefault(name, set()).add(_OPEN[0] if _OPEN else None)
+
+    def __enter__(self) -> "_TritonLaunches":
+        try:
+            from triton import knobs
+            self.owner = knobs.runtime
+        except ImportError:
+            try:
+                from triton.compiler.compiler import CompiledKernel
+                self.owner = CompiledKernel
+            except ImportError:
+                return self
+        self.before = getattr(self.owner, "launch_enter_hook", None)
+        if hasattr(self.before, "add"):
+            self.before.add(self.hook)
+        else:
+            before = self.before
+            setattr(self.owner, "launch_enter_hook",
+                    self.hook if before is None else lambda m: (before(m), self.hook(m)))
+        return self
+
+    def __exit__(self, *_) -> None:
+        if self.owner is None:
+            return
+        if hasattr(self.before, "remove"):
+            self.before.remove(self.hook)
+        else:
+            setattr(self.owner, "launch_enter_hook", self.before)
+
+
+def named_while(torch, make: Callable[[], object], device: str) -> tuple[object, dict[str, tuple[str, str]]]:
+    """make()'s result, and on CUDA the kernel names its slot ranges launched (kernel_names)."""
+    if device != "cuda":
+        return make(), {}
+    from torch.profiler import ProfilerActivity, profile
+    seen: Seen = {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, _TritonLaunches(seen):
+        made = make()
+        torch.cuda.synchronize()
+    _seen_in_events(prof.events(), seen)
+    return made, kernel_names(seen)
+
+
+def attribute(events, device: str, wall_ms: float, known: dict[str, tuple[str, str]] | None = None) -> dict:
+    """EvalResult.slot_ms from a profiler's events (torch.profiler.profile().events()); `known`:
+    kernel names learnt outside the pass (named_while), for kernels launched from no slot range."""
     ms: dict[str, float] = defaultdict(float)
     shapes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     calls: dict[str, int] = defaultdict(int)
@@ -93,7 +186,7 @@ def attribute(events, device: str, wall_ms: float) -> dict:
                 ms[where[0]] += k.duration / 1e3
                 shapes[where[0]][where[1]] += k.duration / 1e3
         for name, kernel_ms in orphans:
-            where = by_name.get(name)
+            where = by_name.get(name) or (known or {}).get(name)
             if where is not None:
                 ms[where[0]] += kernel_ms
                 shapes[where[0]][where[1]] += kernel_ms
@@ -108,7 +201,7 @@ def attribute(events, device: str, wall_ms: float) -> dict:
     return {"slots": slots, "total_ms": wall_ms, "other_ms": max(wall_ms - sum(ms.values()), 0.0)}
 
 
-def profile_trace(torch, run: Callable[[], None], device: str) -> dict:
+def profile_trace(torch, run: Callable[[], None], device: str, known: dict[str, tuple[str, str]] | None = None) -> dict:
     """Run `run` (the whole trace, one pass) under torch.profiler and attribute its time."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -118,7 +211,7 @@ def profile_trace(torch, run: Callable[[], None], device: str) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
-    result = attribute(prof.events(), device, wall_ms)
+    result = attribute(prof.events(), device, wall_ms, known)
     result["source"] = f"torch.profiler, {'CUDA kernels' if device == 'cuda' else 'CPU ops'}"
     return result
 

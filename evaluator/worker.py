@@ -184,17 +184,17 @@ class Worker:
 
     def profile(self, req: dict, payload: bytes) -> dict:
         """The profiled pass of one trace on an engine of its own, created while the module's slot
-        functions are wrapped in profiler ranges (evaluator/slot_profile.py): once untimed, once
-        under torch.profiler. Its slot_ms is this worker's claim, reported and never scored."""
+        functions are wrapped in profiler ranges (on CUDA under torch.profiler, for the kernel names
+        its graphs replay: evaluator/slot_profile.py): once untimed, once under torch.profiler. Its slot_ms is this worker's claim, reported and never scored."""
         from evaluator import slot_profile
         torch, device = self.torch, req["device"]
         if self.module is None:
             raise Refusal(self.common.CRASH, "profile before load")
         namespace = vars(self.module)
         saved = slot_profile.wrap_slots(namespace, torch.profiler.record_function)
-        try:
-            engine = self.common.call_engine("create_engine", self.module.create_engine, req["config"],
-                                             req["weight_dir"], device)
+        try:   # created under the profiler on CUDA: the names of the kernels its graphs will replay
+            engine, known = slot_profile.named_while(torch, lambda: self.common.call_engine(
+                "create_engine", self.module.create_engine, req["config"], req["weight_dir"], device), device)
         finally:
             namespace.update(saved)
         flat = self._tokens(payload, device)
@@ -207,7 +207,7 @@ class Worker:
                     self.common.call_engine(f"profiled pass, call {index + 1}", fn, *args)
 
         run()
-        result = slot_profile.profile_trace(torch, run, device)
+        result = slot_profile.profile_trace(torch, run, device, known)
         rows = getattr(getattr(engine, "kernels", None), "fused_rows", None)   # the paged engine's Kernels
         if isinstance(rows, int) and not isinstance(rows, bool):
             result["fused_rows"] = rows

@@ -4,7 +4,9 @@ refinement turn of a correct but slower answer, the profiled pass's per-slot att
 the picture of the search. Scripted answers go through the real parsing, checking and timing."""
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from dataclasses import replace
 
 import pytest
@@ -116,6 +118,118 @@ def test_a_correct_but_slower_variant_is_refined_with_its_numbers(tmp_path, monk
     replayed = again.propose(profiled_state())
     assert not any("differs from the recording" in line for line in replay_log)
     assert replayed is not None and replayed.extra_variants == candidate.extra_variants
+
+
+class _Kernel:
+    def __init__(self, name, us):
+        self.name, self.duration = name, us   # as torch.profiler's kernel records: duration in us
+
+
+class _Event:
+    def __init__(self, name, parent=None, kernels=()):
+        self.name, self.cpu_parent, self.kernels = name, parent, list(kernels)
+
+
+def test_graph_replayed_kernels_take_the_slot_their_names_were_launched_from_at_creation():
+    """A fully captured engine's pass launches every kernel from cudaGraphLaunch, in no slot
+    range; the names its slot ranges launched while the engine was created attribute them.
+    Without those names the pass is all `other` (what an H200 showed: slots {} for the library
+    plan, twenty-fourth session). A name also launched outside any slot is not learnt."""
+    from evaluator import slot_profile
+    warm = _Event("slot:decode_attention:decode_attention q[8,4,192]")
+    norm = _Event("slot:norm:rmsnorm x[8,768]")
+    creation = [warm, _Event("cudaLaunchKernel", warm, [_Kernel("_decode_split_kernel", 4.0)]),
+                norm, _Event("aten::fill_", norm, [_Kernel("fill", 1.0)]),
+                _Event("aten::zeros", None, [_Kernel("fill", 1.0)]),        # the same name outside a slot
+                _Event("aten::mm", None, [_Kernel("nvjet_lm_head", 3.0)])]  # outside any slot
+    seen = {}
+    slot_profile._seen_in_events(creation, seen)
+    known = slot_profile.kernel_names(seen)
+    assert known == {"_decode_split_kernel": ("decode_attention", "decode_attention q[8,4,192]")}
+    replay = [_Event("cudaGraphLaunch", None, [_Kernel("_decode_split_kernel", 5000.0), _Kernel("nvjet_lm_head", 2000.0),
+                                               _Kernel("fill", 1000.0)])]
+    blind = slot_profile.attribute(replay, "cuda", wall_ms=10.0)
+    assert blind["slots"] == {} and blind["other_ms"] == 10.0
+    seen_ = slot_profile.attribute(replay, "cuda", wall_ms=10.0, known=known)
+    assert seen_["slots"]["decode_attention"]["ms"] == pytest.approx(5.0)
+    assert seen_["slots"]["decode_attention"]["shapes"] == {"decode_attention q[8,4,192]": pytest.approx(5.0)}
+    assert seen_["other_ms"] == pytest.approx(5.0)   # lm_head's and the fill's kernels stay the rest's
+    # a kernel the pass itself launched from a slot range keeps that range, whatever creation saw
+    own = _Event("slot:linear:linear x[8,768]")
+    mixed = slot_profile.attribute([own, _Event("cudaLaunchKernel", own, [_Kernel("_decode_split_kernel", 1000.0)]),
+                                    *replay], "cuda", wall_ms=10.0, known=known)
+    assert mixed["slots"]["linear"]["ms"] == pytest.approx(6.0) and "decode_attention" not in mixed["slots"]
+
+
+class _Meta:
+    def __init__(self, name):
+        self.name = name
+
+    def get(self):
+        return {"name": self.name}
+
+
+class _Chain:
+    """Triton 3.7's HookChain: add, remove, call them all."""
+
+    def __init__(self):
+        self.calls = []
+
+    def add(self, f):
+        self.calls.append(f)
+
+    def remove(self, f):
+        self.calls.remove(f)
+
+    def __call__(self, m):
+        for f in self.calls:
+            f(m)
+
+
+@pytest.mark.parametrize("style", ["single", "chain"])
+def test_triton_launches_are_named_by_the_slot_open_when_they_launch(monkeypatch, style):
+    """torch.profiler ties no Triton kernel to a CPU range, so the creation's Triton launches are
+    named through Triton's launch hook (a single hook in Triton 3.4-3.6, a chain from 3.7): each
+    with the outermost slot open at its launch; one launched outside every slot is not learnt;
+    the hook Triton had before is back afterwards. The launcher is played by calling the hook."""
+    import types
+    from evaluator import slot_profile
+    runtime = types.SimpleNamespace(launch_enter_hook=None if style == "single" else _Chain())
+    before = runtime.launch_enter_hook
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(knobs=types.SimpleNamespace(runtime=runtime)))
+
+    def launch(name):
+        if runtime.launch_enter_hook is not None:
+            runtime.launch_enter_hook(_Meta(name))
+
+    def rmsnorm__triton(x, weight, eps):
+        launch("_rmsnorm_kernel")
+        launch("_shared_kernel")
+
+    def linear_silu__triton(x, weight):
+        launch("_gemm_kernel")
+        namespace["rmsnorm__triton"](x, None, 0.0)   # a slot called inside another: the outer one is open
+
+    namespace = {"rmsnorm__triton": rmsnorm__triton, "linear_silu__triton": linear_silu__triton}
+    saved = slot_profile.wrap_slots(namespace, lambda name: contextlib.nullcontext())
+    x = torch.zeros(8, 64)
+
+    def make():
+        namespace["rmsnorm__triton"](x, None, 0.0)
+        namespace["linear_silu__triton"](x, None)
+        launch("_shared_kernel")   # outside any slot
+        return "engine"
+
+    seen = {}
+    with slot_profile._TritonLaunches(seen):
+        assert make() == "engine"
+    namespace.update(saved)
+    assert runtime.launch_enter_hook is before and (style == "single" or before.calls == [])
+    assert seen["_rmsnorm_kernel"] == {("norm", "rmsnorm x[8,64]"), ("linear", "linear_silu x[8,64]")}
+    assert None in seen["_shared_kernel"]
+    # _rmsnorm_kernel ran under two slots (norm's own range, and linear's around it), _shared_kernel
+    # also outside any: only _gemm_kernel is learnt
+    assert slot_profile.kernel_names(seen) == {"_gemm_kernel": ("linear", "linear_silu x[8,64]")}
 
 
 @pytest.mark.usefixtures("single_thread")
