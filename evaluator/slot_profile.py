@@ -10,9 +10,9 @@ wrapper and the rendered engine is unchanged (no cost when the pass is not asked
 The trace then runs once untimed (compilation, CUDA-graph capture), and once under
 torch.profiler. Attribution:
 * on CUDA, each kernel goes to the slot range it was launched from; kernels launched from no
-  slot range (a replayed CUDA graph launches them all from one cudaGraphLaunch) go to the slot
-  whose ranges launched a kernel of that name, in the same pass or in the engine's creation,
-  else to `other`. An engine that captures every pass it runs launches nothing from a slot
+  slot range (a replayed CUDA graph's, which torch ties to no CPU range at all: they are
+  events of their own only) go to the slot whose ranges launched a kernel of that name, in
+  the same pass or in the engine's creation, else to `other`. An engine that captures every pass it runs launches nothing from a slot
   range in the pass itself (its slot functions ran while it captured its graphs), so on CUDA
   its creation is watched too, for the kernel names alone (`named_while`): torch.profiler for
   what torch launches (it ties no Triton kernel to a CPU range: Triton launches through the
@@ -40,6 +40,7 @@ _RANGE = re.compile(r"^slot:(\w+):(\w+) (.*)$")
 # every function a slot may define -> (slot, the name of its first argument)
 _FUNCTIONS = {f.name: (slot, f.arg_names[0]) for slot, fns in CONTRACTS.items() for f in fns}
 _SLOT_NAME = re.compile(r"^(\w+?)__(\w+)$")
+UNTIED_EPS_MS = 1e-6   # below this, a name's device time and its tied time differ by rounding only
 
 
 def _shape(value) -> str:
@@ -175,17 +176,30 @@ def attribute(events, device: str, wall_ms: float, known: dict[str, tuple[str, s
             calls[m.group(1)] += 1
     if device == "cuda":
         by_name: dict[str, tuple[str, str]] = {}
-        orphans: list[tuple[str, float]] = []
+        orphans: dict[str, float] = defaultdict(float)   # kernel name -> ms launched from no slot range
+        tied: dict[str, float] = defaultdict(float)      # kernel name -> ms tied to a CPU range
         for e in events:
             for k in getattr(e, "kernels", []):
+                kernel_ms = k.duration / 1e3
+                tied[k.name] += kernel_ms
                 where = _slot_of(e)
                 if where is None:
-                    orphans.append((k.name, k.duration / 1e3))
+                    orphans[k.name] += kernel_ms
                     continue
                 by_name.setdefault(k.name, where)
-                ms[where[0]] += k.duration / 1e3
-                shapes[where[0]][where[1]] += k.duration / 1e3
-        for name, kernel_ms in orphans:
+                ms[where[0]] += kernel_ms
+                shapes[where[0]][where[1]] += kernel_ms
+        # Every kernel is also an event of its own; torch ties to a CPU range only those whose
+        # launch it correlates with an op or a record_function (not a replayed graph's, measured
+        # on an H200): the rest of each name's time is launched from no slot range.
+        on_device: dict[str, float] = defaultdict(float)
+        for e in events:
+            if getattr(getattr(e, "device_type", None), "name", None) == "CUDA":
+                on_device[e.name] += e.time_range.elapsed_us() / 1e3
+        for name, kernel_ms in on_device.items():
+            if kernel_ms - tied[name] > UNTIED_EPS_MS:
+                orphans[name] += kernel_ms - tied[name]
+        for name, kernel_ms in orphans.items():
             where = by_name.get(name) or (known or {}).get(name)
             if where is not None:
                 ms[where[0]] += kernel_ms

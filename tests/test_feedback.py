@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import types
 from dataclasses import replace
 
 import pytest
@@ -126,8 +127,18 @@ class _Kernel:
 
 
 class _Event:
-    def __init__(self, name, parent=None, kernels=()):
+    """torch.profiler's FunctionEvent as attribute reads it: a CPU event with the kernels torch
+    tied to it, or (on_device_us) a kernel's own event."""
+
+    def __init__(self, name, parent=None, kernels=(), on_device_us=None):
         self.name, self.cpu_parent, self.kernels = name, parent, list(kernels)
+        self.device_type = types.SimpleNamespace(name="CPU" if on_device_us is None else "CUDA")
+        self.time_range = types.SimpleNamespace(elapsed_us=lambda: on_device_us)
+
+
+def _on_device(*kernels):
+    """Each kernel's own event, as torch lists every kernel (tied to a CPU range or not)."""
+    return [_Event(k.name, on_device_us=k.duration) for k in kernels]
 
 
 def test_graph_replayed_kernels_take_the_slot_their_names_were_launched_from_at_creation():
@@ -146,8 +157,9 @@ def test_graph_replayed_kernels_take_the_slot_their_names_were_launched_from_at_
     slot_profile._seen_in_events(creation, seen)
     known = slot_profile.kernel_names(seen)
     assert known == {"_decode_split_kernel": ("decode_attention", "decode_attention q[8,4,192]")}
-    replay = [_Event("cudaGraphLaunch", None, [_Kernel("_decode_split_kernel", 5000.0), _Kernel("nvjet_lm_head", 2000.0),
-                                               _Kernel("fill", 1000.0)])]
+    # a replayed graph's kernels are tied to no CPU event (not even its cudaGraphLaunch): events of their own only
+    replay = [_Event("cudaGraphLaunch"), *_on_device(_Kernel("_decode_split_kernel", 5000.0),
+                                                     _Kernel("nvjet_lm_head", 2000.0), _Kernel("fill", 1000.0))]
     blind = slot_profile.attribute(replay, "cuda", wall_ms=10.0)
     assert blind["slots"] == {} and blind["other_ms"] == 10.0
     seen_ = slot_profile.attribute(replay, "cuda", wall_ms=10.0, known=known)
@@ -155,10 +167,12 @@ def test_graph_replayed_kernels_take_the_slot_their_names_were_launched_from_at_
     assert seen_["slots"]["decode_attention"]["shapes"] == {"decode_attention q[8,4,192]": pytest.approx(5.0)}
     assert seen_["other_ms"] == pytest.approx(5.0)   # lm_head's and the fill's kernels stay the rest's
     # a kernel the pass itself launched from a slot range keeps that range, whatever creation saw
-    own = _Event("slot:linear:linear x[8,768]")
-    mixed = slot_profile.attribute([own, _Event("cudaLaunchKernel", own, [_Kernel("_decode_split_kernel", 1000.0)]),
-                                    *replay], "cuda", wall_ms=10.0, known=known)
+    # (and it is counted once: torch lists a tied kernel as an event of its own too)
+    own, eager = _Event("slot:linear:linear x[8,768]"), _Kernel("_decode_split_kernel", 1000.0)
+    mixed = slot_profile.attribute([own, _Event("cudaLaunchKernel", own, [eager]), *_on_device(eager), *replay],
+                                   "cuda", wall_ms=10.0, known=known)
     assert mixed["slots"]["linear"]["ms"] == pytest.approx(6.0) and "decode_attention" not in mixed["slots"]
+    assert mixed["other_ms"] == pytest.approx(4.0)   # the wall less the slots
 
 
 class _Meta:
@@ -192,7 +206,6 @@ def test_triton_launches_are_named_by_the_slot_open_when_they_launch(monkeypatch
     named through Triton's launch hook (a single hook in Triton 3.4-3.6, a chain from 3.7): each
     with the outermost slot open at its launch; one launched outside every slot is not learnt;
     the hook Triton had before is back afterwards. The launcher is played by calling the hook."""
-    import types
     from evaluator import slot_profile
     runtime = types.SimpleNamespace(launch_enter_hook=None if style == "single" else _Chain())
     before = runtime.launch_enter_hook
