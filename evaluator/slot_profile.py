@@ -9,16 +9,18 @@ wrapper and the rendered engine is unchanged (no cost when the pass is not asked
 
 The trace then runs once untimed (compilation, CUDA-graph capture), and once under
 torch.profiler. Attribution:
-* on CUDA, each kernel goes to the slot range it was launched from; kernels launched from no
+* on CUDA, each kernel goes to the slot range it was launched from. Kernels launched from no
   slot range (a replayed CUDA graph's, which torch ties to no CPU range at all: they are
-  events of their own only) go to the slot whose ranges launched a kernel of that name, in
-  the same pass or in the engine's creation, else to `other`. An engine that captures every pass it runs launches nothing from a slot
-  range in the pass itself (its slot functions ran while it captured its graphs), so on CUDA
-  its creation is watched too, for the kernel names alone (`named_while`): torch.profiler for
-  what torch launches (it ties no Triton kernel to a CPU range: Triton launches through the
-  driver API), and Triton's launch hook for Triton's, each name with the slot open at its
-  launch. A name launched from two slots, or also from outside any (a fill, a copy, a cuBLAS
-  GEMM shared with lm_head), is learnt for none: its replayed kernels stay `other`;
+  events of their own only) go to the slot whose ranges launched a kernel of that name, in the
+  pass or in the engine's creation, under the label REPLAYED (one name serves every shape a
+  graph holds), else to `other`. An engine that captures every pass it runs launches nothing
+  from a slot range in the pass itself (its slot functions ran while it captured its graphs),
+  so on CUDA its creation is watched too, for the kernel names alone (`named_while`):
+  torch.profiler for what torch launches (it ties no Triton kernel to a CPU range: Triton
+  launches through the driver API), and Triton's launch hook for Triton's, each name with the
+  slot open at its launch. A name launched from two slots, or also from outside any (a fill, a
+  copy, a cuBLAS GEMM shared with lm_head), is learnt for none: its replayed kernels stay
+  `other`;
 * on the CPU, each outermost slot range's CPU time (its ops ran inside it).
 `other_ms` is the pass's wall time less the slots' (GEMMs of unfused passes, embedding,
 lm_head, host work, the profiler's own overhead). `fused_rows` is the engine's own limit on the
@@ -41,6 +43,7 @@ _RANGE = re.compile(r"^slot:(\w+):(\w+) (.*)$")
 _FUNCTIONS = {f.name: (slot, f.arg_names[0]) for slot, fns in CONTRACTS.items() for f in fns}
 _SLOT_NAME = re.compile(r"^(\w+?)__(\w+)$")
 UNTIED_EPS_MS = 1e-6   # below this, a name's device time and its tied time differ by rounding only
+REPLAYED = "kernel {kernel} launched from no slot call (graph replays: every shape)"   # a slot_ms label
 
 
 def _shape(value) -> str:
@@ -97,14 +100,14 @@ def _seen_in_events(events, seen: Seen) -> None:
             seen.setdefault(k.name, set()).add(_slot_of(e))
 
 
-def kernel_names(seen: Seen) -> dict[str, tuple[str, str]]:
-    """kernel name -> (slot, "fn arg[shape]"), for the names launched from one slot only, never
-    from two slots nor from outside any; of that slot's ranges, the least label (one name may
-    serve several call shapes: its replayed time goes to one of them)."""
+def kernel_names(seen: Seen) -> dict[str, str]:
+    """kernel name -> slot, for the names launched from one slot only, never from two slots nor
+    from outside any."""
     names = {}
     for name, wheres in seen.items():
-        if None not in wheres and len({slot for slot, _ in wheres}) == 1:
-            names[name] = min(wheres)
+        slots = {where[0] if where else None for where in wheres}
+        if len(slots) == 1 and None not in slots:
+            names[name] = slots.pop()
     return names
 
 
@@ -151,7 +154,7 @@ class _TritonLaunches:
             setattr(self.owner, "launch_enter_hook", self.before)
 
 
-def named_while(torch, make: Callable[[], object], device: str) -> tuple[object, dict[str, tuple[str, str]]]:
+def named_while(torch, make: Callable[[], object], device: str) -> tuple[object, dict[str, str]]:
     """make()'s result, and on CUDA the kernel names its slot ranges launched (kernel_names)."""
     if device != "cuda":
         return make(), {}
@@ -164,9 +167,11 @@ def named_while(torch, make: Callable[[], object], device: str) -> tuple[object,
     return made, kernel_names(seen)
 
 
-def attribute(events, device: str, wall_ms: float, known: dict[str, tuple[str, str]] | None = None) -> dict:
+def attribute(events, device: str, wall_ms: float, known: dict[str, str] | None = None) -> dict:
     """EvalResult.slot_ms from a profiler's events (torch.profiler.profile().events()); `known`:
-    kernel names learnt outside the pass (named_while), for kernels launched from no slot range."""
+    kernel name -> slot, learnt outside the pass (named_while), for kernels launched from no slot
+    range. Such time is the slot's under REPLAYED (the kernel's name), not under a call shape:
+    one name serves every shape a graph was captured at."""
     ms: dict[str, float] = defaultdict(float)
     shapes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     calls: dict[str, int] = defaultdict(int)
@@ -175,7 +180,7 @@ def attribute(events, device: str, wall_ms: float, known: dict[str, tuple[str, s
         if m and (e.cpu_parent is None or _slot_of(e.cpu_parent) is None):
             calls[m.group(1)] += 1
     if device == "cuda":
-        by_name: dict[str, tuple[str, str]] = {}
+        by_name: dict[str, str] = {}   # kernel name -> the slot of the first range that launched it
         orphans: dict[str, float] = defaultdict(float)   # kernel name -> ms launched from no slot range
         tied: dict[str, float] = defaultdict(float)      # kernel name -> ms tied to a CPU range
         for e in events:
@@ -186,7 +191,7 @@ def attribute(events, device: str, wall_ms: float, known: dict[str, tuple[str, s
                 if where is None:
                     orphans[k.name] += kernel_ms
                     continue
-                by_name.setdefault(k.name, where)
+                by_name.setdefault(k.name, where[0])
                 ms[where[0]] += kernel_ms
                 shapes[where[0]][where[1]] += kernel_ms
         # Every kernel is also an event of its own; torch ties to a CPU range only those whose
@@ -200,10 +205,10 @@ def attribute(events, device: str, wall_ms: float, known: dict[str, tuple[str, s
             if kernel_ms - tied[name] > UNTIED_EPS_MS:
                 orphans[name] += kernel_ms - tied[name]
         for name, kernel_ms in orphans.items():
-            where = by_name.get(name) or (known or {}).get(name)
-            if where is not None:
-                ms[where[0]] += kernel_ms
-                shapes[where[0]][where[1]] += kernel_ms
+            slot = by_name.get(name) or (known or {}).get(name)
+            if slot is not None:
+                ms[slot] += kernel_ms
+                shapes[slot][REPLAYED.format(kernel=name)] += kernel_ms
     else:
         for e in events:
             m = _RANGE.match(e.name)
@@ -215,7 +220,7 @@ def attribute(events, device: str, wall_ms: float, known: dict[str, tuple[str, s
     return {"slots": slots, "total_ms": wall_ms, "other_ms": max(wall_ms - sum(ms.values()), 0.0)}
 
 
-def profile_trace(torch, run: Callable[[], None], device: str, known: dict[str, tuple[str, str]] | None = None) -> dict:
+def profile_trace(torch, run: Callable[[], None], device: str, known: dict[str, str] | None = None) -> dict:
     """Run `run` (the whole trace, one pass) under torch.profiler and attribute its time."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
