@@ -168,7 +168,10 @@ def load_weights(weight_dir: str | Path, config: dict | None = None) -> dict[str
     if config is not None and is_hf(config):
         return load_hf_weights(weight_dir, config)
     path = Path(weight_dir) / WEIGHT_FILE
-    try:   # mapped: each tensor is read when it is cast (a private mapping: writes never reach the file)
+    # Mapped: each tensor is read when it is cast. A mapping sees later writes to the file, and
+    # a confined worker cannot make any: the file is root's, or the jail's root-owned copy
+    # (isolation.Jail.readable); an unconfined one could rewrite the judge's own files too.
+    try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError:   # a legacy, non-zip file cannot be mapped
         return torch.load(path, map_location="cpu", weights_only=True)
