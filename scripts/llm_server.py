@@ -128,13 +128,19 @@ class GoodModel(ScriptedServer):
     best plan with the newest model variant of every slot the prompt's menu lists (a good model
     stacks its own kernels), or, with none to stack, a plain sentence (no code). A plan prompt
     gets the same plan change. It never names a library variant: kernels come from it alone.
-    `answers`: (slot or "plan", what it sent) in order, for the report."""
+    `answers`: (slot or "plan", what it sent) in order, for the report. `memory()` is what it
+    must keep for a run continued in another process (`--resume`): the slots whose fast answer
+    it sent; `remembered` takes it back."""
 
-    def __init__(self, protocol: str = "openai", fixtures: Path = GOOD_ANSWERS):
+    def __init__(self, protocol: str = "openai", fixtures: Path = GOOD_ANSWERS, remembered: dict | None = None):
         super().__init__(protocol, [])
         self.fixtures = fixtures
         self.answers: list[tuple[str, str]] = []
-        self._fast_sent: set[str] = set()
+        self._fast_sent: set[str] = set((remembered or {}).get("fast_sent", []))
+
+    def memory(self) -> dict:
+        with self.lock:
+            return {"fast_sent": sorted(self._fast_sent)}
 
     def respond(self, step: dict, body: dict) -> tuple[int, dict]:
         return super().respond({"text": self.reply(body.get("messages", []))}, body)

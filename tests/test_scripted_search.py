@@ -126,3 +126,37 @@ def test_a_good_models_variant_is_accepted_into_the_engine(tmp_path, monkeypatch
                for c in results["candidates"] if c["plan"]["engine"] == "paged")   # no library kernel
     assert re.search(r"def \w+__llm_\d+\(", ws.engine.read_text())
     assert state.best.origin != "builtin" and state.best_result.passed
+
+
+def test_a_continued_run_keeps_its_workspace_budgets_and_the_models_memory(tmp_path):
+    """The default budget (1800 s) does not fit one device call: scripted-search leaves
+    continue.tgz, and the next call resumes from it. The good model keeps the slots whose fast
+    answer it sent (asked again, it stacks a plan instead of sending the kernel again), the
+    workspace comes back file for file, and a file that is not a continuation is refused."""
+    from scripts.gpu import scripted_search as ss
+    model = GoodModel()
+    ask = [{"role": "user", "content": "Write a faster variant `llm_3` of the slot `silu_mul`.\n..."}]
+    assert "def silu_mul__llm_3(" in model.reply(ask + [{"role": "assistant", "content": "x"}])   # the fast answer
+    again = GoodModel(remembered=json.loads(json.dumps(model.memory())))
+    assert again.memory() == {"fast_sent": ["silu_mul"]}
+    assert "def silu_mul__llm_4(" not in again.reply([{"role": "user", "content": ask[0]["content"].replace("llm_3", "llm_4")}])
+
+    ws = tmp_path / "ws"
+    (ws / "candidates" / "001_x").mkdir(parents=True)
+    (ws / "candidates" / "001_x" / "engine.py").write_text("print(1)\n")
+    (ws / "results.json").write_text('{"candidates": []}\n')
+    state = {"library_score": 0.127, "budgets": [450], "memory": model.memory()}
+    ss.write_continuation(tmp_path / ss.CONTINUATION, ws, state)
+    assert not (tmp_path / "continue.part").exists()
+    (ws / "stale.txt").write_text("from another run\n")   # the target is replaced, not merged into
+    back = ss.read_continuation(tmp_path / ss.CONTINUATION, ws)
+    assert back == state
+    assert sorted(str(p.relative_to(ws)) for p in ws.rglob("*")) == ["candidates", "candidates/001_x",
+                                                                      "candidates/001_x/engine.py", "results.json"]
+    assert (ws / "candidates" / "001_x" / "engine.py").read_text() == "print(1)\n"
+    import tarfile
+    with tarfile.open(tmp_path / "other.tgz", "w:gz") as tar:
+        tar.add(ws / "results.json", arcname="results.json")
+    with pytest.raises(ValueError, match="not a continue.tgz"):
+        ss.read_continuation(tmp_path / "other.tgz", tmp_path / "ws2")
+    assert ss.main(["--device", "cpu", "--continue-from", str(tmp_path / "other.tgz"), "--out", str(tmp_path / "o")]) == 2

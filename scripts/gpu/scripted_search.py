@@ -23,7 +23,11 @@
 The budget is REDUCED: the issue's check is "within the default budget" (1800 s on CUDA), but a
 device call lasts at most 10 minutes, so the default here is 300 s (with the library's
 evaluation, about 7-8 minutes in all); a GPU evaluation takes 50-100 s, so such a run judges only
-a handful of candidates, and its ratio is a lower bound on the default budget's. --device cpu is
+a handful of candidates, and its ratio is a lower bound on the default budget's. The default
+budget is reached over several calls: each leaves `continue.tgz` in --out (the run's workspace,
+the good model's memory, the budgets spent, the library's score), and `--continue-from` that
+file resumes the run (`python3 -m agent --resume`) for this call's --budget more, e.g. four
+calls of `--budget 450` (the judge's Triton cache is not kept: each call compiles anew). --device cpu is
 the smoke run: a tiny model, a short budget, the library plan all-torch (the library's
 kernels do not run on a CPU), the model's kernels through their torch fallbacks. Device tool:
 carry [".whl"]; on the device: `python3 -m scripts.gpu scripted-search --out $OUT`.
@@ -62,6 +66,43 @@ SMOKE_CONFIG = {"head_dim": 24, "hidden_size": 64, "intermediate_size": 160, "ma
                 "torch_dtype": "float16", "vocab_size": 256}
 KEPT = ("results.log", "results.json", "engine.py", "engine.json")
 LOG_TAIL = 40
+CONTINUATION = "continue.tgz"   # in --out: what --continue-from takes
+WORKSPACE_IN_TAR, STATE_IN_TAR = "workspace", "state.json"
+WORKSPACE = Path("/tmp/scripted_search_ws")
+SMOKE_MODEL = Path("/tmp/scripted_search_smoke")   # --device cpu: the tiny model's config and weights
+
+
+def write_continuation(path: Path, workspace: Path, state: dict) -> None:
+    """The run's workspace and `state` (library_score, budgets, memory) as one file, written whole."""
+    import io
+    import tarfile
+    partial = path.with_suffix(".part")
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(workspace, arcname=WORKSPACE_IN_TAR)
+        data = json.dumps(state, indent=1).encode()
+        info = tarfile.TarInfo(STATE_IN_TAR)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    partial.replace(path)
+
+
+def read_continuation(path: Path, workspace: Path) -> dict:
+    """`state` of a continuation file, its workspace extracted to `workspace` (replacing it)."""
+    import tarfile
+    shutil.rmtree(workspace, ignore_errors=True)
+    with tarfile.open(path, "r:gz") as tar:
+        names = tar.getnames()
+        if STATE_IN_TAR not in names or WORKSPACE_IN_TAR not in names:
+            raise ValueError(f"{path}: not a {CONTINUATION} of scripted-search (no {STATE_IN_TAR} or {WORKSPACE_IN_TAR}/)")
+        state = json.loads(tar.extractfile(STATE_IN_TAR).read())
+        members = [m for m in tar.getmembers() if m.name == WORKSPACE_IN_TAR or m.name.startswith(WORKSPACE_IN_TAR + "/")]
+        tmp = workspace.parent / (workspace.name + ".extract")
+        shutil.rmtree(tmp, ignore_errors=True)
+        extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(tmp, members=members, **extra)
+    (tmp / WORKSPACE_IN_TAR).replace(workspace)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return state
 
 
 def library_score(plan_name: str, config: str, weights: str, device: str, seed: int, out: Path) -> float | None:
@@ -119,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="stress seed, the same for the library and the run")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the smoke run on a tiny model")
     p.add_argument("--out", default=out_dir("/tmp/gpu_scripted_search"))
+    p.add_argument("--continue-from", type=Path, metavar="FILE",
+                   help=f"an earlier call's {CONTINUATION}: resume its run for --budget more seconds")
     a = p.parse_args(argv)
     if a.budget is not None and a.budget <= 0:
         p.error(f"--budget must be positive, got {a.budget}")
@@ -128,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     budget = a.budget or (SMOKE_BUDGET if smoke else DEFAULT_BUDGET)
     plan_name = a.library_plan or (CPU_LIBRARY_PLAN if smoke else FINAL_PLAN)
     out = Path(a.out)
-    if smoke:
-        out.mkdir(parents=True, exist_ok=True)
-        config, weights = str(out / "model_config.json"), str(out / "weights")
+    out.mkdir(parents=True, exist_ok=True)
+    if smoke:   # a fixed place: a continued run must name the same config and weights (agent/resume.py)
+        SMOKE_MODEL.mkdir(parents=True, exist_ok=True)
+        config, weights = str(SMOKE_MODEL / "model_config.json"), str(SMOKE_MODEL / "weights")
         Path(config).write_text(json.dumps(SMOKE_CONFIG, indent=1))
     else:
         prelude(out)
@@ -144,24 +188,37 @@ def main(argv: list[str] | None = None) -> int:
           f"({'600' if smoke else '1800'} s) to fit one device call; the issue's bar is at the default budget",
           flush=True)
 
+    previous = None
+    if a.continue_from is not None:
+        try:
+            previous = read_continuation(a.continue_from, WORKSPACE)
+        except (OSError, ValueError) as e:   # tarfile's errors are OSErrors; a bad state.json a ValueError
+            print(f"scripted-search: cannot continue from {a.continue_from}: {e}", file=sys.stderr)
+            return 2
     started = time.monotonic()
-    library = a.library_score
+    library = a.library_score or (previous or {}).get("library_score")
     if library is None and not smoke:
         print(f"== the library plan {plan_name!r} through the judge", flush=True)
         library = library_score(plan_name, config, weights, a.device, a.seed, out)
         print(f"library score {library} ({time.monotonic() - started:.0f}s)", flush=True)
 
-    print(f"== the agent from an all-torch start, kernels from the scripted good model only "
-          f"(budget {budget}s, parallel {a.parallel})", flush=True)
-    workspace = Path("/tmp/scripted_search_ws")
-    shutil.rmtree(workspace, ignore_errors=True)
+    budgets = (previous or {}).get("budgets", []) + [budget]
+    print(f"== the agent {'resumed' if previous else 'from an all-torch start'}, kernels from the scripted good "
+          f"model only (budget {budget}s, {sum(budgets)}s over {len(budgets)} call(s); parallel {a.parallel})",
+          flush=True)
+    workspace = WORKSPACE
+    if previous is None:
+        shutil.rmtree(workspace, ignore_errors=True)
     env = {**LLM_ENV, **({"LLM_KERNELS_ON_CPU": "1"} if smoke else {})}
-    with GoodModel("openai") as server:
+    with GoodModel("openai", remembered=(previous or {}).get("memory")) as server:
         os.environ.update({**env, "OPENAI_BASE_URL": server.url})
         code = run([sys.executable, "-m", "agent", "--provider", "openai", "--builtin-walk", "params",
                     "--device", a.device, "--budget", str(budget), "--parallel", str(a.parallel),
-                    "--seed", str(a.seed), "--config", config, "--weights", weights, "--workspace", str(workspace)],
+                    "--seed", str(a.seed), "--config", config, "--weights", weights, "--workspace", str(workspace)]
+                   + (["--resume"] if previous else []),
                    out / "agent.txt", timeout=budget + RUN_GRACE_S)
+    write_continuation(out / CONTINUATION, workspace, {"library_score": library, "budgets": budgets,
+                                                       "memory": server.memory()})
     for name in KEPT:
         if (workspace / name).is_file():
             shutil.copy(workspace / name, out / name)
@@ -173,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     score, verdict = final_score(workspace)
     log = (workspace / "results.log").read_text() if (workspace / "results.log").is_file() else ""
     ratio = score / library if score and library else None
-    summary = [f"agent exit {code}; budget {budget}s (reduced from the default; see --help)",
+    summary = [f"agent exit {code}; budget {budget}s this call, {sum(budgets)}s over {len(budgets)} call(s) "
+               f"(the run's default: {'600' if smoke else '1800'}s; see --help)",
                f"library plan {plan_name!r}: score {library}",
                f"final engine: #{verdict.get('index', 0):03d} {verdict.get('plan')}: score {score}",
                "ratio: " + (f"{100 * ratio:.1f}% of the library's score; target {100 * TARGET:.0f}%: "
