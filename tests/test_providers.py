@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import os
 import random
 import socket
@@ -519,3 +520,24 @@ def silu_mul__llm_7(gate_up):
         assert not late.exists()
     finally:
         marker.unlink(missing_ok=True)
+
+
+def test_a_resumed_run_keeps_the_models_earlier_variants_and_their_names(tmp_path, monkeypatch):
+    """A run continued with --resume has its earlier model variants in the history only: the
+    plan menu lists them (so a plan can stack them), and the next variant the model is asked for
+    takes the next free number, not one a judged plan already names."""
+    monkeypatch.setenv("LLM_KERNELS_ON_CPU", "1")
+    state = paged_state()
+    earlier = Candidate(Plan("paged", {**state.best.plan.slots, "decode_attention": "llm_5"}, state.best.plan.params),
+                        "openai:gpt-4.1-mini", "earlier", {("decode_attention", "llm_5"): "def decode_attention__llm_5(): pass\n"})
+    state.history.append((earlier, replace(state.best_result, score=0.5)))
+    with ScriptedServer("openai", [{"text": "no code here"}]) as server:
+        point_at(monkeypatch, "openai", server.url)
+        from agent.providers.openai import create
+        options = ProviderOptions("cpu", 0, tmp_path, Empty())
+        options.log = lambda line: None
+        create(options).ask(state)
+    prompt = json.dumps(server.requests[0]["body"]["messages"])
+    assert "Write a faster variant `llm_6` of the slot" in prompt
+    menu_line = re.search(r"  - `decode_attention`: ([^\\]*)\\n", prompt).group(1)
+    assert "llm_5" in menu_line.split(", ")

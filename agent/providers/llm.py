@@ -20,6 +20,7 @@ slower / wrong, with the unit timings, for the next prompt's history.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import traceback
@@ -27,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from agent.archive import Archive
 from agent.plan import ENGINES, Plan
 from agent.providers import prompts
 from agent.providers.budget import Budget, MeteredClient, Usage
@@ -52,6 +54,8 @@ LOG_CHARS = 300      # of a verdict's detail, in the log line
 SEED_STRIDE = 7919   # unit-check seeds: run seed * stride + check number
 HISTORY_LINES = 12   # most recent attempts shown in a prompt, to bound its size
 EVAL_RESERVE_S = 60.0  # run time kept free after a request, for judging what it produced
+VARIANT_PREFIX = "llm_"   # a model-written variant's name: the prefix and a number, unique within a run
+VARIANT_NAME = re.compile(VARIANT_PREFIX + r"(\d+)")
 # Episodes each graph-blocking slot gets first on a GPU (_choose_slot): while the best engine's
 # decode or prefill attention cannot be captured, every pass runs eagerly and no other kernel
 # shows its worth (a scripted good model's run from all-torch, twenty-third session: four slots
@@ -201,6 +205,7 @@ class LLMProposer:
         self.codes: dict[tuple[str, str], str] = {}      # ... and their code as the model wrote it
         self.seen: dict[str, str] = {}                   # code digest -> which attempt sent it
         self._fallback_keys: set[str] = set()
+        self._taken_over = False                         # _take_over: a resumed run's variants adopted
         self._pending: dict[str, _Pending] = {}
         self._deadline = 0.0                             # monotonic time the run's budget ends
         # agent/pipeline.py calls `ask` from several threads: everything above is changed under
@@ -211,6 +216,7 @@ class LLMProposer:
     def propose(self, state: SearchState) -> Candidate | None:
         with self._lock:
             self._set_deadline(state)
+            self._take_over(state)
             return self._propose(state)
 
     # --- the parallel pipeline's interface (agent/pipeline.py) ---------------------------
@@ -226,7 +232,24 @@ class LLMProposer:
             if not self.active:
                 return None
             self._set_deadline(state)
+            self._take_over(state)
             return self._guarded_episode(state)
+
+    def _take_over(self, state: SearchState) -> None:
+        """Once, at the first call: the variants a model wrote earlier in this run's history (a
+        run continued with --resume), so that the plan menu lists them, new variants are not given
+        their names (`llm_N`: a name already in a judged plan would make a new plan look judged),
+        and the slots they were written for count as tried."""
+        if self._taken_over:
+            return
+        self._taken_over = True
+        for (slot, name), record in Archive.of(state).variants().items():
+            if (slot, name) not in self.variants:
+                self.variants[(slot, name)] = record.text
+                self.attempts_per_slot[slot] = self.attempts_per_slot.get(slot, 0) + 1
+            number = VARIANT_NAME.fullmatch(name)
+            if number:
+                self.variants_written = max(self.variants_written, int(number.group(1)))
 
     def _set_deadline(self, state: SearchState) -> None:
         """No request, retries included, may outlive the run (less the time to judge its answer)."""
@@ -438,7 +461,7 @@ class LLMProposer:
         slot = self._choose_slot(blocking, profile)
         self.attempts_per_slot[slot] += 1
         self.variants_written += 1
-        name = f"llm_{self.variants_written}"
+        name = VARIANT_PREFIX + str(self.variants_written)
         info = prompts.slot_info(slot, name)
         current = best.plan.slots.get(slot, "torch")
         model_variants = {**best.extra_variants, **self.variants}
