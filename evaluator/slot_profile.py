@@ -15,7 +15,7 @@ torch.profiler. Attribution:
   pass or in the engine's creation, under the label REPLAYED (one name serves every shape a
   graph holds), else to `other`. An engine that captures every pass it runs launches nothing
   from a slot range in the pass itself (its slot functions ran while it captured its graphs),
-  so on CUDA its creation is watched too, for the kernel names alone (`named_while`):
+  so on CUDA its creation and the untimed pass are watched too, for the kernel names alone (`watched`):
   torch.profiler for what torch launches (it ties no Triton kernel to a CPU range: Triton
   launches through the driver API), and Triton's launch hook for Triton's, each name with the
   slot open at its launch. A name launched from two slots, or also from outside any (a fill, a
@@ -44,6 +44,7 @@ _FUNCTIONS = {f.name: (slot, f.arg_names[0]) for slot, fns in CONTRACTS.items() 
 _SLOT_NAME = re.compile(r"^(\w+?)__(\w+)$")
 UNTIED_EPS_MS = 1e-6   # below this, a name's device time and its tied time differ by rounding only
 REPLAYED = "kernel {kernel} launched from no slot call (graph replays: every shape)"   # a slot_ms label
+KERNEL_NAME_CHARS = 60   # of a kernel's name in that label
 
 
 def _shape(value) -> str:
@@ -154,24 +155,38 @@ class _TritonLaunches:
             setattr(self.owner, "launch_enter_hook", self.before)
 
 
-def named_while(torch, make: Callable[[], object], device: str) -> tuple[object, dict[str, str]]:
-    """make()'s result, and on CUDA the kernel names its slot ranges launched (kernel_names)."""
+def watched(torch, make: Callable[[], object], device: str, seen: Seen) -> object:
+    """make()'s result; on CUDA, every kernel name its slot ranges (or none) launched goes into
+    `seen` (torch.profiler for torch's launches, Triton's launch hook for Triton's)."""
     if device != "cuda":
-        return make(), {}
+        return make()
     from torch.profiler import ProfilerActivity, profile
-    seen: Seen = {}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, _TritonLaunches(seen):
         made = make()
         torch.cuda.synchronize()
     _seen_in_events(prof.events(), seen)
-    return made, kernel_names(seen)
+    return made
 
 
-def attribute(events, device: str, wall_ms: float, known: dict[str, str] | None = None) -> dict:
-    """EvalResult.slot_ms from a profiler's events (torch.profiler.profile().events()); `known`:
-    kernel name -> slot, learnt outside the pass (named_while), for kernels launched from no slot
-    range. Such time is the slot's under REPLAYED (the kernel's name), not under a call shape:
-    one name serves every shape a graph was captured at."""
+def _on_device(e) -> bool:
+    """A kernel's own event (not a CPU op's, nor a user range torch mirrors on the device)."""
+    return (getattr(getattr(e, "device_type", None), "name", None) == "CUDA"
+            and not getattr(e, "is_user_annotation", False))
+
+
+def replayed_label(kernel: str) -> str:
+    """REPLAYED for `kernel`, its name cut before any template or argument list (a demangled C++
+    name runs to hundreds of characters) and without backticks (it goes into a prompt)."""
+    short = kernel.split("(")[0].split("<")[0].replace("`", "").strip()[:KERNEL_NAME_CHARS]
+    return REPLAYED.format(kernel=short or "?")
+
+
+def attribute(events, device: str, wall_ms: float, seen: Seen | None = None) -> dict:
+    """EvalResult.slot_ms from a profiler's events (torch.profiler.profile().events()). On CUDA a
+    kernel tied to a slot range is that range's; the rest of a name's device time (launched from
+    no slot range: a replayed graph's) is the slot `kernel_names` gives the name over this pass's
+    tied launches and `seen` (the launches watched while the engine was made and warmed up), under
+    REPLAYED rather than a call shape: one name serves every shape a graph was captured at."""
     ms: dict[str, float] = defaultdict(float)
     shapes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     calls: dict[str, int] = defaultdict(int)
@@ -180,9 +195,10 @@ def attribute(events, device: str, wall_ms: float, known: dict[str, str] | None 
         if m and (e.cpu_parent is None or _slot_of(e.cpu_parent) is None):
             calls[m.group(1)] += 1
     if device == "cuda":
-        by_name: dict[str, str] = {}   # kernel name -> the slot of the first range that launched it
-        orphans: dict[str, float] = defaultdict(float)   # kernel name -> ms launched from no slot range
         tied: dict[str, float] = defaultdict(float)      # kernel name -> ms tied to a CPU range
+        orphans: dict[str, float] = defaultdict(float)   # kernel name -> ms launched from no slot range
+        launches: Seen = {name: set(wheres) for name, wheres in (seen or {}).items()}
+        _seen_in_events(events, launches)
         for e in events:
             for k in getattr(e, "kernels", []):
                 kernel_ms = k.duration / 1e3
@@ -191,7 +207,6 @@ def attribute(events, device: str, wall_ms: float, known: dict[str, str] | None 
                 if where is None:
                     orphans[k.name] += kernel_ms
                     continue
-                by_name.setdefault(k.name, where[0])
                 ms[where[0]] += kernel_ms
                 shapes[where[0]][where[1]] += kernel_ms
         # Every kernel is also an event of its own; torch ties to a CPU range only those whose
@@ -199,16 +214,17 @@ def attribute(events, device: str, wall_ms: float, known: dict[str, str] | None 
         # on an H200): the rest of each name's time is launched from no slot range.
         on_device: dict[str, float] = defaultdict(float)
         for e in events:
-            if getattr(getattr(e, "device_type", None), "name", None) == "CUDA":
+            if _on_device(e):
                 on_device[e.name] += e.time_range.elapsed_us() / 1e3
         for name, kernel_ms in on_device.items():
             if kernel_ms - tied[name] > UNTIED_EPS_MS:
                 orphans[name] += kernel_ms - tied[name]
+        names = kernel_names(launches)
         for name, kernel_ms in orphans.items():
-            slot = by_name.get(name) or (known or {}).get(name)
+            slot = names.get(name)
             if slot is not None:
                 ms[slot] += kernel_ms
-                shapes[slot][REPLAYED.format(kernel=name)] += kernel_ms
+                shapes[slot][replayed_label(name)] += kernel_ms
     else:
         for e in events:
             m = _RANGE.match(e.name)
@@ -220,7 +236,7 @@ def attribute(events, device: str, wall_ms: float, known: dict[str, str] | None 
     return {"slots": slots, "total_ms": wall_ms, "other_ms": max(wall_ms - sum(ms.values()), 0.0)}
 
 
-def profile_trace(torch, run: Callable[[], None], device: str, known: dict[str, str] | None = None) -> dict:
+def profile_trace(torch, run: Callable[[], None], device: str, seen: Seen | None = None) -> dict:
     """Run `run` (the whole trace, one pass) under torch.profiler and attribute its time."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -230,7 +246,7 @@ def profile_trace(torch, run: Callable[[], None], device: str, known: dict[str, 
         if device == "cuda":
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
-    result = attribute(prof.events(), device, wall_ms, known)
+    result = attribute(prof.events(), device, wall_ms, seen)
     result["source"] = f"torch.profiler, {'CUDA kernels' if device == 'cuda' else 'CPU ops'}"
     return result
 

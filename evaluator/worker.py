@@ -184,19 +184,21 @@ class Worker:
 
     def profile(self, req: dict, payload: bytes) -> dict:
         """The profiled pass of one trace on an engine of its own, created while the module's slot
-        functions are wrapped in profiler ranges (on CUDA under torch.profiler, for the kernel names
-        its graphs replay: evaluator/slot_profile.py): once untimed, once under torch.profiler. Its slot_ms is this worker's claim, reported and never scored."""
+        functions are wrapped in profiler ranges: once untimed, once under torch.profiler (on CUDA
+        the creation and the untimed pass watched for the kernel names its graphs replay:
+        evaluator/slot_profile.py). Its slot_ms is this worker's claim, reported, never scored."""
         from evaluator import slot_profile
         torch, device = self.torch, req["device"]
         if self.module is None:
             raise Refusal(self.common.CRASH, "profile before load")
         namespace = vars(self.module)
         saved = slot_profile.wrap_slots(namespace, torch.profiler.record_function)
-        try:   # created under the profiler on CUDA: the names of the kernels its graphs will replay
-            engine, known = slot_profile.named_while(torch, lambda: self.common.call_engine(
-                "create_engine", self.module.create_engine, req["config"], req["weight_dir"], device), device)
+        seen: dict = {}   # on CUDA: kernel names and the slots that launched them, as its graphs are captured
+        try:
+            engine = slot_profile.watched(torch, lambda: self.common.call_engine(
+                "create_engine", self.module.create_engine, req["config"], req["weight_dir"], device), device, seen)
         finally:
-            namespace.update(saved)
+            namespace.update(saved)   # the engine keeps the wrappers it bound; the module is as it was
         flat = self._tokens(payload, device)
 
         def run() -> None:
@@ -206,8 +208,8 @@ class Worker:
                     fn, args, _, at = self._bind(engine, op["kind"], list(op["ids"]), list(op["lengths"]), flat, at)
                     self.common.call_engine(f"profiled pass, call {index + 1}", fn, *args)
 
-        run()
-        result = slot_profile.profile_trace(torch, run, device, known)
+        slot_profile.watched(torch, run, device, seen)   # untimed: a graph captured on demand is named too
+        result = slot_profile.profile_trace(torch, run, device, seen)
         rows = getattr(getattr(engine, "kernels", None), "fused_rows", None)   # the paged engine's Kernels
         if isinstance(rows, int) and not isinstance(rows, bool):
             result["fused_rows"] = rows

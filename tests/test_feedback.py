@@ -162,19 +162,33 @@ def test_graph_replayed_kernels_take_the_slot_their_names_were_launched_from_at_
                                                      _Kernel("nvjet_lm_head", 2000.0), _Kernel("fill", 1000.0))]
     blind = slot_profile.attribute(replay, "cuda", wall_ms=10.0)
     assert blind["slots"] == {} and blind["other_ms"] == 10.0
-    seen_ = slot_profile.attribute(replay, "cuda", wall_ms=10.0, known=known)
-    assert seen_["slots"]["decode_attention"]["ms"] == pytest.approx(5.0)
+    named = slot_profile.attribute(replay, "cuda", wall_ms=10.0, seen=seen)
+    assert named["slots"]["decode_attention"]["ms"] == pytest.approx(5.0)
     # under the kernel's name, not a call shape: a graph's kernel serves every shape it was captured at
-    assert seen_["slots"]["decode_attention"]["shapes"] == {
+    assert named["slots"]["decode_attention"]["shapes"] == {
         slot_profile.REPLAYED.format(kernel="_decode_split_kernel"): pytest.approx(5.0)}
-    assert seen_["other_ms"] == pytest.approx(5.0)   # lm_head's and the fill's kernels stay the rest's
-    # a kernel the pass itself launched from a slot range keeps that range, whatever creation saw
-    # (and it is counted once: torch lists a tied kernel as an event of its own too)
+    assert named["other_ms"] == pytest.approx(5.0)   # lm_head's and the fill's kernels stay the rest's
+    # a kernel the pass itself launched from a slot range keeps that range (counted once: torch lists a
+    # tied kernel as an event of its own too); its name, now seen under two slots, names no replay
     own, eager = _Event("slot:linear:linear x[8,768]"), _Kernel("_decode_split_kernel", 1000.0)
     mixed = slot_profile.attribute([own, _Event("cudaLaunchKernel", own, [eager]), *_on_device(eager), *replay],
-                                   "cuda", wall_ms=10.0, known=known)
-    assert mixed["slots"]["linear"]["ms"] == pytest.approx(6.0) and "decode_attention" not in mixed["slots"]
-    assert mixed["other_ms"] == pytest.approx(4.0)   # the wall less the slots
+                                   "cuda", wall_ms=10.0, seen=seen)
+    assert mixed["slots"]["linear"]["ms"] == pytest.approx(1.0) and "decode_attention" not in mixed["slots"]
+    assert mixed["other_ms"] == pytest.approx(9.0)   # the wall less the slots
+    # a kernel the pass launched eagerly outside every slot is not a slot's, whatever else launched the name
+    norm_range, inside, outside = _Event("slot:norm:rmsnorm x[8,768]"), _Kernel("fill", 1000.0), _Kernel("fill", 3000.0)
+    fills = slot_profile.attribute([norm_range, _Event("aten::fill_", norm_range, [inside]),
+                                    _Event("aten::zeros", None, [outside]), *_on_device(inside, outside)],
+                                   "cuda", wall_ms=10.0)
+    assert fills["slots"]["norm"]["ms"] == pytest.approx(1.0) and fills["other_ms"] == pytest.approx(9.0)
+
+
+def test_a_replayed_kernels_label_is_short_and_safe_in_a_prompt():
+    from evaluator import slot_profile
+    cpp = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>, `x`>(int, ...)"
+    label = slot_profile.replayed_label(cpp)
+    assert "`" not in label and "FillFunctor" not in label and "vectorized_elementwise_kernel" in label
+    assert slot_profile.replayed_label("_gemm_kernel__triton") == slot_profile.REPLAYED.format(kernel="_gemm_kernel__triton")
 
 
 class _Meta:
