@@ -159,4 +159,20 @@ def test_a_continued_run_keeps_its_workspace_budgets_and_the_models_memory(tmp_p
         tar.add(ws / "results.json", arcname="results.json")
     with pytest.raises(ValueError, match="not a continue.tgz"):
         ss.read_continuation(tmp_path / "other.tgz", tmp_path / "ws2")
-    assert ss.main(["--device", "cpu", "--continue-from", str(tmp_path / "other.tgz"), "--out", str(tmp_path / "o")]) == 2
+    garbage = tmp_path / "garbage.tgz"
+    garbage.write_bytes(b"not a gzip file")
+    for bad in (tmp_path / "other.tgz", garbage):
+        with pytest.raises(ValueError):
+            ss.read_continuation(bad, ws)
+        assert (ws / "results.json").is_file()   # a file that is not a continuation replaces nothing
+
+
+def test_a_bad_continuation_file_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    from scripts.gpu import scripted_search as ss
+    monkeypatch.setattr(ss, "WORKSPACE", tmp_path / "ws")
+    monkeypatch.setattr(ss, "SMOKE_MODEL", tmp_path / "model")
+    bad = tmp_path / "bad.tgz"
+    bad.write_bytes(b"\x1f\x8b not really")
+    assert ss.main(["--device", "cpu", "--continue-from", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert f"cannot continue from {bad}: unreadable" in capsys.readouterr().err
+    assert not (tmp_path / "model").exists() and not (tmp_path / "o").exists()

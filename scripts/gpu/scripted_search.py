@@ -26,8 +26,8 @@ evaluation, about 7-8 minutes in all); a GPU evaluation takes 50-100 s, so such 
 a handful of candidates, and its ratio is a lower bound on the default budget's. The default
 budget is reached over several calls: each leaves `continue.tgz` in --out (the run's workspace,
 the good model's memory, the budgets spent, the library's score), and `--continue-from` that
-file resumes the run (`python3 -m agent --resume`) for this call's --budget more, e.g. four
-calls of `--budget 450` (the judge's Triton cache is not kept: each call compiles anew). --device cpu is
+file resumes the run (`python3 -m agent --resume`) for this call's --budget more (the judge's
+Triton cache is not kept: each call compiles anew). docs/llm.md has the commands. --device cpu is
 the smoke run: a tiny model, a short budget, the library plan all-torch (the library's
 kernels do not run on a CPU), the model's kernels through their torch fallbacks. Device tool:
 carry [".whl"]; on the device: `python3 -m scripts.gpu scripted-search --out $OUT`.
@@ -87,19 +87,29 @@ def write_continuation(path: Path, workspace: Path, state: dict) -> None:
 
 
 def read_continuation(path: Path, workspace: Path) -> dict:
-    """`state` of a continuation file, its workspace extracted to `workspace` (replacing it)."""
+    """`state` of a continuation file, its workspace extracted to `workspace` (replacing it only
+    once the file has proved to be one). ValueError names what is wrong with it."""
     import tarfile
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            members = tar.getmembers()
+            names = {m.name for m in members}
+            if STATE_IN_TAR not in names or WORKSPACE_IN_TAR not in names:
+                raise ValueError(f"not a {CONTINUATION} of scripted-search (no {STATE_IN_TAR} or {WORKSPACE_IN_TAR}/)")
+            state = json.loads(tar.extractfile(STATE_IN_TAR).read())
+            if not isinstance(state, dict) or not isinstance(state.get("budgets", []), list):
+                raise ValueError(f"{STATE_IN_TAR} is not a continuation's state")
+            ours = [m for m in members if m.name == WORKSPACE_IN_TAR or m.name.startswith(WORKSPACE_IN_TAR + "/")]
+            bad = [m.name for m in ours if not (m.isfile() or m.isdir()) or ".." in Path(m.name).parts]
+            if bad:   # write_continuation makes files and folders only, under workspace/
+                raise ValueError(f"unexpected members {bad[:3]}")
+            tmp = workspace.parent / (workspace.name + ".extract")
+            shutil.rmtree(tmp, ignore_errors=True)
+            extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(tmp, members=ours, **extra)
+    except (OSError, tarfile.TarError, UnicodeDecodeError) as e:
+        raise ValueError(f"unreadable: {e}") from e
     shutil.rmtree(workspace, ignore_errors=True)
-    with tarfile.open(path, "r:gz") as tar:
-        names = tar.getnames()
-        if STATE_IN_TAR not in names or WORKSPACE_IN_TAR not in names:
-            raise ValueError(f"{path}: not a {CONTINUATION} of scripted-search (no {STATE_IN_TAR} or {WORKSPACE_IN_TAR}/)")
-        state = json.loads(tar.extractfile(STATE_IN_TAR).read())
-        members = [m for m in tar.getmembers() if m.name == WORKSPACE_IN_TAR or m.name.startswith(WORKSPACE_IN_TAR + "/")]
-        tmp = workspace.parent / (workspace.name + ".extract")
-        shutil.rmtree(tmp, ignore_errors=True)
-        extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        tar.extractall(tmp, members=members, **extra)
     (tmp / WORKSPACE_IN_TAR).replace(workspace)
     shutil.rmtree(tmp, ignore_errors=True)
     return state
@@ -167,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--budget must be positive, got {a.budget}")
     if a.library_score is not None and not a.library_score > 0:
         p.error(f"--library-score must be positive, got {a.library_score}")
+    previous = None
+    if a.continue_from is not None:
+        try:
+            previous = read_continuation(a.continue_from, WORKSPACE)
+        except ValueError as e:
+            print(f"scripted-search: cannot continue from {a.continue_from}: {e}", file=sys.stderr)
+            return 2
     smoke = a.device == "cpu"
     budget = a.budget or (SMOKE_BUDGET if smoke else DEFAULT_BUDGET)
     plan_name = a.library_plan or (CPU_LIBRARY_PLAN if smoke else FINAL_PLAN)
@@ -188,13 +205,6 @@ def main(argv: list[str] | None = None) -> int:
           f"({'600' if smoke else '1800'} s) to fit one device call; the issue's bar is at the default budget",
           flush=True)
 
-    previous = None
-    if a.continue_from is not None:
-        try:
-            previous = read_continuation(a.continue_from, WORKSPACE)
-        except (OSError, ValueError) as e:   # tarfile's errors are OSErrors; a bad state.json a ValueError
-            print(f"scripted-search: cannot continue from {a.continue_from}: {e}", file=sys.stderr)
-            return 2
     started = time.monotonic()
     library = a.library_score or (previous or {}).get("library_score")
     if library is None and not smoke:
@@ -212,13 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     env = {**LLM_ENV, **({"LLM_KERNELS_ON_CPU": "1"} if smoke else {})}
     with GoodModel("openai", remembered=(previous or {}).get("memory")) as server:
         os.environ.update({**env, "OPENAI_BASE_URL": server.url})
-        code = run([sys.executable, "-m", "agent", "--provider", "openai", "--builtin-walk", "params",
+        try:
+            code = run([sys.executable, "-m", "agent", "--provider", "openai", "--builtin-walk", "params",
                     "--device", a.device, "--budget", str(budget), "--parallel", str(a.parallel),
                     "--seed", str(a.seed), "--config", config, "--weights", weights, "--workspace", str(workspace)]
-                   + (["--resume"] if previous else []),
-                   out / "agent.txt", timeout=budget + RUN_GRACE_S)
-    write_continuation(out / CONTINUATION, workspace, {"library_score": library, "budgets": budgets,
-                                                       "memory": server.memory()})
+                       + (["--resume"] if previous else []),
+                       out / "agent.txt", timeout=budget + RUN_GRACE_S)
+        finally:   # the next call's start, even where this one's agent was cut
+            if workspace.is_dir():
+                write_continuation(out / CONTINUATION, workspace, {"library_score": library, "budgets": budgets,
+                                                                   "memory": server.memory()})
     for name in KEPT:
         if (workspace / name).is_file():
             shutil.copy(workspace / name, out / name)
