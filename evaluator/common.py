@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,13 +169,25 @@ def load_weights(weight_dir: str | Path, config: dict | None = None) -> dict[str
     if config is not None and is_hf(config):
         return load_hf_weights(weight_dir, config)
     path = Path(weight_dir) / WEIGHT_FILE
-    # Mapped: each tensor is read when it is cast. A mapping sees later writes to the file, and
-    # a confined worker cannot make any: the file is root's, or the jail's root-owned copy
-    # (isolation.Jail.readable); an unconfined one could rewrite the judge's own files too.
+    if _mappable(path):   # each tensor read when it is cast
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:   # a legacy, non-zip file cannot be mapped
+            if "mmap" not in str(e):
+                raise
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _mappable(path: Path) -> bool:
+    """Whether the judge may map the weights rather than read them: a mapping sees later writes
+    to the file (a CPU fp32 reference keeps reading it), so only where no worker can write it:
+    the judge is root (a confined worker runs as a uid of its own), the file is root's, and
+    no one else may write it."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:   # a legacy, non-zip file cannot be mapped
-        return torch.load(path, map_location="cpu", weights_only=True)
+        st = path.stat()
+    except OSError:
+        return False   # torch.load says what is wrong with it
+    return os.geteuid() == 0 and st.st_uid == 0 and not st.st_mode & 0o022
 
 
 def synchronize(device: str) -> None:

@@ -148,3 +148,21 @@ def test_reference_margin_is_the_judges_own_distance_from_fp32(tiny_model, tiny_
     large = reference_margin(TINY_CONFIG, tiny_model_large.weight_dir, "cpu", seed=5, dtype=torch.bfloat16)
     assert toy == pytest.approx(worst) and toy < 1.0
     assert large < toy
+
+
+def test_the_judge_maps_weights_only_where_no_worker_can_write_them(tmp_path):
+    """load_weights maps model.pt (each tensor read when cast) only where the file is root's and
+    writable by root alone, the judge running as root: a mapping sees later writes to the file,
+    and confined workers run as uids of their own. A legacy, non-zip file is read whole."""
+    import os
+    from evaluator.common import _mappable, load_weights
+    weights = {"a": torch.arange(6.0).reshape(2, 3)}
+    for legacy in (False, True):
+        torch.save(weights, tmp_path / "model.pt", _use_new_zipfile_serialization=not legacy)
+        torch.testing.assert_close(load_weights(tmp_path)["a"], weights["a"], rtol=0, atol=0)
+    path = tmp_path / "model.pt"
+    os.chmod(path, 0o644)
+    assert _mappable(path) == (os.geteuid() == 0 and path.stat().st_uid == 0)
+    os.chmod(path, 0o664)   # a group could write it
+    assert not _mappable(path)
+    assert not _mappable(tmp_path / "absent.pt")
