@@ -406,3 +406,30 @@ def test_the_prompts_fused_rows_follow_the_engine_not_the_plan_param():
     for claim, believed in ((0, 0), (128, 128), (True, 64), (-1, 64), (10 ** 9, 64), ("64", 64)):
         cpu.best_result.slot_ms = {"slots": {}, "total_ms": 1.0, "other_ms": 1.0, "fused_rows": claim}
         assert prompts.fused_rows(cpu) == believed, claim
+
+
+def test_a_triton_before_knobs_is_hooked_on_compiled_kernel_beside_a_hook_already_there(monkeypatch):
+    """Triton before 3.4 keeps its launch hook on CompiledKernel; a hook someone set there keeps
+    being called while the pass watches, and is the one left afterwards."""
+    from evaluator import slot_profile
+    calls = []
+
+    class CompiledKernel:
+        launch_enter_hook = staticmethod(lambda m: calls.append(("theirs", m.get()["name"])))
+
+    before = CompiledKernel.launch_enter_hook
+    triton = types.ModuleType("triton")   # no `knobs`: `from triton import knobs` fails
+    compiler = types.ModuleType("triton.compiler")
+    compiled = types.ModuleType("triton.compiler.compiler")
+    compiled.CompiledKernel = CompiledKernel
+    for name, module in (("triton", triton), ("triton.compiler", compiler), ("triton.compiler.compiler", compiled)):
+        monkeypatch.setitem(sys.modules, name, module)
+    namespace = {"silu_mul__triton": lambda gate_up: CompiledKernel.launch_enter_hook(_Meta("_silu_kernel"))}
+    saved = slot_profile.wrap_slots(namespace, lambda name: contextlib.nullcontext())
+    seen = {}
+    with slot_profile._TritonLaunches(seen):
+        namespace["silu_mul__triton"](torch.zeros(2, 8))
+    namespace.update(saved)
+    assert calls == [("theirs", "_silu_kernel")]
+    assert slot_profile.kernel_names(seen) == {"_silu_kernel": "silu_mul"}
+    assert CompiledKernel.launch_enter_hook is before
