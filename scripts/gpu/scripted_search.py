@@ -247,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                f"(the run's default: {'600' if smoke else '1800'}s; see --help)",
                f"library plan {plan_name!r}: score {library}",
                f"final engine: #{verdict.get('index', 0):03d} {verdict.get('plan')}: score {score}",
-               "ratio: " + (f"{100 * ratio:.1f}% of the library's score; target {100 * TARGET:.0f}%: "
-                            f"{'MET' if ratio >= TARGET else 'NOT MET'}" if ratio is not None else "n/a"),
+               "ratio: " + ("n/a" if ratio is None else f"{100 * ratio:.1f}% of the library's score; " + (
+                   "the smoke run (the library plan is all-torch on a CPU): no reading of the bar" if smoke else
+                   f"target {100 * TARGET:.0f}%: {'MET' if ratio >= TARGET else 'NOT MET'}")),
                judged_per_minute(log),
                f"model answers ({len(server.answers)} requests): "
                + ", ".join(f"{what}:{kind}" for what, kind in server.answers)]
