@@ -176,7 +176,7 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
 
 
 def load_state_dict(weight_dir: Path) -> dict:
-    import torch
+    from evaluator.common import load_course_file   # torch with it: only where weights are read
 
     if not weight_dir.is_dir():
         raise SpecError(f"weights directory not found: {weight_dir}")
@@ -184,12 +184,7 @@ def load_state_dict(weight_dir: Path) -> dict:
     if not path.is_file():
         raise SpecError(f"missing weights file: {path}")
     try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+        state = load_course_file(path)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle is the same user-facing problem
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SpecError(f"cannot load {path} as a state dict: {first}") from None

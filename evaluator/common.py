@@ -169,10 +169,16 @@ def load_weights(weight_dir: str | Path, config: dict | None = None) -> dict[str
     if config is not None and is_hf(config):
         return load_hf_weights(weight_dir, config)
     path = Path(weight_dir) / WEIGHT_FILE
-    if _mappable(path):   # each tensor read when it is cast
+    return load_course_file(path, mapped=_mappable(path))
+
+
+def load_course_file(path: Path, mapped: bool = True) -> dict:
+    """A course-format model.pt: mapped where `mapped` (each tensor read when it is cast), read
+    whole otherwise or where it cannot be mapped (a legacy, non-zip file)."""
+    if mapped:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:   # a legacy, non-zip file cannot be mapped
+        except RuntimeError as e:
             if "mmap" not in str(e):
                 raise
     return torch.load(path, map_location="cpu", weights_only=True)

@@ -197,13 +197,13 @@ def attribute(events, device: str, wall_ms: float, seen: Seen | None = None) -> 
     if device == "cuda":
         tied: dict[str, float] = defaultdict(float)      # kernel name -> ms tied to a CPU range
         orphans: dict[str, float] = defaultdict(float)   # kernel name -> ms launched from no slot range
-        launches: Seen = {name: set(wheres) for name, wheres in (seen or {}).items()}
-        _seen_in_events(events, launches)
+        launches: Seen = {name: set(wheres) for name, wheres in (seen or {}).items()}   # and this pass's
         for e in events:
             for k in getattr(e, "kernels", []):
                 kernel_ms = k.duration / 1e3
                 tied[k.name] += kernel_ms
                 where = _slot_of(e)
+                launches.setdefault(k.name, set()).add(where)
                 if where is None:
                     orphans[k.name] += kernel_ms
                     continue

@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update({**env, "OPENAI_BASE_URL": server.url})
         try:
             code = run([sys.executable, "-m", "agent", "--provider", "openai", "--builtin-walk", "params",
-                    "--device", a.device, "--budget", str(budget), "--parallel", str(a.parallel),
-                    "--seed", str(a.seed), "--config", config, "--weights", weights, "--workspace", str(workspace)]
+                        "--device", a.device, "--budget", str(budget), "--parallel", str(a.parallel),
+                        "--seed", str(a.seed), "--config", config, "--weights", weights, "--workspace", str(workspace)]
                        + (["--resume"] if previous else []),
                        out / "agent.txt", timeout=budget + RUN_GRACE_S)
         finally:   # the next call's start, even where this one's agent was cut
