@@ -685,6 +685,66 @@ def test_cuda_fused_reduce(tmp_path, graphs, cfg):
         c.decode([9, 11])
 
 
+
+MEGA_CONFIGS = [config(), config(torch_dtype="bfloat16", num_key_value_heads=1, head_dim=40),
+                config(torch_dtype="bfloat16", num_key_value_heads=2, head_dim=24, num_attention_heads=8)]
+
+
+@cuda_only
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("cfg", MEGA_CONFIGS, ids=["fp16", "bf16-mqa", "bf16-gqa"])
+def test_cuda_megakernel(tmp_path, graphs, cfg):
+    """The decode megakernel (persistent, grid barriers) through the engine's traces against the
+    reference: it passes create_engine's check, and in eager passes every step of at most
+    MEGA_ROWS rows goes through it (under graphs it runs inside the captured steps)."""
+    slots = {**CUDA_PLANS.get("all-cuda", FUSED_REDUCE_SLOTS)}
+    plan = Plan("paged", slots=slots, params={**SMALL_CACHE, "decode_graphs": graphs, "max_graph_batch": 4,
+                                              "prefill_graphs": graphs, "max_graph_tokens": 64, "megakernel": True})
+    c = Checked(plan, cfg, tmp_path, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL, scale=GPU_SCALE[cfg["torch_dtype"]])
+    mega = c.engine.megakernel
+    assert mega is not None, "the megakernel failed create_engine's check (see the warning)"
+    rows = []
+    if not graphs:
+        def counted(*args):
+            rows.append(args[0].shape[0])
+            return mega(*args)
+        c.engine.megakernel = counted
+    public_sequence(c)
+    ragged_trace(c)
+    c.prefill([9, 10, 11, 12, 13, 14], [1100, 3, 64, 65, 2, 16])   # long prompt: every split in use
+    for _ in range(3):
+        c.decode([14, 13, 12, 11, 10, 9])
+        c.decode([9, 11])
+    if not graphs:
+        assert rows and max(rows) <= sys.modules[type(c.engine).__module__].MEGA_ROWS, rows
+
+
+@cuda_only
+def test_cuda_megakernel_persistent_gives_the_stepwise_bits(tmp_path):
+    """The persistent kernel (one launch, grid barriers) against the same phases launched one by
+    one (kernel boundaries as barriers): bit for bit, on steps whose contexts span several splits.
+    A barrier that lets a program read before the others have written shows up here."""
+    cfg = config(num_key_value_heads=2, head_dim=24, num_attention_heads=8)
+    plan = Plan("paged", slots={**FUSED_REDUCE_SLOTS}, params={"decode_graphs": False, "prefill_graphs": False,
+                                                               "megakernel": True})
+    c = Checked(plan, cfg, tmp_path, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL, scale=GPU_SCALE["float16"])
+    engine = c.engine
+    persistent = engine.megakernel
+    module = sys.modules[type(engine).__module__]
+    stepwise = module.DecodeMegakernel(engine.model, engine.cfg, "cuda", persistent=False)
+    ids = [3, 4, 5, 6]
+    c.prefill(ids, [300, 1, 77, 160])
+    for step in range(4):
+        tokens = c.tokens(len(ids))
+        engine.megakernel = persistent
+        first = engine.decode(ids, tokens).clone()
+        for rid in ids:
+            engine.requests[rid].length -= 1          # the same step again, stepwise
+        engine.megakernel = stepwise
+        second = engine.decode(ids, tokens)
+        assert torch.equal(first, second), f"step {step}: persistent and stepwise differ"
+
+
 def check_layout_kernels(module, device, trials=12):
     """prefill_inputs_triton and decode_inputs_triton against their torch forms on random packed
     prefills (graph padding and spare writes included) and decode steps (padding rows included),

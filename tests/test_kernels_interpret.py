@@ -1,6 +1,7 @@
 """Triton kernels on the CPU through Triton's interpreter: the `fused_reduce` split reductions
-(tests/fixtures/interpret_fused.py) and the prefill attention's sequence lookup
-(tests/fixtures/interpret_prefill.py), each in a process of its own with TRITON_INTERPRET=1 (see
+(tests/fixtures/interpret_fused.py), the prefill attention's sequence lookup
+(tests/fixtures/interpret_prefill.py) and the decode megakernel inside the engine
+(tests/fixtures/interpret_megakernel.py), each in a process of its own with TRITON_INTERPRET=1 (see
 their docstrings for why and what they check). Skipped where triton is not installed (CI's CPU image)
 or numpy is too new for its interpreter.
 """
@@ -37,6 +38,13 @@ def test_fused_reductions_under_the_interpreter():
 
 def test_prefill_sequence_lookup_under_the_interpreter():
     done = subprocess.run([sys.executable, "-m", "tests.fixtures.interpret_prefill"], cwd=REPO,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+def test_decode_megakernel_inside_the_engine_under_the_interpreter():
+    done = subprocess.run([sys.executable, "-m", "tests.fixtures.interpret_megakernel"], cwd=REPO,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
