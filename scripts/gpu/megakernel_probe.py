@@ -9,7 +9,8 @@ graphs off), prefills `batch` prompts of `context` tokens, records the megakerne
 one decode step, and replays that step from CUDA graphs:
   slots       the same step through the slots' pass (Model.hidden_states: what the engine runs
               without the megakernel), for scale;
-  <variant>   the persistent megakernel with module constants (MEGA_*) or `prefetch` changed;
+  <variant>   the persistent megakernel with module constants (MEGA_*) or `prefetch` changed (its
+              grid fitted again: MEGA_PROGRAMS_PER_SM);
   phase p     phase p of every layer as a launch of its own (stepwise), per layer: which phase
               costs what, kernel boundaries included (a few us each).
 Each row is the median of --iters graph replays timed with CUDA events. Writes megakernel_probe.json.
@@ -80,16 +81,20 @@ def main(argv: list[str] | None = None) -> None:
                                                                     attend), a.iters)
         want = engine.model.hidden_states(tokens, positions, slots, rope, k_cache, v_cache, attend).float()
         mega = engine.megakernel
-        errors = {}
+        errors, grids = {}, {}
         for name, change in json.loads(a.variants).items():
             saved = {k: getattr(module, k) for k in change if k.startswith("MEGA_")}
             for k, v in change.items():
                 setattr(module if k.startswith("MEGA_") else mega, k, v)
+            refit(mega)
             rows[name] = graph_us(lambda: mega(*args), a.iters)
+            grids[name] = mega.programs
             errors[name] = ((mega(*args).float() - want).abs().max() / want.abs().max()).item()
             for k, v in saved.items():
                 setattr(module, k, v)
             mega.prefetch = True
+        refit(mega)
+        mega(*args)
         step, tail, meta = mega.launch_arguments(*args)
         for phase in range(module.MEGA_PHASES + 1):
             layers = list(range(engine.cfg.layers)) if phase < module.MEGA_PHASES else [engine.cfg.layers - 1]
@@ -101,9 +106,16 @@ def main(argv: list[str] | None = None) -> None:
                                                                                          "PREFETCH": False})
             rows[f"phase {phase} (a layer)"] = graph_us(launch, a.iters) / len(layers)
     result = {"device": torch.cuda.get_device_name(0), "batch": a.batch, "context": a.context,
-              "programs": mega.programs, "us": rows, "rel_err_vs_slots": errors}
+              "programs": grids, "us": rows, "rel_err_vs_slots": errors}
     (out / "megakernel_probe.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{result['device']}, {mega.programs} programs, batch {a.batch}, context {a.context}")
+    print(f"{result['device']}, batch {a.batch}, context {a.context}")
     for name, us in rows.items():
-        print(f"  {name:24} {us:8.1f} us" + (f"   (rel err vs slots {errors[name]:.1e})" if name in errors else ""))
+        print(f"  {name:24} {us:8.1f} us" + (f"   ({grids[name]} programs, rel err vs slots {errors[name]:.1e})"
+                                             if name in errors else ""))
+
+
+def refit(mega) -> None:
+    """Have the next call fit the grid again (to changed constants)."""
+    mega.fitted = False
+    mega.programs = mega.device_props.multi_processor_count
 
