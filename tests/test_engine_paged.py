@@ -685,7 +685,6 @@ def test_cuda_fused_reduce(tmp_path, graphs, cfg):
         c.decode([9, 11])
 
 
-
 MEGA_CONFIGS = [config(), config(torch_dtype="bfloat16", num_key_value_heads=1, head_dim=40),
                 config(torch_dtype="bfloat16", num_key_value_heads=2, head_dim=24, num_attention_heads=8)]
 
@@ -700,23 +699,31 @@ def test_cuda_megakernel(tmp_path, graphs, cfg):
     slots = {**CUDA_PLANS.get("all-cuda", FUSED_REDUCE_SLOTS)}
     plan = Plan("paged", slots=slots, params={**SMALL_CACHE, "decode_graphs": graphs, "max_graph_batch": 4,
                                               "prefill_graphs": graphs, "max_graph_tokens": 64, "megakernel": True})
-    c = Checked(plan, cfg, tmp_path, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL, scale=GPU_SCALE[cfg["torch_dtype"]])
+    module = load_engine(plan)
+    rows = []
+    step = module.DecodeMegakernel.__call__
+
+    def counted(self, tokens, *rest):
+        rows.append(tokens.shape[0])
+        return step(self, tokens, *rest)
+
+    module.DecodeMegakernel.__call__ = counted
+    c = Checked(plan, cfg, tmp_path, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL, scale=GPU_SCALE[cfg["torch_dtype"]],
+                module=module)
     mega = c.engine.megakernel
     assert mega is not None, "the megakernel failed create_engine's check (see the warning)"
-    rows = []
-    if not graphs:
-        def counted(*args):
-            rows.append(args[0].shape[0])
-            return mega(*args)
-        c.engine.megakernel = counted
+    # the check's step (and its grid fitting's), then one a captured step
+    assert len(rows) >= 1 + len(c.engine.decode_buckets) * len(c.engine.context_classes), rows
+    checked = len(rows)
     public_sequence(c)
     ragged_trace(c)
     c.prefill([9, 10, 11, 12, 13, 14], [1100, 3, 64, 65, 2, 16])   # long prompt: every split in use
     for _ in range(3):
         c.decode([14, 13, 12, 11, 10, 9])
         c.decode([9, 11])
-    if not graphs:
-        assert rows and max(rows) <= sys.modules[type(c.engine).__module__].MEGA_ROWS, rows
+    assert max(rows) <= module.MEGA_ROWS, rows
+    assert graphs or len(rows) > checked, "eager decode steps did not run the megakernel"
+    assert not mega.failed(), "a grid barrier timed out"
 
 
 @cuda_only
@@ -743,6 +750,49 @@ def test_cuda_megakernel_persistent_gives_the_stepwise_bits(tmp_path):
         engine.megakernel = stepwise
         second = engine.decode(ids, tokens)
         assert torch.equal(first, second), f"step {step}: persistent and stepwise differ"
+    assert not persistent.failed(), "a grid barrier timed out"
+
+
+def test_the_megakernel_check_takes_a_right_step_and_refuses_a_wrong_one_cpu(tmp_path):
+    """create_engine's check (Engine._checked_megakernel) on the CPU, with stand-ins for the kernel
+    (the engine builds none there): one that computes the slots' pass passes and is kept; one that
+    returns wrong hidden states, and one that fails to build, leave decode to the slots with a
+    warning. Either way the check's random keys and values are cleared from the pool."""
+    plan = torch_plan(megakernel=True)
+    module = load_engine(plan)
+    module.cpu_packing_works = lambda: False
+    engine = Checked(plan, config(num_key_value_heads=2), tmp_path, module=module).engine
+    assert engine.megakernel is None                # a CPU engine builds none
+
+    class SlotsPass:
+        """The step as the slots compute it (what a right kernel returns)."""
+        def __init__(self, model, cfg, device):
+            self.model = model
+
+        def __call__(self, tokens, positions, slots, table, context_lens, k_cache, v_cache, rope, scale):
+            def attend(layer, q, k, v):
+                return engine.kernels.decode_attention(q, k_cache[layer], v_cache[layer], table, context_lens,
+                                                       int(context_lens.max()), module.BLOCK_SIZE, scale)
+            return self.model.hidden_states(tokens, positions, slots, rope, k_cache, v_cache, attend)
+
+        def failed(self):
+            return False
+
+    class Wrong(SlotsPass):
+        def __call__(self, *args):
+            return super().__call__(*args) * 1.5
+
+    class Unbuildable(SlotsPass):
+        def __init__(self, *args):
+            raise RuntimeError("no such kernel here")
+
+    module.DecodeMegakernel = SlotsPass
+    assert isinstance(engine._checked_megakernel(), SlotsPass)
+    for stand_in, says in ((Wrong, "off the slots' pass"), (Unbuildable, "no such kernel here")):
+        module.DecodeMegakernel = stand_in
+        with pytest.warns(UserWarning, match=f"decode megakernel disabled.*{says}"):
+            assert engine._checked_megakernel() is None
+    assert not any(cache.any() for cache in (*engine.k_cache, *engine.v_cache))
 
 
 def check_layout_kernels(module, device, trials=12):

@@ -53,7 +53,12 @@ def all_template_plans() -> list[Plan]:
         plans.append(base)
         plans += [Plan(engine, {**base.slots, slot: v.name}, base.params) for slot, vs in menu().items() for v in vs]
         plans += [Plan(engine, base.slots, {**base.params, name: c}) for name, p in params.items() for c in p.choices]
+        plans += [Plan(engine, base.slots, {**base.params, **extra}) for extra in UNWALKED.get(engine, [])]
     return plans
+
+
+# Params a skeleton reads that the search does not walk (no `# param:` line): set by hand, rendered all the same.
+UNWALKED = {"paged": [{"megakernel": True}]}
 
 
 def test_every_template_passes_the_engine_policy():

@@ -11,8 +11,9 @@ one decode step, and replays that step from CUDA graphs:
               without the megakernel), for scale;
   <variant>   the persistent megakernel with module constants (MEGA_*) or `prefetch` changed (its
               grid fitted again: MEGA_PROGRAMS_PER_SM);
-  phase p     phase p of every layer as a launch of its own (stepwise), per layer: which phase
-              costs what, kernel boundaries included (a few us each).
+  phase p     phase p as a launch of its own (stepwise), every layer's in one graph (phase 0, the
+              embeddings, once), per launch: which phase costs what, kernel boundaries included (a
+              few us each; a graph of one launch, phase 0's, also carries the replay's own cost).
 Each row is the median of --iters graph replays timed with CUDA events. Writes megakernel_probe.json.
 """
 from __future__ import annotations
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         mega = engine.megakernel
         errors, grids = {}, {}
         for name, change in json.loads(a.variants).items():
-            saved = {k: getattr(module, k) for k in change if k.startswith("MEGA_")}
+            saved = {k: getattr(module if k.startswith("MEGA_") else mega, k) for k in change}
             for k, v in change.items():
                 setattr(module if k.startswith("MEGA_") else mega, k, v)
             refit(mega)
@@ -91,20 +92,19 @@ def main(argv: list[str] | None = None) -> None:
             grids[name] = mega.programs
             errors[name] = ((mega(*args).float() - want).abs().max() / want.abs().max()).item()
             for k, v in saved.items():
-                setattr(module, k, v)
-            mega.prefetch = True
+                setattr(module if k.startswith("MEGA_") else mega, k, v)
         refit(mega)
         mega(*args)
         step, tail, meta = mega.launch_arguments(*args)
         for phase in range(module.MEGA_PHASES + 1):
-            layers = list(range(engine.cfg.layers)) if phase < module.MEGA_PHASES else [engine.cfg.layers - 1]
+            layers = [0] if phase == 0 else list(range(engine.cfg.layers))    # phase 0 runs once a step
 
             def launch(phase=phase, layers=layers):
                 for layer in layers:
                     module._mk_decode_kernel[(mega.programs,)](*step, layer, *tail, **{**meta, "PERSISTENT": False,
                                                                                          "PHASE": phase,
                                                                                          "PREFETCH": False})
-            rows[f"phase {phase} (a layer)"] = graph_us(launch, a.iters) / len(layers)
+            rows[f"phase {phase} (a launch)"] = graph_us(launch, a.iters) / len(layers)
     result = {"device": torch.cuda.get_device_name(0), "batch": a.batch, "context": a.context,
               "programs": grids, "us": rows, "rel_err_vs_slots": errors}
     (out / "megakernel_probe.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -118,4 +118,3 @@ def refit(mega) -> None:
     """Have the next call fit the grid again (to changed constants)."""
     mega.fitted = False
     mega.programs = mega.device_props.multi_processor_count
-
