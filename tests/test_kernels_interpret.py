@@ -29,22 +29,21 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
               pytest.mark.slow]
 
 
-def test_fused_reductions_under_the_interpreter():
-    done = subprocess.run([sys.executable, "-m", "tests.fixtures.interpret_fused"], cwd=REPO,
+def run_fixture(name: str) -> None:
+    """python3 -m tests.fixtures.<name> with TRITON_INTERPRET=1, which must exit 0."""
+    done = subprocess.run([sys.executable, "-m", f"tests.fixtures.{name}"], cwd=REPO,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+def test_fused_reductions_under_the_interpreter():
+    run_fixture("interpret_fused")
 
 
 def test_prefill_sequence_lookup_under_the_interpreter():
-    done = subprocess.run([sys.executable, "-m", "tests.fixtures.interpret_prefill"], cwd=REPO,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    run_fixture("interpret_prefill")
 
 
 def test_decode_megakernel_inside_the_engine_under_the_interpreter():
-    done = subprocess.run([sys.executable, "-m", "tests.fixtures.interpret_megakernel"], cwd=REPO,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    run_fixture("interpret_megakernel")

@@ -83,16 +83,20 @@ def main(argv: list[str] | None = None) -> None:
         want = engine.model.hidden_states(tokens, positions, slots, rope, k_cache, v_cache, attend).float()
         mega = engine.megakernel
         errors, grids = {}, {}
+        def owner(setting: str):
+            """Where a variant's setting lives: MEGA_* constants in the module, the rest on the kernel."""
+            return module if setting.startswith("MEGA_") else mega
+
         for name, change in json.loads(a.variants).items():
-            saved = {k: getattr(module if k.startswith("MEGA_") else mega, k) for k in change}
+            saved = {k: getattr(owner(k), k) for k in change}
             for k, v in change.items():
-                setattr(module if k.startswith("MEGA_") else mega, k, v)
+                setattr(owner(k), k, v)
             refit(mega)
             rows[name] = graph_us(lambda: mega(*args), a.iters)
             grids[name] = mega.programs
             errors[name] = ((mega(*args).float() - want).abs().max() / want.abs().max()).item()
             for k, v in saved.items():
-                setattr(module if k.startswith("MEGA_") else mega, k, v)
+                setattr(owner(k), k, v)
         refit(mega)
         mega(*args)
         step, tail, meta = mega.launch_arguments(*args)
