@@ -277,6 +277,7 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
         state.history = [(e.candidate, e.result) for e in previous.entries]
         if previous.best is not None:
             state.best, state.best_result = previous.best.candidate, previous.best.result
+        state.waiting = list(previous.waiting)
     report.start({"run": run_record(cfg), "spec": spec.to_dict(),
                   "hardware": state.hardware}, header_lines(cfg, spec, state.hardware, settings))
     if previous is not None:
@@ -285,6 +286,10 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
             report.best_line = f"#{best.index:03d} {describe(best.candidate.plan)} (score {best.result.rank():.4g})"
         report.line(f"resumed: {len(previous.entries)} candidates judged before (not judged again), best "
                     + (f"#{best.index:03d} {describe(best.candidate.plan)}" if best else "none"))
+        if previous.waiting or previous.unreadable_waiting:
+            report.line(f"resumed: {len(previous.waiting)} model candidate(s) checked but not judged, back in the "
+                        "queue: " + ("; ".join(describe(c.plan) for c in previous.waiting) or "none")
+                        + (f" ({previous.unreadable_waiting} unreadable, left out)" if previous.unreadable_waiting else ""))
     ws.open_history(warn=report.warn)
     builtin = BuiltinProposer(cfg.device, kernels=cfg.builtin_walk == "full")
     options = ProviderOptions(cfg.device, cfg.seed, cfg.workspace, builtin,

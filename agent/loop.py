@@ -100,7 +100,9 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     judge = budget_aware(judge, left, state)
     report.seconds_left = left
     state.seconds_left = left()
-    with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line) as pipeline:
+    keep = lambda waiting: ws.save_waiting([c.to_record() for c in waiting])  # noqa: E731 - for --resume
+    with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line,
+                  keep) as pipeline:
         candidate = pipeline.next() if state.history else conservative_candidate()
         while candidate is not None:
             if max_candidates is not None and len(state.history) >= max_candidates:

@@ -15,6 +15,11 @@ offers the model nothing to build on (`screened`): on a CPU the first final of t
 engine (its stress suite) can take most of a short budget, and the model would otherwise wait
 it out and never be asked. Its candidates are judged in full like any other.
 
+The model candidates waiting for the judge (ready, and the one it is judging) are handed to `keep`
+whenever that list changes (the loop writes them to the workspace), and a resumed run's
+(`state.waiting`) start the queue: a run cut before their verdicts does not lose what the model
+wrote and the checks passed.
+
 No worker starts a request the run's deadline cannot hold (the LLM proposer checks its own
 request timeout against it); workers are daemon threads, so a run that ends does not wait for
 an answer nobody will judge.
@@ -38,13 +43,16 @@ IDLE_POLL_SECONDS = 1.0
 
 class Pipeline:
     def __init__(self, proposer: Proposer, state: SearchState, parallel: int, deadline: float,
-                 log: Callable[[str], None]):
-        """`deadline`: time.monotonic() when proposals stop being useful (the run's end)."""
-        self.proposer, self.state, self.deadline, self.log = proposer, state, deadline, log
+                 log: Callable[[str], None], keep: Callable[[list[Candidate]], None] = lambda waiting: None):
+        """`deadline`: time.monotonic() when proposals stop being useful (the run's end). `keep`
+        hears the model candidates waiting for a verdict each time they change."""
+        self.proposer, self.state, self.deadline, self.log, self.keep = proposer, state, deadline, log, keep
         model_side = hasattr(proposer, "ask") and hasattr(proposer, "fallback")
         self.parallel = parallel if model_side and parallel > 1 else 1
         self.builtin: Proposer = proposer.fallback if self.parallel > 1 else proposer
-        self.ready: list[Candidate] = []
+        self.ready: list[Candidate] = [c for c in state.waiting if not state.tried(c)]
+        self.judging: Candidate | None = None   # a model candidate the judge took, its verdict to come
+        self._keep_failed = False
         self.in_flight = 0
         self.workers = 0
         self.judged = 0
@@ -72,7 +80,7 @@ class Pipeline:
                         return candidate
                 if self.ready and not self.last_model:
                     candidate = self._take()
-                    if not self.state.tried(candidate):
+                    if candidate is not None:
                         return candidate
                     continue
             candidate = self._draw(self.builtin)
@@ -83,7 +91,7 @@ class Pipeline:
             with self.cond:
                 if self.ready:
                     candidate = self._take()
-                    if not self.state.tried(candidate):
+                    if candidate is not None:
                         return candidate
                     continue
                 if self.workers == 0 or time.monotonic() >= self.deadline:
@@ -107,6 +115,11 @@ class Pipeline:
         self._best = best
         with self.cond:
             self.screen = None   # its verdict is in: the archive holds it, or it failed
+            if self.judging is not None and self.judging.key() == key:
+                if result.error_kind == DEADLINE:   # judged again on --resume (agent/resume.py): still waiting
+                    self.ready.insert(0, self.judging)
+                self.judging = None
+                self._kept()
             self.cond.notify_all()   # a worker waiting for room (or for a basis) may go on
 
     def screened(self, index: int, candidate: Candidate, screen: EvalResult) -> None:
@@ -133,11 +146,25 @@ class Pipeline:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _take(self) -> Candidate:
+    def _take(self) -> Candidate | None:
+        """The first ready candidate, now the one being judged; None when it was judged already."""
         self.last_model = True
         candidate = self.ready.pop(0)
+        self.judging = None if self.state.tried(candidate) else candidate
+        self._kept()
         self.cond.notify_all()
-        return candidate
+        return self.judging
+
+    def _kept(self) -> None:
+        """Hand the waiting model candidates to `keep` (under the lock). A failure is logged once:
+        the run goes on, only a resume would lose them."""
+        try:
+            self.keep(([self.judging] if self.judging is not None else []) + self.ready)
+        except OSError as e:
+            if not self._keep_failed:
+                self.log(f"warning: the model candidates waiting for the judge could not be kept ({e}); "
+                         "a resumed run would not judge them")
+            self._keep_failed = True
 
     def _draw(self, side: Proposer) -> Candidate | None:
         """Ask one side, skipping (loudly) what was judged already; an error ends that side."""
@@ -185,6 +212,7 @@ class Pipeline:
                 if candidate is not None and not self.state.tried(candidate):
                     with self.cond:
                         self.ready.append(replace(candidate, parent=parent.index))
+                        self._kept()
                         self.cond.notify_all()
         except Exception:  # noqa: BLE001 - a bug here stops this worker, never the run
             self.log(f"warning: proposer worker failed:\n{traceback.format_exc()}")

@@ -166,6 +166,22 @@ class Candidate:
         return {"plan": self.plan.to_dict(), "origin": self.origin, "note": self.note,
                 "extra_variants": sorted(f"{s}/{v}" for s, v in self.extra_variants), "parent": self.parent}
 
+    def to_record(self) -> dict:
+        """to_dict with the variants' texts: a candidate not judged yet has no folder that holds
+        them (a judged one's are in candidates/*/variants), so a waiting one carries its own."""
+        return {**self.to_dict(), "variant_texts": {f"{s}/{v}": t for (s, v), t in sorted(self.extra_variants.items())}}
+
+    @staticmethod
+    def from_record(d: dict) -> "Candidate":
+        """The candidate `to_record` wrote. KeyError, TypeError or ValueError when `d` is not one."""
+        texts = d["variant_texts"]
+        if not isinstance(texts, dict) or not all(isinstance(t, str) and "/" in k for k, t in texts.items()):
+            raise ValueError("variant_texts is not a map of slot/name to text")
+        parent = d.get("parent")
+        return Candidate(Plan.from_dict(d["plan"]), str(d["origin"]), str(d.get("note", "")),
+                         {tuple(k.split("/", 1)): t for k, t in texts.items()},
+                         int(parent) if parent is not None else None)
+
 
 @dataclass
 class SearchState:
@@ -176,6 +192,10 @@ class SearchState:
     hardware: dict                   # facts: gpu name, cpu count, torch version...
     seconds_left: float = 0.0
     history: list[tuple[Candidate, EvalResult]] = field(default_factory=list)
+    # Model candidates an interrupted run had checked (policy, unit check) but not judged yet,
+    # restored by --resume (agent/resume.py): the pipeline judges them first, and the model's
+    # plan menu lists their variants, as before the interruption.
+    waiting: list[Candidate] = field(default_factory=list)
     best: Candidate | None = None
     best_result: EvalResult | None = None
 

@@ -14,6 +14,12 @@ A kill can land anywhere, so the record is made consistent first:
   engine.py and engine.json), the best recorded candidate's engine is installed again from its
   folder; with no passing candidate recorded, engine.py and engine.json are removed.
 So the workspace holds a passing engine or none, and the history says which.
+
+Model candidates that had passed their checks but were not judged yet (waiting.json, kept by the
+pipeline) come back too, to be judged first: without them a run cut between a model's answer and
+its verdict loses what it paid for (a scripted good model on an H200, twenty-sixth session: a
+norm and a RoPE kernel answered before a cut never reached the engine). One that is unreadable,
+or was judged after all, is left out.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from pathlib import Path
 from agent.plan import Plan
 from agent.records import DEADLINE, Candidate, EvalResult
 from agent.report import Entry
-from agent.workspace import CANDIDATES, ENGINE, RESULTS_JSON, VARIANTS, VERDICT, Workspace
+from agent.workspace import CANDIDATES, ENGINE, RESULTS_JSON, VARIANTS, VERDICT, WAITING, Workspace
 
 # Run settings that must match for old verdicts to mean the same thing in the new run.
 SAME_INPUTS = ("config", "weights", "device")
@@ -44,6 +50,8 @@ class Previous:
 
     entries: list[Entry] = field(default_factory=list)   # judged candidates, indices 1..n
     seed: int | None = None                               # the interrupted run's stress seed
+    waiting: list[Candidate] = field(default_factory=list)   # checked model candidates, not judged yet
+    unreadable_waiting: int = 0                           # waiting.json entries that could not be read
 
     @property
     def best(self) -> Entry | None:
@@ -108,10 +116,30 @@ def load(ws: Workspace, run: dict[str, str]) -> Previous | None:
     while entries and entries[-1].result.error_kind == DEADLINE and not entries[-1].accepted:
         entries.pop()   # the budget ran out before its verdict: judged again, like an unfinished one
     previous = Previous(entries, int(old["seed"]) if str(old.get("seed", "")).isdigit() else None)
+    judged = {e.candidate.key() for e in entries}
+    waiting, previous.unreadable_waiting = _waiting(ws)
+    previous.waiting = [c for c in waiting if c.key() not in judged]
     best_source = _best_source(previous)  # may refuse: nothing is changed before this
     _drop_unfinished(ws, len(entries))
     _reinstall_best(ws, previous, best_source)
     return previous
+
+
+def _waiting(ws: Workspace) -> tuple[list[Candidate], int]:
+    """The candidates waiting.json holds, and how many of its entries could not be read."""
+    try:
+        records = json.loads((ws.root / WAITING).read_text())["candidates"]
+    except FileNotFoundError:
+        return [], 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return [], 1
+    out, bad = [], 0
+    for record in records if isinstance(records, list) else []:
+        try:
+            out.append(Candidate.from_record(record))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            bad += 1
+    return out, bad
 
 
 def _best_source(previous: Previous) -> str | None:

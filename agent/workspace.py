@@ -24,6 +24,7 @@ RESULTS_JSON = "results.json"
 CANDIDATES = "candidates"
 JUDGE_LOGS = f"{CANDIDATES}/judge"   # the run's judge's own stdout/stderr (its verdicts' lie beside each)
 VARIANTS = "variants"   # in a candidate's folder: the sources of its model-written kernel variants
+WAITING = "waiting.json"   # model candidates checked but not judged yet (agent/pipeline.py), for --resume
 TMP_PREFIX = ".tmp-"
 GIT_IGNORE = f"{CANDIDATES}/\n{TMP_PREFIX}*\n"
 # Temporary files a kill can leave: ours (atomic_write) and the evaluator's verdict in progress.
@@ -69,7 +70,7 @@ class Workspace:
         """Start a run: clear the previous run's engine, logs and candidates (their accepted
         engines stay in the git history), and any temporary file a kill left behind."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for name in (ENGINE, VERDICT, RESULTS_LOG, RESULTS_JSON):
+        for name in (ENGINE, VERDICT, RESULTS_LOG, RESULTS_JSON, WAITING):
             (self.root / name).unlink(missing_ok=True)
         shutil.rmtree(self.root / CANDIDATES, ignore_errors=True)
         self.clear_leftovers()
@@ -93,6 +94,10 @@ class Workspace:
         """Replace engine.py (atomically) by a candidate that passed, then record why."""
         atomic_write(self.engine, source)
         atomic_write(self.root / VERDICT, json.dumps({**verdict, "sha256": sha256(source)}, indent=2) + "\n")
+
+    def save_waiting(self, records: list[dict]) -> None:
+        """The model candidates waiting for the judge (Candidate.to_record), replacing the last list."""
+        atomic_write(self.root / WAITING, json.dumps({"candidates": records}, indent=1) + "\n")
 
     def installed_verdict(self) -> dict | None:
         """The recorded verdict, if it describes the engine.py that is actually there."""

@@ -124,13 +124,15 @@ class GoodModel(ScriptedServer):
     """A good model: for a kernel prompt, the slot's fixture answer under the variant name asked
     for. A slot with a `<slot>.slow.md` fixture first gets that (correct, clearly slower: the
     refinement turn that follows gets the fast one); any later turn of an episode gets the fast
-    one. Once a slot's fast answer was sent, a new episode on it gets a plan change instead, the
-    best plan with the newest model variant of every slot the prompt's menu lists (a good model
-    stacks its own kernels), or, with none to stack, a plain sentence (no code). A plan prompt
-    gets the same plan change. It never names a library variant: kernels come from it alone.
-    `answers`: (slot or "plan", what it sent) in order, for the report. `memory()` is what it
-    must keep for a run continued in another process (`--resume`): the slots whose fast answer
-    it sent; `remembered` takes it back."""
+    one. A new episode on a slot whose variant of its own the prompt's menu lists gets a plan
+    change instead, the best plan with the newest model variant of every slot the menu lists (a
+    good model stacks its own kernels), or, with none to stack, a plain sentence (no code). One
+    on a slot whose fast answer was sent but whose variant the menu does not list (the answer
+    never reached the run: a cut, an episode lost) gets the fast answer again, as a model that
+    reads the prompt would write it again. A plan prompt gets the same plan change. It never
+    names a library variant: kernels come from it alone. `answers`: (slot or "plan", what it
+    sent) in order, for the report. `memory()` is what it must keep for a run continued in
+    another process (`--resume`): the slots whose fast answer it sent; `remembered` takes it back."""
 
     def __init__(self, protocol: str = "openai", fixtures: Path = GOOD_ANSWERS, remembered: dict | None = None):
         super().__init__(protocol, [])
@@ -152,14 +154,15 @@ class GoodModel(ScriptedServer):
             return self._record("plan", _stack(prompts[0] if prompts else ""))
         variant, slot = asked.groups()
         follow_up = any(m.get("role") == "assistant" for m in messages)
+        listed = slot in _own_variants(prompts[0])
         with self.lock:
-            slow = self.fixtures / f"{slot}.slow.md"
-            if not follow_up and slot not in self._fast_sent and slow.is_file():
+            slow, fast = self.fixtures / f"{slot}.slow.md", self.fixtures / f"{slot}.md"
+            if not follow_up and not listed and slot not in self._fast_sent and slow.is_file():
                 return self._record(slot, slow.read_text().replace(VARIANT_MARK, variant), "slow")
-            fast = self.fixtures / f"{slot}.md"
-            if slot not in self._fast_sent and fast.is_file():
+            if (follow_up or not listed) and fast.is_file():
+                again = slot in self._fast_sent and not follow_up
                 self._fast_sent.add(slot)
-                return self._record(slot, fast.read_text().replace(VARIANT_MARK, variant), "fast")
+                return self._record(slot, fast.read_text().replace(VARIANT_MARK, variant), "fast again" if again else "fast")
         return self._record(slot, _stack(prompts[0]), "plan change")
 
     def _record(self, what: str, text: str, kind: str = "") -> str:
@@ -175,15 +178,21 @@ def _text(message: dict) -> str:
     return str(content)
 
 
-def _stack(prompt: str) -> str:
-    """The plan change that puts the newest model-written variant of each slot the prompt's menu
-    lists into the best plan; a sentence without a plan when the menu lists none."""
-    menu = prompt[prompt.find("- slot variants on this device:"):]
+def _own_variants(prompt: str) -> dict[str, str]:
+    """slot -> the newest model-written variant the prompt's menu lists for it."""
+    start = prompt.find("- slot variants on this device:")
     slots = {}
-    for slot, names in MENU_LINE.findall(menu):
+    for slot, names in MENU_LINE.findall(prompt[start:] if start >= 0 else ""):
         ours = MODEL_VARIANT.findall(names)
         if ours:
             slots[slot] = max(ours, key=lambda n: int(n.split("_")[1]))
+    return slots
+
+
+def _stack(prompt: str) -> str:
+    """The plan change that puts the newest model-written variant of each slot the prompt's menu
+    lists into the best plan; a sentence without a plan when the menu lists none."""
+    slots = _own_variants(prompt)
     if not slots:
         return NOTHING_BETTER
     plan = {"plan": {"slots": slots}, "why": "combine the variants I wrote, each checked on its own"}

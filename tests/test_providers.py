@@ -522,15 +522,20 @@ def silu_mul__llm_7(gate_up):
         marker.unlink(missing_ok=True)
 
 
-def test_a_resumed_run_keeps_the_models_earlier_variants_and_their_names(tmp_path, monkeypatch):
-    """A run continued with --resume has its earlier model variants in the history only: the
-    plan menu lists them (so a plan can stack them), and the next variant the model is asked for
-    takes the next free number, not one a judged plan already names."""
+@pytest.mark.parametrize("where", ["judged", "waiting"])
+def test_a_resumed_run_keeps_the_models_earlier_variants_and_their_names(where, tmp_path, monkeypatch):
+    """A run continued with --resume has its earlier model variants in the history, or in the
+    candidates that were still waiting for the judge (state.waiting), only: the plan menu lists
+    them (so a plan can stack them), and the next variant the model is asked for takes the next
+    free number, not one a judged or waiting plan already names."""
     monkeypatch.setenv("LLM_KERNELS_ON_CPU", "1")
     state = paged_state()
     earlier = Candidate(Plan("paged", {**state.best.plan.slots, "decode_attention": "llm_5"}, state.best.plan.params),
                         "openai:gpt-4.1-mini", "earlier", {("decode_attention", "llm_5"): "def decode_attention__llm_5(): pass\n"})
-    state.history.append((earlier, replace(state.best_result, score=0.5)))
+    if where == "judged":
+        state.history.append((earlier, replace(state.best_result, score=0.5)))
+    else:
+        state.waiting.append(earlier)
     with ScriptedServer("openai", [{"text": "no code here"}]) as server:
         point_at(monkeypatch, "openai", server.url)
         from agent.providers.openai import create

@@ -135,11 +135,18 @@ def test_a_continued_run_keeps_its_workspace_budgets_and_the_models_memory(tmp_p
     workspace comes back file for file, and a file that is not a continuation is refused."""
     from scripts.gpu import scripted_search as ss
     model = GoodModel()
-    ask = [{"role": "user", "content": "Write a faster variant `llm_3` of the slot `silu_mul`.\n..."}]
-    assert "def silu_mul__llm_3(" in model.reply(ask + [{"role": "assistant", "content": "x"}])   # the fast answer
+    ask = [{"role": "user", "content": "Write a faster variant `llm_3` of the slot `norm`.\n..."}]
+    assert "def rmsnorm__llm_3(" in model.reply(ask + [{"role": "assistant", "content": "x"}])   # the fast answer
     again = GoodModel(remembered=json.loads(json.dumps(model.memory())))
-    assert again.memory() == {"fast_sent": ["silu_mul"]}
-    assert "def silu_mul__llm_4(" not in again.reply([{"role": "user", "content": ask[0]["content"].replace("llm_3", "llm_4")}])
+    assert again.memory() == {"fast_sent": ["norm"]}
+    # asked again with its variant in the menu, it stacks a plan; with none there (the answer never
+    # reached the run: a call cut before its unit check), it writes the fast kernel again, not the slow one
+    menu = "\n- slot variants on this device:\n  - `norm`: torch, triton, llm_3\n"
+    stacked = again.reply([{"role": "user", "content": ask[0]["content"].replace("llm_3", "llm_4") + menu}])
+    assert "def rmsnorm__llm_4(" not in stacked and '"norm": "llm_3"' in stacked
+    rewritten = again.reply([{"role": "user", "content": ask[0]["content"].replace("llm_3", "llm_5")}])
+    assert rewritten == (GOOD_ANSWERS / "norm.md").read_text().replace(VARIANT_MARK, "llm_5")
+    assert [kind for _, kind in again.answers] == ["plan change", "fast again"]
 
     ws = tmp_path / "ws"
     (ws / "candidates" / "001_x").mkdir(parents=True)

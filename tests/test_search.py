@@ -231,6 +231,84 @@ def test_resume_restores_the_archive(tmp_path, monkeypatch):
     assert restored.choose_parent().index == original.choose_parent().index == 3
 
 
+class OneModelCandidate:
+    """A model side (agent/pipeline.py's interface) whose one episode yields `candidate`."""
+
+    name = "model"
+    active = True
+
+    def __init__(self, candidate: Candidate):
+        self.candidate, self.asked = candidate, 0
+        from tests.test_loop import ListProposer
+        self.fallback = ListProposer([])
+
+    def ready(self, state):
+        return True
+
+    def ask(self, state):
+        self.asked += 1
+        return self.candidate if self.asked == 1 else None
+
+    def feedback(self, candidate, result):
+        pass
+
+
+def test_a_model_candidate_checked_but_not_judged_survives_a_resume(tmp_path, monkeypatch):
+    """A run cut between a model candidate's checks and its verdict (the budget, a kill) loses
+    nothing the model wrote: the pipeline keeps the waiting ones (in the queue, or the one being
+    judged, also when the budget cut its verdict short) in waiting.json; a resumed run puts them
+    back in the queue, judges them, and leaves out one judged already and one unreadable."""
+    from agent.pipeline import Pipeline
+    from agent.records import DEADLINE
+    text = f"def norm__llm_3(x, w, eps):\n    return x  # {random.random()}\n"
+    base = member(Plan("paged", {"norm": "torch"}), 1.0)
+    waiting = Candidate(Plan("paged", {"norm": "llm_3"}), "openai:m", "model-written", {("norm", "llm_3"): text})
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    state = SearchState(spec=None, device="cpu", hardware={}, history=[base], best=base[0], best_result=base[1])
+    kept: list[list[Candidate]] = []
+    pipeline = Pipeline(OneModelCandidate(waiting), state, 2, time.monotonic() + 60, lambda line: None, kept.append)
+    deadline = time.monotonic() + FINAL_WAIT_S
+    while not kept and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [c.key() for c in kept[-1]] == [waiting.key()]            # checked, in the queue
+    taken = pipeline.next()
+    assert taken.key() == waiting.key() and [c.key() for c in kept[-1]] == [waiting.key()]   # being judged
+    cut = EvalResult.failure("benchmark", DEADLINE, "the run's budget ran out", "cpu")
+    pipeline.feedback(taken, cut)
+    assert [c.key() for c in kept[-1]] == [waiting.key()]            # its verdict was cut short: still waiting
+    pipeline.close()
+
+    # the interrupted run's record: the conservative engine and the base engine, judged
+    monkeypatch.setattr(loop, "render_engine", lambda plan, extra=None, **kw: f"# {plan.key()} {sorted(extra or {})}\n")
+    judged: list[str] = []
+
+    def judge(engine, out, timeout, phase):
+        plan = Plan.from_dict(json.loads((engine.parent / "plan.json").read_text())["plan"])
+        judged.append(plan.key())
+        return member(plan, {"recompute": 0.01}.get(plan.engine, 2.0 if plan.slots.get("norm") == "llm_3" else 1.0))[1]
+    from tests.test_loop import ListProposer
+    report = Reporter(ws.root, live=False)
+    loop.run(SearchState(spec=None, device="cpu", hardware={}), ListProposer([base[0].plan]), judge, ws, report, 600.0)
+    report.finish([])
+    judged_before = Candidate(base[0].plan, "test", "listed")
+    ws.save_waiting([c.to_record() for c in kept[-1]] + [judged_before.to_record(), {"plan": "not a plan"}])
+
+    previous = resume.load(ws, {"config": "c", "weights": "w", "device": "cpu"})
+    assert [c.key() for c in previous.waiting] == [waiting.key()] and previous.unreadable_waiting == 1
+    assert previous.waiting[0].extra_variants == {("norm", "llm_3"): text}
+    state = SearchState(spec=None, device="cpu", hardware={}, history=[(e.candidate, e.result) for e in previous.entries],
+                        best=previous.best.candidate, best_result=previous.best.result, waiting=previous.waiting)
+    judged.clear()
+    report = Reporter(ws.root, live=False)
+    loop.run(state, ListProposer([]), judge, ws, report, 600.0)
+    assert Plan("paged", {"norm": "llm_3"}).key() in judged
+    assert state.best.key() == waiting.key()
+    assert json.loads((ws.root / "waiting.json").read_text())["candidates"] == []   # judged: none waits
+    variants = list((ws.root / "candidates").glob("*/variants/norm.llm_3.py.j2"))
+    assert [v.read_text() for v in variants] == [text]
+
+
 def timed(score: float, noise: list[float]) -> EvalResult:
     """A passing timing whose cases move by the given factors (the noise of one evaluation)."""
     return EvalResult(status="passed", stage="done", device="cpu", score=score, benchmark=[

@@ -236,16 +236,19 @@ class LLMProposer:
             return self._guarded_episode(state)
 
     def _take_over(self, state: SearchState) -> None:
-        """Once, at the first call: the variants a model wrote earlier in this run's history (a
-        run continued with --resume), so that the plan menu lists them, new variants are not given
-        their names (`llm_N`: a name already in a judged plan would make a new plan look judged),
-        and the slots they were written for count as tried."""
+        """Once, at the first call: the variants a model wrote earlier in this run (a run continued
+        with --resume: its history and its candidates still waiting), so that the plan menu lists
+        them, new variants are not given their names (`llm_N`: a name already in a judged plan
+        would make a new plan look judged), and the slots they were written for count as tried."""
         if self._taken_over:
             return
         self._taken_over = True
-        for (slot, name), record in Archive.of(state).variants().items():
+        earlier = {key: record.text for key, record in Archive.of(state).variants().items()}
+        for waiting in state.waiting:   # checked before the interruption, their verdicts to come
+            earlier.update(waiting.extra_variants)
+        for (slot, name), text in earlier.items():
             if (slot, name) not in self.variants:
-                self.variants[(slot, name)] = record.text
+                self.variants[(slot, name)] = text
                 self.attempts_per_slot[slot] = self.attempts_per_slot.get(slot, 0) + 1
             number = VARIANT_NAME.fullmatch(name)
             if number:
