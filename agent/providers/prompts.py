@@ -132,7 +132,11 @@ def profile(result: EvalResult | None) -> Profile:
              for c in bench]
     measured = measured_shares(result.slot_ms if result is not None else None)
     if measured:
-        where = result.slot_ms.get("source", "")
+        where = [str(result.slot_ms.get("source") or "")]
+        profiled = result.slot_ms.get("cases")
+        if isinstance(profiled, list) and profiled:
+            where.append("cases " + ", ".join(map(str, profiled)))
+        where = "; ".join(w for w in where if w)
         return Profile(f"{MEASURED} ({where})" if where else MEASURED, measured, cases)
     prefill = sum(int(c.get("prefill_tokens") or 0) for c in bench)
     decode = sum(int(c.get("decode_tokens") or 0) for c in bench)
