@@ -20,6 +20,7 @@ closing the series stops the timings nobody asked for.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import secrets
@@ -140,11 +141,20 @@ class JudgeSettings:
 
     def request(self, engine: Path, out_dir: Path) -> dict:
         """One verdict's request, in this phase's settings. Every worker reads a copy of the shared
-        Triton cache; only an engine with no model-written variant (its candidate folder has no
-        VARIANTS) adds to it."""
+        Triton cache and adds to it if it passes, in the layer of its model-written variants
+        (`cache_scope`; evaluator/triton_cache.py): what a model's code compiled reaches only
+        engines that hold that code."""
         return {"engine": str(engine), "out_dir": str(out_dir), "stress": self.stress, "cases": self.cases,
                 "benchmark": self.benchmark, "profile": self.profile, "repeat": self.phase_repeat,
-                "update_cache": self.triton_cache is not None and not (engine.parent / VARIANTS).exists()}
+                "update_cache": self.triton_cache is not None, "cache_scope": cache_scope(engine)}
+
+
+def cache_scope(engine: Path) -> list[str]:
+    """The digests of the model-written variants `engine` holds (the sources the loop saved in its
+    candidate folder's VARIANTS, each with its file name, which names its slot and variant)."""
+    folder = engine.parent / VARIANTS
+    files = sorted(folder.glob("*.py.j2")) if folder.is_dir() else []
+    return [hashlib.sha256(f.name.encode() + b"\n" + f.read_bytes()).hexdigest() for f in files]
 
 
 def default_memory_cap() -> int:
@@ -387,7 +397,7 @@ class Series:
                 _fresh_outputs(self.out_dir / name)
                 (self.out_dir / name / RESULT).unlink(missing_ok=True)
             self.since, self.before = time.monotonic(), children()
-            self.running = self.judge.send({"timings": [[name, str(engine), self.tickets[name]]
+            self.running = self.judge.send({"timings": [[name, str(engine), self.tickets[name], cache_scope(engine)]
                                                         for name, engine in self.timings],
                                             "out_dir": str(self.out_dir), "cases": self.judge.settings.cases,
                                             "repeat": self.judge.settings.for_phase(TIMING).phase_repeat})

@@ -129,7 +129,8 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              repeat: int = 3, seed: int | None = None, bandwidth_gbs: float | None = None,
              peak_tflops: float | None = None, tol: Tolerance = Tolerance(),
              log=lambda line: None, memory_bytes: int | None = None, triton_cache: Path | None = None,
-             update_cache: bool = False, profile: bool = False, criterion: str = "auto",
+             update_cache: bool = False, cache_scope: tuple[str, ...] = (), profile: bool = False,
+             criterion: str = "auto",
              benchmark: bool = True, started: float | None = None, setup: JudgeSetup | None = None,
              reuse: Worker | None = None, public: bool = True, fresh: Worker | None = None,
              worker_ready: Callable[[], None] = lambda: None,
@@ -137,8 +138,10 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
     `triton_cache` the worker starts from a copy of that (judge-owned) cache, and with
-    `update_cache` (the caller vouches that the engine's code is all its own) a passing worker's
-    new entries are added to it (evaluator/triton_cache.py). `profile`: a passing engine's
+    `update_cache` a passing worker's new entries are added to it, in the layer of `cache_scope`
+    (the caller's digests of the model-written variants the engine holds; () when its code is all
+    the repository's), and the worker reads only the layers of scopes within its own
+    (evaluator/triton_cache.py). `profile`: a passing engine's
     profiled pass goes into `slot_ms` (a failure of the pass is logged; the verdict stands).
     criterion: evaluator/hf_judge.py (auto: the bf16 criterion for Hugging Face models in half precision).
     `benchmark` False: no benchmark, no score (see the module's docstring). `started`: a
@@ -171,7 +174,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             # A fresh worker is started first: its confinement, torch import and device context
             # overlap the judge's setup below; it runs nothing of the candidate's before `load`.
             worker = reuse if reuse is not None else owned.enter_context(closing(
-                fresh or Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)))
+                fresh or Worker(device, memory_bytes or default_memory_cap(), log, triton_cache, cache_scope)))
             if fresh is not None:
                 log("the worker: the judge's spare, started while the previous verdict ran")
             if setup.hardware is None:
@@ -236,10 +239,10 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                     log(f"profiled pass failed ({e.kind}): {str(e).splitlines()[0] if str(e) else ''}")
                 clock.lap("profile")
             if triton_cache is not None and device == "cuda":
-                result["triton_compiled"] = compiled_kernels(worker.jail.compile_cache, triton_cache)
+                result["triton_compiled"] = compiled_kernels(worker.jail.compile_cache, triton_cache, cache_scope)
                 log(f"Triton: {result['triton_compiled']} kernels compiled (not in the shared cache)")
             if triton_cache is not None and update_cache:
-                added = merge_cache(worker.jail.compile_cache, triton_cache)
+                added = merge_cache(worker.jail.compile_cache, triton_cache, cache_scope)
                 log(f"shared Triton cache: {added} compiled kernels added")
     except EvalFailure as e:
         result["error_kind"], result["error"] = e.kind, str(e)
@@ -311,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="public sequence and stress only, no score: the caller holds this engine's timing")
     p.add_argument("--seed", type=int, help="stress seed (default: fresh)")
     p.add_argument("--triton-cache-update", action="store_true",
-                   help="add a passing worker's new entries to --triton-cache (only for engines of trusted code)")
+                   help="add a passing worker's new entries to --triton-cache (only for engines of the "
+                        "repository's own code: the cache's shared layer)")
     p.add_argument("--profile", action="store_true",
                    help="a passing engine's profiled pass: per-slot time in slot_ms (reported, not scored)")
     p.add_argument("--out", required=True)

@@ -299,6 +299,7 @@ class Jail:
     device: str
     memory_bytes: int | None = None
     triton_cache: Path | None = None   # the judge's shared cache: the worker gets a copy (evaluator/triton_cache.py)
+    cache_scope: tuple[str, ...] = ()  # the model-written variants its engine holds: the cache's layers it reads
     root: Path = field(init=False)
     home: Path = field(init=False)
     spec: JailSpec = field(init=False)
@@ -332,12 +333,15 @@ class Jail:
             os.chmod(self.home, 0o700)
         self.refresh_cache()
 
-    def refresh_cache(self) -> None:
+    def refresh_cache(self, scope: tuple[str, ...] | None = None) -> None:
         """The shared Triton cache's entries the worker's cache lacks, copied in: at the jail's
         start, and again for a worker started ahead of its verdict (evaluator/resident.py's spare),
-        which gets the kernels added since, before any candidate code runs in it."""
+        which gets the kernels added since, and those of its engine's `scope`, before any
+        candidate code runs in it."""
+        if scope is not None:
+            self.cache_scope = tuple(scope)
         if self.triton_cache is not None:
-            triton_cache.seed(self.triton_cache, self.compile_cache, self.spec.uid)
+            triton_cache.seed(self.triton_cache, self.compile_cache, self.spec.uid, self.cache_scope)
 
     @property
     def compile_cache(self) -> Path:

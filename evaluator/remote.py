@@ -75,11 +75,11 @@ class Worker:
     candidate code runs before the judge, waiting on it and watching its memory, asks it to load one."""
 
     def __init__(self, device: str, memory_bytes: int | None = None, log: Callable[[str], None] = lambda s: None,
-                 triton_cache: Path | None = None):
+                 triton_cache: Path | None = None, cache_scope: tuple[str, ...] = ()):
         self.device = device
         self.memory_bytes = memory_bytes
         self.log = log
-        self.jail = Jail(device, memory_bytes, triton_cache)
+        self.jail = Jail(device, memory_bytes, triton_cache, tuple(cache_scope))
         self._readable: dict[str, str] = {}
         self.pending_release: list[int] = []
         self.buffer: channel.OutputBuffer | None = None

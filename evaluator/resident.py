@@ -7,8 +7,9 @@
 Requests come on stdin, one JSON object a line, and are done one at a time, in order:
 
     {"engine": PATH, "out_dir": DIR, "stress": "quick", "cases": "mixed", "benchmark": true,
-     "profile": false, "update_cache": false, "repeat": 1, "ticket": T}   one verdict: DIR/result.json
-    {"timings": [[LABEL, PATH, T], ...], "out_dir": DIR, "cases": ..., "repeat": ...}
+     "profile": false, "update_cache": false, "cache_scope": [DIGEST, ...], "repeat": 1, "ticket": T}
+                                                                   one verdict: DIR/result.json
+    {"timings": [[LABEL, PATH, T, [DIGEST, ...]], ...], "out_dir": DIR, "cases": ..., "repeat": ...}
                                                                    a contest's series: DIR/LABEL/result.json
 
 Each verdict is exactly `python3 -m evaluator.evaluate` with the request's flags (a series'
@@ -68,6 +69,7 @@ from evaluator.remote import Worker  # noqa: E402
 RESULT, STDOUT, STDERR = "result.json", "stdout.txt", "stderr.txt"
 ERROR_CHARS = 1500     # of the traceback, in a verdict for a timing the judge itself failed on
 OUTPUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND   # the caller made (and emptied) the files
+HEX = frozenset("0123456789abcdef")   # a cache scope's digests (evaluator/triton_cache.py)
 
 
 class BadRequest(ValueError):
@@ -87,13 +89,14 @@ class Verdict:
     update_cache: bool = False
     repeat: int | None = None           # fresh engines a benchmark case; None: the process's --repeat
     ticket: str | None = None           # copied into result.json: how the caller knows it is this verdict
+    cache_scope: tuple[str, ...] = ()   # the engine's model-written variants: its Triton cache layers
 
 
 @dataclass(frozen=True)
 class SeriesRequest:
     """A contest's repeated timings, in the order it asks for them."""
 
-    timings: list[tuple[str, Path, str | None]]   # (label, engine, the ticket its result.json carries)
+    timings: list[tuple[str, Path, str | None, tuple[str, ...]]]   # (label, engine, its ticket, its cache scope)
     out_dir: Path
     cases: list[str] | None = None      # None: the process's --cases
     repeat: int | None = None           # None: the process's --repeat
@@ -110,17 +113,19 @@ def parse_request(line: str) -> Verdict | SeriesRequest:
         if repeat is not None and (type(repeat) is not int or repeat < 1):
             raise BadRequest("repeat must be a positive integer")
         if "timings" in data:
-            timings = [(str(label), Path(engine), _ticket(rest[0] if rest else None))
+            timings = [(str(label), Path(engine), _ticket(rest[0] if rest else None),
+                        _scope(rest[1] if len(rest) > 1 else []))
                        for label, engine, *rest in data["timings"]]
-            if not timings or any(not _plain_name(label) for label, _, _ in timings) \
-                    or len({label for label, _, _ in timings}) != len(timings):
+            if not timings or any(not _plain_name(label) for label, *_ in timings) \
+                    or len({label for label, *_ in timings}) != len(timings):
                 raise BadRequest("timings: distinct LABELs of letters, digits, - and _")
             return SeriesRequest(timings, out_dir, cases, repeat)
         if data.get("stress", "quick") not in STRESS_MODES:
             raise BadRequest(f"stress must be one of {STRESS_MODES}")
         return Verdict(Path(data["engine"]), out_dir, data.get("stress", "quick"), cases,
                        bool(data.get("benchmark", True)), bool(data.get("profile", False)),
-                       bool(data.get("update_cache", False)), repeat, _ticket(data.get("ticket")))
+                       bool(data.get("update_cache", False)), repeat, _ticket(data.get("ticket")),
+                       cache_scope=_scope(data.get("cache_scope", [])))
     except (ValueError, KeyError, TypeError) as e:
         raise BadRequest(f"bad request {line.strip()[:200]!r}: {e}") from None
 
@@ -129,6 +134,13 @@ def _ticket(ticket: object) -> str | None:
     if ticket is not None and not isinstance(ticket, str):
         raise BadRequest("ticket must be a string")
     return ticket
+
+
+def _scope(scope: object) -> tuple[str, ...]:
+    """A cache scope: hex digests (evaluator/triton_cache.py)."""
+    if not isinstance(scope, list) or not all(isinstance(d, str) and d and all(c in HEX for c in d) for d in scope):
+        raise BadRequest("cache_scope must be a list of hex digests")
+    return tuple(scope)
 
 
 def _plain_name(label: str) -> bool:
@@ -178,11 +190,13 @@ class Resident:
 
     def evaluate(self, engine: Path, stress: str, cases: list[str] | None, benchmark: bool = True,
                  profile: bool = False, update_cache: bool = False, reuse: Worker | None = None,
-                 public: bool = True, repeat: int | None = None, fresh: Worker | None = None) -> dict:
+                 public: bool = True, repeat: int | None = None, fresh: Worker | None = None,
+                 cache_scope: tuple[str, ...] = ()) -> dict:
         a = self.a
         result = evaluate(engine, self.config, a.weight_dir, a.device, stress, cases or parse_cases(a.cases),
                           a.warmup, repeat or a.repeat, a.seed, a.bandwidth_gbs, a.peak_tflops, log=self.log,
                           memory_bytes=self.memory_bytes, triton_cache=a.triton_cache, update_cache=update_cache,
+                          cache_scope=cache_scope,
                           profile=profile, criterion=a.criterion, benchmark=benchmark, started=self.started,
                           setup=self.setup, reuse=reuse, fresh=fresh, public=public, worker_ready=self.start_spare,
                           before_timing=self.settle_spare)
@@ -210,8 +224,9 @@ class Resident:
                 return
             self.spare = spare
 
-    def take_spare(self) -> Worker | None:
-        """The spare worker once it has said hello, its Triton cache brought up to date; None where
+    def take_spare(self, scope: tuple[str, ...] = ()) -> Worker | None:
+        """The spare worker once it has said hello, its Triton cache brought up to date with the
+        layers of its engine's `scope` (it started with the shared layer only); None where
         there is none or it failed to start (it is closed, and the verdict starts its own: the
         judge's failure is never the engine's)."""
         spare, self.spare = self.spare, None
@@ -219,7 +234,7 @@ class Resident:
             return None
         try:
             spare.ready()   # its round trip measured now: the last verdict's worker is gone, no spare starts
-            spare.jail.refresh_cache()
+            spare.jail.refresh_cache(scope)
         except Exception as e:  # noqa: BLE001 - WorkerDied, a broken channel, a failed copy: not the candidate's
             self.log(f"the spare worker is not used: {type(e).__name__}: {e}")
             spare.close()
@@ -243,9 +258,9 @@ class Resident:
 
     def verdict(self, v: Verdict) -> None:
         with self.output_to(v.out_dir):
-            fresh = self.take_spare()
+            fresh = self.take_spare(v.cache_scope)
             result = self.evaluate(v.engine, v.stress, v.cases, v.benchmark, v.profile, v.update_cache,
-                                   repeat=v.repeat, fresh=fresh)
+                                   repeat=v.repeat, fresh=fresh, cache_scope=v.cache_scope)
             print(summary_line(result), flush=True)
         write_json({**result, "ticket": v.ticket}, v.out_dir / RESULT)
         release_device_memory(self.device)
@@ -255,7 +270,7 @@ class Resident:
         held: Held | None = None   # the last engine's worker, for that engine's next timing
         self.settle_spare()
         try:
-            for label, engine, ticket in s.timings:
+            for label, engine, ticket, scope in s.timings:
                 folder = s.out_dir / label
                 with self.output_to(folder):
                     try:
@@ -264,10 +279,10 @@ class Resident:
                             held = None
                         if held is None:
                             held = Held.start(engine, self.a.device, self.memory_bytes, self.a.triton_cache,
-                                              self.log)
+                                              self.log, scope)
                         self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else ""))
                         result = self.evaluate(engine, "off", s.cases, reuse=held.worker if held else None,
-                                               public=False, repeat=s.repeat)
+                                               public=False, repeat=s.repeat, cache_scope=scope)
                     except Exception:  # noqa: BLE001 - the judge's own failure: this timing's verdict, not its end
                         traceback.print_exc()
                         result = failed_result(self.device, "unknown", CRASH, "the judge failed on this timing: "
@@ -294,12 +309,13 @@ class Held:
     timed: bool = False
 
     @staticmethod
-    def start(engine: Path, device: str, memory_bytes: int | None, triton_cache: Path | None, log) -> "Held | None":
+    def start(engine: Path, device: str, memory_bytes: int | None, triton_cache: Path | None, log,
+              scope: tuple[str, ...] = ()) -> "Held | None":
         """A fresh worker that imported `engine`; None where it failed to start or to import it:
         then evaluate() starts its own, and its verdict says what failed."""
         worker = None
         try:
-            worker = Worker(device, memory_bytes or default_memory_cap(), log, triton_cache)
+            worker = Worker(device, memory_bytes or default_memory_cap(), log, triton_cache, scope)
             worker.ready()
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
         except Exception:  # noqa: BLE001 - EvalFailure, or the worker's start (fork, channel) failing

@@ -5,15 +5,20 @@ candidates compile the same library kernels. So the judge keeps one cache for th
 
 * every worker starts from a *copy* of it in its own home (`seed`): it reads what earlier
   candidates compiled, and whatever it writes stays in its jail and goes with it;
-* only the judge adds to the shared cache (`merge`), from the copy of a worker that ran an engine
-  whose code is all the repository's (the agent asks for it: no model-written variant), after
-  that worker passed: new entries only, never a replacement, regular files only (no link is
-  followed), bounded in size.
+* only the judge adds to the shared cache (`merge`), from the copy of a worker that passed: new
+  entries only, never a replacement, regular files only (no link is followed), bounded in size.
 
 A Triton cache entry is a folder named by the hash of what was compiled (source, options, Triton
 version, target) holding the compiled artefacts. A worker that runs model-written code could
 write a folder under the key of a kernel that a later candidate compiles, with other machine code
-in it; that is why its writes never leave its jail.
+in it. So the cache is in layers, by *scope*: the set of model-written variants (the caller's
+digests of their texts) that the engine held. An engine whose code is all the repository's has
+the empty scope: its entries go to the shared folder itself, which every worker reads. An engine
+holding model-written variants S adds to the layer of S only (`.scoped/<digest of S>/`), and a
+worker reads the layers whose scope is a subset of its engine's. So an entry a worker of model
+code S wrote reaches only engines that hold all of S, and run S's code in their own process
+anyway; before the layers, a model's lineage recompiled every kernel on every verdict (~70
+kernels, ~20 s a screen on an H200, twenty-sixth session), the library's ones included.
 
 A compiled kernel's entry also holds a group file (`__grp__<kernel>.json`) that lists its
 artefacts by *absolute path*, and Triton takes the kernel as cached only if every path listed
@@ -24,6 +29,7 @@ here, into the shared cache and out of it, points the group files at the entry's
 verdict compiled its engine anew (~25 s on an H100, docs/benchmarks.md twenty-first session)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -32,21 +38,53 @@ import tempfile
 from pathlib import Path
 
 MAX_ENTRY_BYTES = 64 * 2**20     # one compiled kernel's artefacts: far below this
-MAX_CACHE_BYTES = 4 * 2**30      # the shared cache stops growing here
+MAX_CACHE_BYTES = 4 * 2**30      # the shared cache, every layer, stops growing here
 GROUP_PREFIX = "__grp__"         # Triton's group files: a kernel's artefacts by absolute path
+SCOPED = ".scoped"               # in the shared cache: a folder per scope of model-written variants
+SCOPE_FILE = "scope.json"        # in a scope's folder: the variants' digests
+Scope = tuple[str, ...]          # digests of the model-written variants an engine holds; () for none
 
 
-def seed(shared: Path, target: Path, uid: int | None) -> None:
-    """`target` (a worker's TRITON_CACHE_DIR) holding a copy of every entry of `shared` it lacks,
-    owned by the worker's uid, its group files pointing into the copy. An entry's name is the hash
-    of what it holds, so one already there is not copied again (a worker started ahead of its
-    verdict is seeded at its start and again when taken: `Jail.refresh_cache`)."""
+def layer(shared: Path, scope: Scope) -> Path:
+    """The folder entries of engines of `scope` go to."""
+    if not scope:
+        return shared
+    return shared / SCOPED / hashlib.sha256("\n".join(sorted(set(scope))).encode()).hexdigest()[:32]
+
+
+def visible(shared: Path, scope: Scope) -> list[Path]:
+    """The layers a worker of an engine of `scope` reads: the shared folder and every scope's
+    folder whose variants it all holds."""
+    layers = [shared]
+    for folder in sorted((shared / SCOPED).iterdir()) if (shared / SCOPED).is_dir() else []:
+        try:
+            theirs = json.loads((folder / SCOPE_FILE).read_text())["variants"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(theirs, list) and theirs and set(theirs) <= set(scope):
+            layers.append(folder)
+    return layers
+
+
+def _entries(folder: Path) -> list[Path]:
+    """A layer's entries: its folders, not links, not the judge's own (SCOPED, staging)."""
+    if not folder.is_dir():
+        return []
+    return [e for e in folder.iterdir() if e.is_dir() and not e.is_symlink() and not e.name.startswith(".")]
+
+
+def seed(shared: Path, target: Path, uid: int | None, scope: Scope = ()) -> None:
+    """`target` (a worker's TRITON_CACHE_DIR) holding a copy of every entry it lacks of the layers
+    an engine of `scope` reads, owned by the worker's uid, its group files pointing into the copy.
+    An entry's name is the hash of what it holds, so one already there is not copied again (a
+    worker started ahead of its verdict is seeded at its start and again, with its engine's
+    scope, when taken: `Jail.refresh_cache`)."""
     target.mkdir(parents=True, exist_ok=True)
     added = []
-    if shared.is_dir():
-        for source in shared.iterdir():
+    for folder in visible(shared, scope):
+        for source in _entries(folder):
             entry = target / source.name
-            if not source.is_dir() or source.is_symlink() or entry.exists():
+            if entry.exists():
                 continue
             shutil.copytree(source, entry, symlinks=True)
             for group in entry.glob(f"{GROUP_PREFIX}*"):
@@ -90,15 +128,22 @@ def _size(path: Path) -> int:
     return sum(p.lstat().st_size for p in path.rglob("*"))
 
 
-def merge(worker_cache: Path, shared: Path) -> int:
-    """Add `worker_cache`'s entries that `shared` lacks; the number added. An entry is a folder of
-    regular files (anything else in it, and the entry is skipped), written beside `shared`'s and
-    renamed into place, so a reader never sees half of one."""
+def merge(worker_cache: Path, shared: Path, scope: Scope = ()) -> int:
+    """Add `worker_cache`'s entries that no layer of `scope` holds to `scope`'s layer; the number
+    added. An entry is a folder of regular files (anything else in it, and the entry is skipped),
+    written beside the layer's and renamed into place, so a reader never sees half of one."""
     shared.mkdir(parents=True, exist_ok=True)
+    target = layer(shared, scope)
+    if scope and not (target / SCOPE_FILE).is_file():
+        target.mkdir(parents=True, exist_ok=True)
+        staging = target / f".{SCOPE_FILE}.incoming"
+        staging.write_text(json.dumps({"variants": sorted(set(scope))}))
+        os.replace(staging, target / SCOPE_FILE)
+    known = {e.name for folder in visible(shared, scope) for e in _entries(folder)}
     budget = MAX_CACHE_BYTES - _size(shared)
     added = 0
     for entry in sorted(worker_cache.iterdir()) if worker_cache.is_dir() else []:
-        if (shared / entry.name).exists() or entry.is_symlink() or not entry.is_dir():
+        if entry.name in known or entry.name.startswith(".") or entry.is_symlink() or not entry.is_dir():
             continue
         files: dict[str, bytes] = {}
         for item in entry.iterdir():
@@ -110,14 +155,14 @@ def merge(worker_cache: Path, shared: Path) -> int:
             size = sum(map(len, files.values()))
             if not files or size > min(MAX_ENTRY_BYTES, budget):
                 continue
-            staging = Path(tempfile.mkdtemp(dir=shared, prefix=".incoming-"))
+            staging = Path(tempfile.mkdtemp(dir=target, prefix=".incoming-"))
             for name in [n for n in files if n.startswith(GROUP_PREFIX)]:
-                files[name] = _relocate_group(files[name], shared / entry.name) or files[name]
+                files[name] = _relocate_group(files[name], target / entry.name) or files[name]
             for name, data in files.items():
                 (staging / name).write_bytes(data)
             os.chmod(staging, 0o755)
             try:
-                os.rename(staging, shared / entry.name)
+                os.rename(staging, target / entry.name)
             except OSError:   # another judge added it meanwhile
                 shutil.rmtree(staging, ignore_errors=True)
                 continue
@@ -126,9 +171,10 @@ def merge(worker_cache: Path, shared: Path) -> int:
     return added
 
 
-def compiled(worker_cache: Path, shared: Path) -> int:
-    """Entries of `worker_cache` that `shared` lacks: the kernels the worker compiled, its copy of
-    `shared` having held the rest. A verdict that compiles much when an earlier one compiled the
-    same engine says the shared cache is not being hit (docs/benchmarks.md, twenty-first session)."""
-    known = {e.name for e in shared.iterdir()} if shared.is_dir() else set()
-    return sum(1 for e in worker_cache.iterdir() if e.name not in known) if worker_cache.is_dir() else 0
+def compiled(worker_cache: Path, shared: Path, scope: Scope = ()) -> int:
+    """Entries of `worker_cache` that no layer of `scope` holds: the kernels the worker compiled,
+    its copy of those layers having held the rest. A verdict that compiles much when an earlier
+    one compiled the same engine says the shared cache is not being hit (docs/benchmarks.md,
+    twenty-first session)."""
+    known = {e.name for folder in visible(shared, scope) for e in _entries(folder)}
+    return sum(1 for e in _entries(worker_cache) if e.name not in known)

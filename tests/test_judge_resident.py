@@ -200,7 +200,7 @@ resident.Worker = broken_worker      # Held.start cannot start one: evaluate() i
 resident.Resident.evaluate = evaluate
 judge = resident.Resident(argparse.Namespace(device="cpu", memory_gb=None, triton_cache=None, spare_worker="off"), {})
 out = Path(sys.argv[1])
-judge.series(resident.SeriesRequest([("a-1", Path("a.py"), "t1"), ("b-1", Path("b.py"), "t2")], out))
+judge.series(resident.SeriesRequest([("a-1", Path("a.py"), "t1", ()), ("b-1", Path("b.py"), "t2", ())], out))
 print(json.dumps([json.loads((out / label / "result.json").read_text()) for label in ("a-1", "b-1")]))
 '''
 

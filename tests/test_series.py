@@ -129,7 +129,17 @@ def test_screens_and_rounds_time_screen_repeat_engines_and_the_final_the_full_re
 BAD_REQUESTS = ['{"timings": [["a/b", "engine.py"]], "out_dir": "x"}', '{"engine": "e.py"}',
                 '{"engine": "e.py", "out_dir": "x", "stress": "no"}', '{"engine": "e.py", "out_dir": "x", "ticket": 7}',
                 '[1, 2]', '{"timings": [["a", "e.py"], ["a", "e.py"]], "out_dir": "x"}',
-                '{"engine": "e.py", "out_dir": "x", "repeat": 0}', '{"timings": [["a", "e.py"]], "out_dir": "x", "repeat": "2"}']
+                '{"engine": "e.py", "out_dir": "x", "repeat": 0}', '{"timings": [["a", "e.py"]], "out_dir": "x", "repeat": "2"}',
+                '{"engine": "e.py", "out_dir": "x", "cache_scope": "ab"}',
+                '{"engine": "e.py", "out_dir": "x", "cache_scope": ["../x"]}',
+                '{"timings": [["a", "e.py", "t", ["AB"]]], "out_dir": "x"}']
+
+
+def test_a_request_names_the_cache_scope_of_its_engine():
+    verdict = parse_request('{"engine": "e.py", "out_dir": "x", "cache_scope": ["ab12", "cd34"]}')
+    assert verdict.cache_scope == ("ab12", "cd34") and parse_request('{"engine": "e.py", "out_dir": "x"}').cache_scope == ()
+    series = parse_request('{"timings": [["a", "e.py", "t1", ["ab12"]], ["b", "f.py", "t2"]], "out_dir": "x"}')
+    assert [(label, scope) for label, _, _, scope in series.timings] == [("a", ("ab12",)), ("b", ())]
 
 
 @pytest.mark.parametrize("request_line", BAD_REQUESTS)

@@ -51,19 +51,61 @@ def test_merge_adds_new_entries_only_and_never_follows_links(tmp_path):
     assert sorted(p.name for p in shared.iterdir()) == ["fresh", "known"]
 
 
-def test_only_engines_of_our_own_code_update_the_cache(tmp_path):
+def test_every_passing_engine_adds_to_the_layer_of_its_model_written_code(tmp_path):
+    """The request names the engine's scope: the digests of the model-written variants its
+    candidate folder holds (none for the repository's own code), each text with its name."""
     settings = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cpu", 0, memory_bytes=2**30,
                              triton_cache=tmp_path / "cache")
     ours = tmp_path / "001" / "engine.py"
     model_written = tmp_path / "002" / "engine.py"
     (model_written.parent / VARIANTS).mkdir(parents=True)
+    (model_written.parent / VARIANTS / "norm.llm_1.py.j2").write_text("def rmsnorm__llm_1(): pass\n")
+    (model_written.parent / VARIANTS / "linear.llm_2.py.j2").write_text("def linear__llm_2(): pass\n")
+    renamed = tmp_path / "003" / "engine.py"
+    (renamed.parent / VARIANTS).mkdir(parents=True)
+    (renamed.parent / VARIANTS / "norm.llm_3.py.j2").write_text("def rmsnorm__llm_1(): pass\n")
     cmd = settings.command()
     assert cmd[cmd.index("--triton-cache") + 1] == str(tmp_path / "cache")
     assert settings.request(ours, tmp_path / "out")["update_cache"]
-    assert not settings.request(model_written, tmp_path / "out")["update_cache"]
+    assert settings.request(ours, tmp_path / "out")["cache_scope"] == []
+    scope = settings.request(model_written, tmp_path / "out")["cache_scope"]
+    assert settings.request(model_written, tmp_path / "out")["update_cache"] and len(set(scope)) == 2
+    assert not set(settings.request(renamed, tmp_path / "out")["cache_scope"]) & set(scope)   # same text, another name
     no_cache = JudgeSettings("python3", tmp_path / "c.json", tmp_path / "w", "cpu", 0, memory_bytes=2**30)
     assert not no_cache.request(ours, tmp_path / "out")["update_cache"]
     assert "--triton-cache" not in no_cache.command()
+
+
+def test_what_model_code_compiled_reaches_only_engines_that_hold_that_code(tmp_path):
+    """A worker reads the shared layer and the layers of scopes within its engine's; what a worker
+    of model code A compiled goes to A's layer: an engine of A and B reads it, an engine of B
+    alone, or of the repository's code alone, never does."""
+    shared = tmp_path / "shared"
+    entry(shared, "library", {"kernel.cubin": b"lib"})
+    worker_a = tmp_path / "a"
+    triton_cache.seed(shared, worker_a, uid=None, scope=("aa",))
+    entry(worker_a, "poisoned_or_not", {"kernel.cubin": b"from model code A"})
+    assert triton_cache.compiled(worker_a, shared, ("aa",)) == 1
+    assert triton_cache.merge(worker_a, shared, ("aa",)) == 1
+    assert sorted(p.name for p in triton_cache._entries(shared)) == ["library"]   # the shared layer: untouched
+    assert triton_cache.merge(worker_a, shared, ("aa",)) == 0                     # known now: not added twice
+
+    def reads(scope) -> list[str]:
+        worker = tmp_path / f"w-{'-'.join(scope) or 'ours'}"
+        triton_cache.seed(shared, worker, uid=None, scope=scope)
+        return sorted(p.name for p in worker.iterdir())
+    assert reads(()) == ["library"] and reads(("bb",)) == ["library"]
+    assert reads(("aa", "bb")) == ["library", "poisoned_or_not"] and reads(("aa",)) == ["library", "poisoned_or_not"]
+    # an engine of A and B adds what it compiled to A+B's layer, which A alone does not read
+    worker_ab = tmp_path / "w-aa-bb"
+    entry(worker_ab, "ab_only", {"kernel.cubin": b"from A and B"})
+    assert triton_cache.merge(worker_ab, shared, ("bb", "aa")) == 1
+    assert "ab_only" not in reads(("aa", "cc")) and "ab_only" in reads(("aa", "bb", "cc"))
+    assert triton_cache.compiled(worker_ab, shared, ("aa", "bb")) == 0
+    # a scope's layer without its scope file is read by nobody
+    stray = shared / triton_cache.SCOPED / "stray"
+    entry(stray, "stray_entry", {"kernel.cubin": b"?"})
+    assert "stray_entry" not in reads(("aa", "bb", "dd"))
 
 
 def test_what_a_worker_compiled_is_what_the_shared_cache_lacks(tmp_path):
@@ -158,5 +200,12 @@ def test_a_worker_started_ahead_gets_the_kernels_added_since(tmp_path):
         assert sorted(p.name for p in jail.compile_cache.iterdir()) == ["early", "late"]
         group = json.loads((jail.compile_cache / "late" / f"{triton_cache.GROUP_PREFIX}kernel.json").read_text())
         assert group["child_paths"]["kernel.cubin"] == str(jail.compile_cache / "late" / "kernel.cubin")
+        scoped = tmp_path / "scoped-worker"
+        entry(scoped, "model_kernel", {"kernel.cubin": os.urandom(16)})
+        triton_cache.merge(scoped, shared, ("ab12",))
+        jail.refresh_cache()
+        assert "model_kernel" not in {p.name for p in jail.compile_cache.iterdir()}
+        jail.refresh_cache(("ab12",))   # taken for an engine of that model code: its layer too
+        assert sorted(p.name for p in jail.compile_cache.iterdir()) == ["early", "late", "model_kernel"]
     finally:
         jail.close()
