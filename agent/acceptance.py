@@ -53,6 +53,7 @@ class Decision:
     ratio: float | None = None        # geometric mean challenger / incumbent over the pairs (or the screen)
     p: float | None = None            # the sign test's one-sided p, where pairs were timed
     failure: EvalResult | None = None # a timing of the challenger that failed: its verdict
+    cut: bool = False                 # undecided for want of time (no pair left to time): not a verdict on it
 
 
 def sign_p(wins: int, n: int) -> float:
@@ -154,8 +155,11 @@ def contest(screen: EvalResult, incumbent: EvalResult | None, time_challenger: T
         if mine is not None and not mine.passed:
             return Decision(False, f"a repeated timing failed: {mine.stage}/{mine.error_kind}", failure=mine)
         if mine is None or theirs is None or not theirs.passed:
-            return _verdict(samples, final=True, why=("no time left for another pair" if theirs is None or
-                            mine is None else "the incumbent's repeated timing did not pass") + stale)
+            no_time = theirs is None or mine is None
+            decision = _verdict(samples, final=True, why=("no time left for another pair" if no_time else
+                                "the incumbent's repeated timing did not pass") + stale)
+            undecided = not decision.accepted and (decision.ratio is None or decision.ratio > 1.0)
+            return replace(decision, cut=no_time and undecided)
         samples += paired_log_ratios(mine, theirs)
         per_round = max(len(paired_log_ratios(mine, theirs)), 1)
         decision = _verdict(samples, final=round_ == MAX_ROUNDS, remaining=per_round * (MAX_ROUNDS - round_))

@@ -153,7 +153,7 @@ def cache_scope(engine: Path) -> list[str]:
     """The digests of the model-written variants `engine` holds (the sources the loop saved in its
     candidate folder's VARIANTS, each with its file name, which names its slot and variant)."""
     folder = engine.parent / VARIANTS
-    files = sorted(folder.glob("*.py.j2")) if folder.is_dir() else []
+    files = sorted(f for f in folder.glob("*.py.j2") if f.is_file() and not f.is_symlink()) if folder.is_dir() else []
     return [hashlib.sha256(f.name.encode() + b"\n" + f.read_bytes()).hexdigest() for f in files]
 
 

@@ -25,6 +25,7 @@ installed at the end was judged in full.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -198,12 +199,14 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         return decided(decision.failure, decision.reason)
     report.line(f"     {'ACCEPT' if decision.accepted else 'REJECT'}: {decision.reason}")
     if not decision.accepted:
+        screen.cut_short = decision.cut
         return decided(screen, decision.reason)
     final_seconds = expected_final_seconds(state, screen)
     if left() < final_seconds:   # a final cut by the deadline would be lost
         why = (f"won its contest, but its final (the stress suite) cannot fit the {max(left(), 0):.0f}s of the "
                f"budget left (a final takes ~{final_seconds:.0f}s): the best so far stays")
         report.line(f"     NOT INSTALLED: {why}")
+        screen.cut_short = True
         return decided(screen, why)
     incumbent_result = state.best_result
     timed = screen if again is None else acceptance.fastest(screen, again)
@@ -315,6 +318,7 @@ def prepare(candidate: Candidate, directory: Path, device: str,
             model: Conventions = Conventions()) -> tuple[str | None, EvalResult | None]:
     """Render the candidate into its folder; a failure to render or a policy breach is its verdict."""
     atomic_write(directory / "plan.json", json.dumps(candidate.to_dict(), indent=2) + "\n")
+    shutil.rmtree(directory / VARIANTS, ignore_errors=True)   # exactly this candidate's: its cache scope (agent/judge.py)
     for (slot, name), text in candidate.extra_variants.items():  # kept so that --resume can restore them
         atomic_write(directory / VARIANTS / f"{slot}.{name}.py.j2", text)
     try:

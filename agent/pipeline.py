@@ -15,10 +15,11 @@ offers the model nothing to build on (`screened`): on a CPU the first final of t
 engine (its stress suite) can take most of a short budget, and the model would otherwise wait
 it out and never be asked. Its candidates are judged in full like any other.
 
-The model candidates waiting for the judge (ready, and the one it is judging) are handed to `keep`
-whenever that list changes (the loop writes them to the workspace), and a resumed run's
-(`state.waiting`) start the queue: a run cut before their verdicts does not lose what the model
-wrote and the checks passed.
+The candidates waiting for the judge that carry model-written code (ready, the one it is judging,
+and those whose verdict the budget cut short: EvalResult.unfinished) are handed to `keep` whenever
+that list changes (the loop writes them to the workspace), and a resumed run's (`state.waiting`)
+start the queue: a run cut before their verdicts does not lose what the model wrote and the
+checks passed.
 
 No worker starts a request the run's deadline cannot hold (the LLM proposer checks its own
 request timeout against it); workers are daemon threads, so a run that ends does not wait for
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from agent.archive import Archive, Member
-from agent.records import DEADLINE, Candidate, EvalResult, Proposer, SearchState
+from agent.records import Candidate, EvalResult, Proposer, SearchState
 
 MAX_REPEATS = 20      # consecutive already-judged proposals from one side before it is given up
 PARALLEL_ENV = "LLM_PARALLEL"
@@ -51,7 +52,8 @@ class Pipeline:
         self.parallel = parallel if model_side and parallel > 1 else 1
         self.builtin: Proposer = proposer.fallback if self.parallel > 1 else proposer
         self.ready: list[Candidate] = [c for c in state.waiting if not state.tried(c)]
-        self.judging: Candidate | None = None   # a model candidate the judge took, its verdict to come
+        self.judging: Candidate | None = None   # a candidate of model code the judge took, its verdict to come
+        self.cut: list[Candidate] = []          # ... whose verdict the budget cut short: for a resumed run only
         self._keep_failed = False
         self.in_flight = 0
         self.workers = 0
@@ -77,7 +79,7 @@ class Pipeline:
                     candidate = self.merges.pop(0)
                     if not self.state.tried(candidate):
                         self._builtin_keys.add(candidate.key())
-                        return candidate
+                        return self._judging(candidate)
                 if self.ready and not self.last_model:
                     candidate = self._take()
                     if candidate is not None:
@@ -87,7 +89,8 @@ class Pipeline:
             if candidate is not None:
                 self._builtin_keys.add(candidate.key())
                 self.last_model = False
-                return candidate
+                with self.cond:
+                    return self._judging(candidate)
             with self.cond:
                 if self.ready:
                     candidate = self._take()
@@ -103,7 +106,7 @@ class Pipeline:
         key = candidate.key()
         side = self.builtin if key in self._builtin_keys else self.proposer
         self._builtin_keys.discard(key)
-        if result.error_kind != DEADLINE:   # the budget cut it short: nothing to learn of the candidate
+        if not result.unfinished:   # the budget cut it short: nothing to learn of the candidate
             side.feedback(candidate, result)
         archive = Archive.of(self.state)
         best = archive.index_of(self.state.best) if self.state.best is not None else None
@@ -116,8 +119,8 @@ class Pipeline:
         with self.cond:
             self.screen = None   # its verdict is in: the archive holds it, or it failed
             if self.judging is not None and self.judging.key() == key:
-                if result.error_kind == DEADLINE:   # judged again on --resume (agent/resume.py): still waiting
-                    self.ready.insert(0, self.judging)
+                if result.unfinished:   # judged again on --resume (agent/resume.py): still waiting
+                    self.cut.append(self.judging)
                 self.judging = None
                 self._kept()
             self.cond.notify_all()   # a worker waiting for room (or for a basis) may go on
@@ -150,16 +153,21 @@ class Pipeline:
         """The first ready candidate, now the one being judged; None when it was judged already."""
         self.last_model = True
         candidate = self.ready.pop(0)
-        self.judging = None if self.state.tried(candidate) else candidate
-        self._kept()
         self.cond.notify_all()
-        return self.judging
+        return None if self.state.tried(candidate) else self._judging(candidate)
+
+    def _judging(self, candidate: Candidate) -> Candidate:
+        """`candidate`, handed to the judge: kept until its verdict if it carries model-written code
+        (from the model, or built on it by the builtin walk or a merge, or any side of a serial run)."""
+        self.judging = candidate if candidate.extra_variants else None
+        self._kept()
+        return candidate
 
     def _kept(self) -> None:
         """Hand the waiting model candidates to `keep` (under the lock). A failure is logged once:
         the run goes on, only a resume would lose them."""
         try:
-            self.keep(([self.judging] if self.judging is not None else []) + self.ready)
+            self.keep(self.cut + ([self.judging] if self.judging is not None else []) + self.ready)
         except OSError as e:
             if not self._keep_failed:
                 self.log(f"warning: the model candidates waiting for the judge could not be kept ({e}); "

@@ -79,6 +79,9 @@ class EvalResult:
     stage_seconds: dict | None = None
     # On CUDA with the run's shared Triton cache: the kernels this verdict's worker compiled itself.
     triton_compiled: int | None = None
+    # The budget left no time to finish this verdict (a contest undecided for want of rounds, a won
+    # contest whose final could not fit): like a DEADLINE, a resumed run judges it again.
+    cut_short: bool = False
 
     @property
     def passed(self) -> bool:
@@ -115,6 +118,11 @@ class EvalResult:
 
     def tokens_per_second(self) -> dict[str, float]:
         return {c.get("case_name", "?"): float(c.get("tokens_per_second") or 0.0) for c in self.benchmark}
+
+    @property
+    def unfinished(self) -> bool:
+        """The budget cut this verdict short (DEADLINE, or `cut_short`): not a verdict on the engine."""
+        return self.error_kind == DEADLINE or self.cut_short
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -175,8 +183,10 @@ class Candidate:
     def from_record(d: dict) -> "Candidate":
         """The candidate `to_record` wrote. KeyError, TypeError or ValueError when `d` is not one."""
         texts = d["variant_texts"]
-        if not isinstance(texts, dict) or not all(isinstance(t, str) and "/" in k for k, t in texts.items()):
-            raise ValueError("variant_texts is not a map of slot/name to text")
+        if not isinstance(texts, dict) or not all(
+                isinstance(t, str) and isinstance(k, str) and k.count("/") == 1
+                and all(part.isidentifier() for part in k.split("/")) for k, t in texts.items()):
+            raise ValueError("variant_texts is not a map of slot/name (identifiers) to text")
         parent = d.get("parent")
         return Candidate(Plan.from_dict(d["plan"]), str(d["origin"]), str(d.get("note", "")),
                          {tuple(k.split("/", 1)): t for k, t in texts.items()},

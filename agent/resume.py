@@ -9,7 +9,8 @@ A kill can land anywhere, so the record is made consistent first:
 - a candidate installed whose results.json entry was not written yet (the kill came between
   the two) is taken from engine.json, which holds its plan and verdict;
 - folders of candidates that never finished are removed (they are judged again, renumbered),
-  as are the last ones whose verdict the budget cut short (records.DEADLINE);
+  as are the last ones whose verdict the budget cut short (records.DEADLINE, or a contest or a
+  final the budget left no time for: EvalResult.cut_short);
 - if engine.py is not the engine the record says is best (the kill came between writing
   engine.py and engine.json), the best recorded candidate's engine is installed again from its
   folder; with no passing candidate recorded, engine.py and engine.json are removed.
@@ -113,12 +114,15 @@ def load(ws: Workspace, run: dict[str, str]) -> Previous | None:
         raise ResumeError(f"{RESULTS_JSON} is not a record this agent wrote ({e})") from e
     if [e.index for e in entries] != list(range(1, len(entries) + 1)):
         raise ResumeError(f"{RESULTS_JSON} has gaps in its candidate numbers; run without --resume")
-    while entries and entries[-1].result.error_kind == DEADLINE and not entries[-1].accepted:
+    while entries and entries[-1].result.unfinished and not entries[-1].accepted:
         entries.pop()   # the budget ran out before its verdict: judged again, like an unfinished one
     previous = Previous(entries, int(old["seed"]) if str(old.get("seed", "")).isdigit() else None)
     judged = {e.candidate.key() for e in entries}
     waiting, previous.unreadable_waiting = _waiting(ws)
-    previous.waiting = [c for c in waiting if c.key() not in judged]
+    # A parent past the record (a challenger built on before its verdict, the run cut meanwhile)
+    # would name whichever candidate takes its number next: none, then.
+    previous.waiting = [c if c.parent is None or c.parent <= len(entries) else replace(c, parent=None)
+                        for c in waiting if c.key() not in judged]
     best_source = _best_source(previous)  # may refuse: nothing is changed before this
     _drop_unfinished(ws, len(entries))
     _reinstall_best(ws, previous, best_source)

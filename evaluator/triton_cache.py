@@ -39,6 +39,7 @@ from pathlib import Path
 
 MAX_ENTRY_BYTES = 64 * 2**20     # one compiled kernel's artefacts: far below this
 MAX_CACHE_BYTES = 4 * 2**30      # the shared cache, every layer, stops growing here
+MAX_SCOPED_BYTES = 2 * 2**30     # ... and the scopes' layers together here: room stays for the shared one
 GROUP_PREFIX = "__grp__"         # Triton's group files: a kernel's artefacts by absolute path
 SCOPED = ".scoped"               # in the shared cache: a folder per scope of model-written variants
 SCOPE_FILE = "scope.json"        # in a scope's folder: the variants' digests
@@ -141,6 +142,8 @@ def merge(worker_cache: Path, shared: Path, scope: Scope = ()) -> int:
         os.replace(staging, target / SCOPE_FILE)
     known = {e.name for folder in visible(shared, scope) for e in _entries(folder)}
     budget = MAX_CACHE_BYTES - _size(shared)
+    if scope:
+        budget = min(budget, MAX_SCOPED_BYTES - _size(shared / SCOPED))
     added = 0
     for entry in sorted(worker_cache.iterdir()) if worker_cache.is_dir() else []:
         if entry.name in known or entry.name.startswith(".") or entry.is_symlink() or not entry.is_dir():

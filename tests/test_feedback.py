@@ -271,12 +271,13 @@ def test_profiled_pass_attributes_time_to_slots_on_cpu(tiny_model, tmp_path):
     with Worker("cpu") as worker:
         worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
         slot_ms = profiled_pass(RemoteModule(worker), tiny_model.config, tiny_model.weight_dir, ["prefill", "decode"])
-        # past its time budget the pass starts no further case, and says which it profiled
+        # past its time budget the pass starts no further case, and says which it profiled: a mixed
+        # case first (it calls every slot)
         first_only = profiled_pass(RemoteModule(worker), tiny_model.config, tiny_model.weight_dir,
-                                   ["prefill", "decode"], budget_s=0.0)
-    assert slot_ms["cases"] == ["prefill", "decode"] and first_only["cases"] == ["prefill"]
+                                   ["decode", "mixed"], budget_s=0.0)
+    assert slot_ms["cases"] == ["prefill", "decode"] and first_only["cases"] == ["mixed"]
     assert {s: v["calls"] for s, v in first_only["slots"].items()} == {
-        s: sum(c.calls for c in v) for s, v in call_shapes(Dims.from_config(tiny_model.config), ["prefill"],
+        s: sum(c.calls for c in v) for s, v in call_shapes(Dims.from_config(tiny_model.config), ["mixed"],
                                                            first_only["fused_rows"]).items()}
     # fp32 weights packed for oneDNN run every pass unfused (the engine's fused_rows is 0 then)
     fused_rows = 0 if load_source(render_engine(plan), "feedback_engine").cpu_packing_works() else 64

@@ -591,3 +591,6 @@ def test_a_winner_whose_final_cannot_fit_the_budget_is_not_started_and_says_why(
     log = (ws.root / "results.log").read_text()
     assert "NOT INSTALLED: won its contest, but its final (the stress suite) cannot fit the 80s" in log
     assert "a final takes ~100s" in log and "timeout" not in log
+    # not a verdict on b: a resumed run judges it again (agent/resume.py), as one the deadline killed
+    assert state.history[-1][0].plan == b and state.history[-1][1].unfinished
+    assert not state.history[1][1].unfinished

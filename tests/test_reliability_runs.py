@@ -131,14 +131,18 @@ def test_resume_after_a_kill_between_engine_and_its_verdict(tmp_path, monkeypatc
     assert not list(ws.root.rglob(TMP_PREFIX + "*"))
 
 
-def test_a_candidate_the_budget_cut_short_is_judged_again_on_resume(tmp_path, monkeypatch):
-    """The last candidate's verdict was cut by the run's budget (records.DEADLINE): not a verdict
-    on it, so the resumed run drops it with its folder and judges its plan again."""
+@pytest.mark.parametrize("how", ["deadline", "contest"])
+def test_a_candidate_the_budget_cut_short_is_judged_again_on_resume(tmp_path, monkeypatch, how):
+    """The last candidate's verdict was cut by the run's budget (records.DEADLINE, or a contest or
+    final the budget left no time for: cut_short): not a verdict on it, so the resumed run drops
+    it with its folder and judges its plan again."""
     ws, _ = recorded_run(tmp_path, PLANS[:2], monkeypatch)
     record = json.loads((ws.root / "results.json").read_text())
     record["candidates"][-1]["accepted"] = False
-    record["candidates"][-1]["result"] = EvalResult.failure("unknown", DEADLINE, "the run's budget ran out", "cpu",
-                                                           9.0).to_dict()
+    record["candidates"][-1]["result"] = (
+        EvalResult.failure("unknown", DEADLINE, "the run's budget ran out", "cpu", 9.0) if how == "deadline" else
+        EvalResult(status="passed", stage="done", device="cpu", score=3.0, cut_short=True,
+                   decision="within noise (p=0.125): 130% of best; no time left for another pair")).to_dict()
     (ws.root / "results.json").write_text(json.dumps(record))
     (ws.root / "engine.json").unlink()
     cut = next((ws.root / "candidates").glob("003-*"))
