@@ -17,7 +17,7 @@ A kill can land anywhere, so the record is made consistent first:
 So the workspace holds a passing engine or none, and the history says which.
 
 Model candidates that had passed their checks but were not judged yet (waiting.json, kept by the
-pipeline) come back too, to be judged first: without them a run cut between a model's answer and
+pipeline) come back too, at the head of the queue: without them a run cut between a model's answer and
 its verdict loses what it paid for (a scripted good model on an H200, twenty-sixth session: a
 norm and a RoPE kernel answered before a cut never reached the engine). One that is unreadable,
 or was judged after all, is left out.
