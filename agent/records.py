@@ -203,7 +203,7 @@ class SearchState:
     seconds_left: float = 0.0
     history: list[tuple[Candidate, EvalResult]] = field(default_factory=list)
     # Model candidates an interrupted run had checked (policy, unit check) but not judged yet,
-    # restored by --resume (agent/resume.py): the pipeline judges them first, and the model's
+    # restored by --resume (agent/resume.py): the head of the pipeline's queue, and the model's
     # plan menu lists their variants, as before the interruption.
     waiting: list[Candidate] = field(default_factory=list)
     best: Candidate | None = None
