@@ -123,10 +123,11 @@ class ScriptedServer:
 class GoodModel(ScriptedServer):
     """A good model: for a kernel prompt, the slot's fixture answer under the variant name asked
     for. A slot with a `<slot>.slow.md` fixture first gets that (correct, clearly slower: the
-    refinement turn that follows gets the fast one); any later turn of an episode gets the fast
-    one. A new episode on a slot whose variant of its own the prompt's menu lists gets a plan
-    change instead, the best plan with the newest model variant of every slot the menu lists (a
-    good model stacks its own kernels), or, with none to stack, a plain sentence (no code). One
+    refinement turn that follows gets the fast one, and a turn after the fast one a plan change:
+    it has nothing better). A new episode on a slot whose variant of its own the prompt's menu
+    lists gets a plan change instead, the best plan with the newest model variant of every slot
+    the menu lists (a good model stacks its own kernels), or, with none to stack, a plain
+    sentence (no code). One
     on a slot whose fast answer was sent but whose variant the menu does not list (the answer
     never reached the run: a cut, an episode lost) gets the fast answer again, as a model that
     reads the prompt would write it again. A plan prompt gets the same plan change. It never
@@ -153,17 +154,18 @@ class GoodModel(ScriptedServer):
         if asked is None:
             return self._record("plan", _stack(prompts[0] if prompts else ""))
         variant, slot = asked.groups()
-        follow_up = any(m.get("role") == "assistant" for m in messages)
+        answered = [_text(m) for m in messages if m.get("role") == "assistant"]
         listed = slot in _own_variants(prompts[0])
         with self.lock:
             slow, fast = self.fixtures / f"{slot}.slow.md", self.fixtures / f"{slot}.md"
-            if not follow_up and not listed and slot not in self._fast_sent and slow.is_file():
+            fast_text = fast.read_text().replace(VARIANT_MARK, variant) if fast.is_file() else None
+            if fast_text is None or fast_text in answered or (listed and not answered):
+                return self._record(slot, _stack(prompts[0]))   # nothing better to write
+            if not answered and slot not in self._fast_sent and slow.is_file():
                 return self._record(slot, slow.read_text().replace(VARIANT_MARK, variant), "slow")
-            if (follow_up or not listed) and fast.is_file():
-                again = slot in self._fast_sent and not follow_up
-                self._fast_sent.add(slot)
-                return self._record(slot, fast.read_text().replace(VARIANT_MARK, variant), "fast again" if again else "fast")
-        return self._record(slot, _stack(prompts[0]), "plan change")
+            again = slot in self._fast_sent and not answered
+            self._fast_sent.add(slot)
+            return self._record(slot, fast_text, "fast again" if again else "fast")
 
     def _record(self, what: str, text: str, kind: str = "") -> str:
         self.answers.append((what, kind or ("plan change" if "```json" in text else "no plan")))

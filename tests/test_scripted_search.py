@@ -76,6 +76,10 @@ def test_good_model_reads_the_real_prompts():
     assert f"def rmsnorm__{name}(" in slow and "for i in range" in slow
     fast = model.reply(ask + [{"role": "assistant", "content": slow}, {"role": "user", "content": "slower"}])
     assert fast == (GOOD_ANSWERS / "norm.md").read_text().replace(VARIANT_MARK, name)
+    # refined once more (its fast answer judged slower somewhere): nothing better to write, no code
+    third = model.reply(ask + [{"role": "assistant", "content": slow}, {"role": "user", "content": "slower"},
+                               {"role": "assistant", "content": fast}, {"role": "user", "content": "slower"}])
+    assert "def rmsnorm__" not in third
     menu = ("- slot variants on this device:\n  - `norm`: torch, triton, llm_2, llm_11\n"
             "  - `silu_mul`: torch, triton\n")
     again = model.reply([{"role": "user", "content": f"Write a faster variant `llm_12` of the slot `norm`.\n{menu}"}])
@@ -83,7 +87,7 @@ def test_good_model_reads_the_real_prompts():
     assert plan["plan"] == {"slots": {"norm": "llm_11"}}
     assert "```" not in model.reply([{"role": "user", "content": "Propose ONE change\n- slot variants on this "
                                                                    "device:\n  - `norm`: torch, triton\n"}])
-    assert [kind for _, kind in model.answers] == ["slow", "fast", "plan change", "no plan"]
+    assert [kind for _, kind in model.answers] == ["slow", "fast", "no plan", "plan change", "no plan"]
 
 
 def fake_judge(engine: Path, out_dir: Path, timeout: float, phase: str = "full") -> EvalResult:
