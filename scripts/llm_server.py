@@ -127,10 +127,11 @@ class GoodModel(ScriptedServer):
     it has nothing better). A new episode on a slot whose variant of its own the prompt's menu
     lists gets a plan change instead, the best plan with the newest model variant of every slot
     the menu lists (a good model stacks its own kernels), or, with none to stack, a plain
-    sentence (no code). One
-    on a slot whose fast answer was sent but whose variant the menu does not list (the answer
-    never reached the run: a cut, an episode lost) gets the fast answer again, as a model that
-    reads the prompt would write it again. A plan prompt gets the same plan change. It never
+    sentence (no code), as does one whose fast answer this process sent that is still on its way
+    to the menu (another episode's unit check). One on a slot whose fast answer an earlier
+    process sent (`remembered`) but whose variant the menu does not list (it never reached the
+    run: cut in flight) gets the fast answer again, once, as a model reading the prompt would
+    write it again. A plan prompt gets the same plan change. It never
     names a library variant: kernels come from it alone. `answers`: (slot or "plan", what it
     sent) in order, for the report. `memory()` is what it must keep for a run continued in
     another process (`--resume`): the slots whose fast answer it sent; `remembered` takes it back."""
@@ -140,6 +141,8 @@ class GoodModel(ScriptedServer):
         self.fixtures = fixtures
         self.answers: list[tuple[str, str]] = []
         self._fast_sent: set[str] = set((remembered or {}).get("fast_sent", []))
+        # sent by an earlier process and not on this run's menu when first asked here: written once more
+        self._lost: set[str] = set(self._fast_sent)
 
     def memory(self) -> dict:
         with self.lock:
@@ -159,11 +162,15 @@ class GoodModel(ScriptedServer):
         with self.lock:
             slow, fast = self.fixtures / f"{slot}.slow.md", self.fixtures / f"{slot}.md"
             fast_text = fast.read_text().replace(VARIANT_MARK, variant) if fast.is_file() else None
-            if fast_text is None or fast_text in answered or (listed and not answered):
-                return self._record(slot, _stack(prompts[0]))   # nothing better to write
+            # Nothing better to write: the fast answer sent in this episode, its variant on the menu,
+            # or sent by this process and still on its way there (another episode's unit check).
+            in_flight = slot in self._fast_sent and slot not in self._lost
+            if fast_text is None or fast_text in answered or (not answered and (listed or in_flight)):
+                return self._record(slot, _stack(prompts[0]))
             if not answered and slot not in self._fast_sent and slow.is_file():
                 return self._record(slot, slow.read_text().replace(VARIANT_MARK, variant), "slow")
-            again = slot in self._fast_sent and not answered
+            again = not answered and slot in self._lost
+            self._lost.discard(slot)
             self._fast_sent.add(slot)
             return self._record(slot, fast_text, "fast again" if again else "fast")
 

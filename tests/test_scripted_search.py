@@ -150,7 +150,12 @@ def test_a_continued_run_keeps_its_workspace_budgets_and_the_models_memory(tmp_p
     assert "def rmsnorm__llm_4(" not in stacked and '"norm": "llm_3"' in stacked
     rewritten = again.reply([{"role": "user", "content": ask[0]["content"].replace("llm_3", "llm_5")}])
     assert rewritten == (GOOD_ANSWERS / "norm.md").read_text().replace(VARIANT_MARK, "llm_5")
-    assert [kind for _, kind in again.answers] == ["plan change", "fast again"]
+    # once: sent by this process now, it is on its way to the menu (a unit check), not lost
+    later = again.reply([{"role": "user", "content": ask[0]["content"].replace("llm_3", "llm_6")}])
+    assert "def rmsnorm__" not in later
+    assert [kind for _, kind in again.answers] == ["plan change", "fast again", "no plan"]
+    # in one process, a second episode while the first's fast answer is still in its unit check: no copy
+    assert "def rmsnorm__" not in model.reply([{"role": "user", "content": ask[0]["content"].replace("llm_3", "llm_7")}])
 
     ws = tmp_path / "ws"
     (ws / "candidates" / "001_x").mkdir(parents=True)
