@@ -165,7 +165,7 @@ class GoodModel(ScriptedServer):
             # Nothing better to write: the fast answer sent in this episode, its variant on the menu,
             # or sent by this process and still on its way there (another episode's unit check).
             in_flight = slot in self._fast_sent and slot not in self._lost
-            if fast_text is None or fast_text in answered or (not answered and (listed or in_flight)):
+            if fast_text is None or fast_text in answered or in_flight or (listed and not answered):
                 return self._record(slot, _stack(prompts[0]))
             if not answered and slot not in self._fast_sent and slow.is_file():
                 return self._record(slot, slow.read_text().replace(VARIANT_MARK, variant), "slow")
