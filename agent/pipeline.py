@@ -54,6 +54,7 @@ class Pipeline:
         self.ready: list[Candidate] = [c for c in state.waiting if not state.tried(c)]
         self.judging: Candidate | None = None   # a candidate of model code the judge took, its verdict to come
         self.cut: list[Candidate] = []          # ... whose verdict the budget cut short: for a resumed run only
+        self._kept_keys = [c.key() for c in self.ready]   # what `keep` last took (a resumed run's: its file's)
         self._keep_failed = False
         self.in_flight = 0
         self.workers = 0
@@ -164,10 +165,16 @@ class Pipeline:
         return candidate
 
     def _kept(self) -> None:
-        """Hand the waiting model candidates to `keep` (under the lock). A failure is logged once:
-        the run goes on, only a resume would lose them."""
+        """Hand the waiting model candidates to `keep` (under the lock) where they changed: a run
+        of the builtin walk alone writes nothing. A failure is logged once: the run goes on, only
+        a resume would lose them."""
+        waiting = self.cut + ([self.judging] if self.judging is not None else []) + self.ready
+        keys = [c.key() for c in waiting]
+        if keys == self._kept_keys:
+            return
         try:
-            self.keep(self.cut + ([self.judging] if self.judging is not None else []) + self.ready)
+            self.keep(waiting)
+            self._kept_keys = keys
         except OSError as e:
             if not self._keep_failed:
                 self.log(f"warning: the model candidates waiting for the judge could not be kept ({e}); "

@@ -131,10 +131,10 @@ class GoodModel(ScriptedServer):
     to the menu (another episode's unit check). One on a slot whose fast answer an earlier
     process sent (`remembered`) but whose variant the menu does not list (it never reached the
     run: cut in flight) gets the fast answer again, once, as a model reading the prompt would
-    write it again. A plan prompt gets the same plan change. It never
-    names a library variant: kernels come from it alone. `answers`: (slot or "plan", what it
-    sent) in order, for the report. `memory()` is what it must keep for a run continued in
-    another process (`--resume`): the slots whose fast answer it sent; `remembered` takes it back."""
+    write it again. A plan prompt gets the same plan change. It never names a library variant:
+    kernels come from it alone. `answers`: (slot or "plan", what it sent) in order, for the
+    report. `memory()` is what it must keep for a run continued in another process (`--resume`):
+    the slots whose fast answer it sent; `remembered` takes it back."""
 
     def __init__(self, protocol: str = "openai", fixtures: Path = GOOD_ANSWERS, remembered: dict | None = None):
         super().__init__(protocol, [])

@@ -296,6 +296,7 @@ def test_a_model_candidate_checked_but_not_judged_survives_a_resume(tmp_path, mo
     report = Reporter(ws.root, live=False)
     loop.run(SearchState(spec=None, device="cpu", hardware={}), ListProposer([base[0].plan]), judge, ws, report, 600.0)
     report.finish([])
+    assert not (ws.root / "waiting.json").exists()   # the builtin walk alone: nothing waits, nothing written
     judged_before = Candidate(base[0].plan, "test", "listed")
     orphan = Candidate(Plan("paged", {"silu_mul": "llm_4"}), "openai:m", "built on a challenger the cut dropped",
                        {("silu_mul", "llm_4"): "def silu_mul__llm_4(x):\n    return x\n"}, parent=7)

@@ -132,11 +132,10 @@ def profile(result: EvalResult | None) -> Profile:
              for c in bench]
     measured = measured_shares(result.slot_ms if result is not None else None)
     if measured:
-        where = [str(result.slot_ms.get("source") or "")]
         profiled = result.slot_ms.get("cases")
-        if isinstance(profiled, list) and profiled:
-            where.append("cases " + ", ".join(map(str, profiled)))
-        where = "; ".join(w for w in where if w)
+        parts = [str(result.slot_ms.get("source") or ""),
+                 "cases " + ", ".join(map(str, profiled)) if isinstance(profiled, list) and profiled else ""]
+        where = "; ".join(part for part in parts if part)
         return Profile(f"{MEASURED} ({where})" if where else MEASURED, measured, cases)
     prefill = sum(int(c.get("prefill_tokens") or 0) for c in bench)
     decode = sum(int(c.get("decode_tokens") or 0) for c in bench)
