@@ -121,7 +121,8 @@ def text_table(header: list[str], rows: list[list[str]]) -> str:
 class Reporter:
     def __init__(self, root: Path, live: bool | None = None):
         self.root = Path(root)
-        self.entries: list[Entry] = []
+        self.entries: list[Entry] = []   # a resumed run's earlier candidates first (agent/cli.py)
+        self.started_here = 0            # candidates this process started: the rate's numerator
         self.meta: dict = {}
         self.best_line = "none yet"
         self.isolation: str | None = None   # the last worker-isolation line shown
@@ -173,6 +174,7 @@ class Reporter:
 
     def started(self, entry: Entry) -> None:
         self.entries.append(entry)
+        self.started_here += 1
         c = entry.candidate
         self.line(f"#{entry.index:03d} {describe(c.plan)}  [{c.origin}] {c.note}")
 
@@ -198,9 +200,10 @@ class Reporter:
         return spent
 
     def judge_time(self) -> str:
-        """The run's judge time by kind of evaluation, and candidates judged per minute overall."""
+        """This process's judge time by kind of evaluation, and candidates judged per minute: a
+        resumed run's earlier candidates took time this process did not see, so they are not counted."""
         minutes = max(time.monotonic() - self._started, 1e-9) / 60
-        return (f"judge time: {_spent(self.spent) or 'none'}; {len(self.entries) / minutes:.2f} candidates "
+        return (f"judge time: {_spent(self.spent) or 'none'}; {self.started_here / minutes:.2f} candidates "
                 f"judged per minute over {60 * minutes:.0f}s")
 
     def finished(self, entry: Entry) -> None:

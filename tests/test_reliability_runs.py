@@ -105,6 +105,22 @@ def test_resume_skips_what_was_judged_and_keeps_the_best(tmp_path, monkeypatch):
     assert ws2.installed_verdict()["index"] == 5
 
 
+def test_a_resumed_runs_rate_counts_only_what_it_judged(tmp_path, monkeypatch):
+    """Candidates judged per minute over a resumed process's own minutes: the earlier process's
+    candidates are not its work (a resumed GPU run once claimed 3.25 a minute for 5 in 369 s)."""
+    ws, _ = recorded_run(tmp_path, PLANS[:2], monkeypatch)
+    state, previous = resumed_state(ws)
+    report = Reporter(ws.root, live=False)
+    report.entries = list(previous.entries)          # as agent/cli.py restores them
+    report.start({"run": RUN}, [])
+    loop.run(state, ListProposer(PLANS), FakeJudge(), ws, report, 600.0)
+    assert len(report.entries) == 5 and report.started_here == 2
+    begun = report._started
+    monkeypatch.setattr(time, "monotonic", lambda: begun + 60.0)
+    assert report.judge_time().endswith("; 2.00 candidates judged per minute over 60s")
+    report.finish([])
+
+
 def test_resume_after_a_kill_between_install_and_record(tmp_path, monkeypatch):
     ws, _ = recorded_run(tmp_path, PLANS[:2], monkeypatch)
     record = json.loads((ws.root / "results.json").read_text())
