@@ -450,6 +450,39 @@ def test_an_episode_in_flight_sends_no_further_round_once_the_llm_side_stopped(t
     assert len(server.requests) == 1 and sum("carries on alone" in line for line in log) == 1
 
 
+def test_a_model_with_nothing_usable_is_paused_until_a_faster_engine_then_stopped(tmp_path, monkeypatch):
+    """Episodes in a row with nothing usable pause the model (no request goes out, the builtin goes
+    on); an engine scoring above every one judged before wakes it with a fresh count; after
+    `max_pauses` pauses the next such run of episodes stops it for good."""
+    monkeypatch.setenv("LLM_REPAIR_ROUNDS", "0")
+    monkeypatch.setenv("LLM_MAX_CALLS", "20")
+    with ScriptedServer("openai", [{"text": "no code in this answer"}] * 10) as server:
+        point_at(monkeypatch, "openai", server.url)
+        from agent.providers.openai import create
+        options = ProviderOptions("cpu", 0, tmp_path, Empty())
+        log = []
+        options.log = log.append
+        proposer = create(options)
+        proposer.settings.max_failed_episodes, proposer.settings.max_pauses = 2, 1
+        state = paged_state()
+        assert [proposer.ask(state) for _ in range(2)] == [None, None] and len(server.requests) == 2
+        assert sum("asked again once an engine scores above 1 (pause 1 of 1)" in line for line in log) == 1
+        assert not proposer.ready(state) and proposer.paused(state) and proposer.active
+        assert proposer.ask(state) is None and len(server.requests) == 2          # paused: nothing sent
+        state.history.append((Candidate(replace(state.best.plan, params={**state.best.plan.params, "block_size": 32}),
+                                        "builtin", ""), replace(state.best_result, score=1.0)))
+        assert proposer.paused(state)                                            # as fast is not faster
+        faster = replace(state.best_result, score=2.5)
+        state.history.append((Candidate(replace(state.best.plan, params={**state.best.plan.params, "block_size": 64}),
+                                        "builtin", ""), faster))
+        assert proposer.ready(state) and not proposer.paused(state)
+        assert proposer.ask(state) is None and len(server.requests) == 3          # awake: asked again
+        assert any("an engine scores 2.5, above 1: asking the model again" in line for line in log)
+        assert proposer.ask(state) is None and len(server.requests) == 4
+        assert not proposer.active and sum("carries on alone" in line for line in log) == 1   # pauses spent
+        assert proposer.ask(state) is None and len(server.requests) == 4
+
+
 def test_a_bug_on_the_llm_side_stops_the_llm_not_the_run(tmp_path, monkeypatch):
     class Two(Empty):
         sizes = [32, 64]

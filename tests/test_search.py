@@ -249,8 +249,35 @@ class OneModelCandidate:
         self.asked += 1
         return self.candidate if self.asked == 1 else None
 
+    def paused(self, state):
+        return False
+
     def feedback(self, candidate, result):
         pass
+
+
+class PausedModel(OneModelCandidate):
+    """A model side that paused itself (agent/providers/llm.py: episodes with nothing usable)."""
+
+    def ready(self, state):
+        return False
+
+    def paused(self, state):
+        return True
+
+
+def test_the_run_ends_when_the_model_is_paused_and_nothing_else_can_wake_it(tmp_path):
+    """The builtin walk has nothing left and the paused model has nothing in flight: only a faster
+    engine would end the pause, and nothing is left to judge, so the pipeline ends at once instead
+    of idling to the deadline."""
+    from agent.pipeline import Pipeline
+    base = member(Plan("paged", {"norm": "torch"}), 1.0)
+    state = SearchState(spec=None, device="cpu", hardware={}, history=[base], best=base[0], best_result=base[1])
+    model = PausedModel(Candidate(Plan("paged", {"norm": "llm_1"}), "openai:m", "model-written"))
+    with Pipeline(model, state, 2, time.monotonic() + 60, lambda line: None) as pipeline:
+        started = time.monotonic()
+        assert pipeline.next() is None and time.monotonic() - started < 5
+        assert model.asked == 0
 
 
 def test_a_model_candidate_checked_but_not_judged_survives_a_resume(tmp_path, monkeypatch):

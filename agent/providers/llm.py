@@ -73,10 +73,16 @@ class LLMSettings:
     retries: int = 3                # per request, on rate limits, server errors, timeouts, empty answers
     retry_delay: float = 2.0        # first backoff, doubled each retry
     plan_every: int = 4             # every n-th episode asks for an engine-level plan change
-    max_failed_episodes: int = 4    # episodes in a row with nothing usable: stop asking
+    max_failed_episodes: int = 4    # episodes in a row with nothing usable: pause until a faster engine
+    max_pauses: int = 2             # ... and after this many pauses, stop asking
     max_failed_calls: int = 2       # episodes in a row that got no answer at all: stop asking
     unit_check_timeout: float = 300.0
     kernels_on_cpu: bool = False    # on CPU the engine runs the torch variants, so kernels cannot win
+
+
+def _top_score(state: SearchState) -> float:
+    """The highest score judged so far in the run (passing engines only)."""
+    return max((result.rank() for _, result in state.history if result.passed), default=0.0)
 
 
 def chat_settings(options, model_env: str, default_model: str) -> LLMSettings:
@@ -200,6 +206,8 @@ class LLMProposer:
         self.variants_written = 0
         self.failed_episodes = 0
         self.failed_calls = 0
+        self.pauses = 0
+        self.paused_below: float | None = None   # paused: asked again once an engine scores above this
         self.attempts_per_slot = {s: 0 for s in SLOTS}
         self.variants: dict[tuple[str, str], str] = {}   # this run's unit-checked variants: template text
         self.codes: dict[tuple[str, str], str] = {}      # ... and their code as the model wrote it
@@ -222,14 +230,14 @@ class LLMProposer:
     # --- the parallel pipeline's interface (agent/pipeline.py) ---------------------------
     def ready(self, state: SearchState) -> bool:
         """Whether a model episode can build on `state.best` now."""
-        return self.active and self._has_work(state)
+        return self.active and not self.paused(state) and self._has_work(state)
 
     def ask(self, state: SearchState) -> Candidate | None:
         """One model episode on `state.best`, with no builtin turn (the pipeline draws the builtin
         itself). Safe to call from several threads at once: their requests overlap. None once the
         LLM side has stopped (another episode may have stopped it while this one waited)."""
         with self._lock:
-            if not self.active:
+            if not self.active or not self._awake(state):
                 return None
             self._set_deadline(state)
             self._take_over(state)
@@ -271,7 +279,7 @@ class LLMProposer:
 
     def _propose(self, state: SearchState) -> Candidate | None:
         while True:
-            llm_ready = self.active and self._has_work(state)
+            llm_ready = self.active and self._awake(state) and self._has_work(state)
             if llm_ready and (self.fallback_done or self.last_turn != LLM_TURN):
                 self.last_turn = LLM_TURN
                 candidate = self._guarded_episode(state)
@@ -331,6 +339,35 @@ class LLMProposer:
         if state.best is None:
             return False
         return "kernel_blocks" in (ENGINES / f"{state.best.plan.engine}.py.j2").read_text()
+
+    def _pause(self, state: SearchState, why: str) -> None:
+        """Ask no more until an engine faster than any judged so far gives the model new ground (a
+        model that kept repeating the best engine's plan was dropped for the rest of a run whose
+        engines then got 10x faster); after `max_pauses` pauses, stop."""
+        if self.paused_below is not None or not self.active:   # another episode got here first
+            return
+        if self.pauses >= self.settings.max_pauses:
+            self._stop(why)
+            return
+        self.pauses += 1
+        self.paused_below = _top_score(state)
+        self.log(f"llm: {why}; the model is asked again once an engine scores above {self.paused_below:.4g} "
+                 f"(pause {self.pauses} of {self.settings.max_pauses}); the builtin proposer goes on")
+
+    def paused(self, state: SearchState) -> bool:
+        """Paused, and no engine of `state` scores above the mark yet."""
+        return self.paused_below is not None and _top_score(state) <= self.paused_below
+
+    def _awake(self, state: SearchState) -> bool:
+        """False while paused; a faster engine ends the pause (said once) and the count of failures."""
+        if self.paused_below is None:
+            return True
+        if self.paused(state):
+            return False
+        self.log(f"llm: an engine scores {_top_score(state):.4g}, above {self.paused_below:.4g}: asking the model again")
+        self.paused_below = None
+        self.failed_episodes = 0
+        return True
 
     def _stop(self, why: str) -> None:
         """Ask no more; said once, whichever of the parallel episodes gets here first."""
@@ -419,7 +456,7 @@ class LLMProposer:
         self.history.append(Attempt(episode.what, verdict.verdict, _first_line(verdict.detail, DETAIL_CHARS)))
         self.failed_episodes += 1
         if self.failed_episodes >= self.settings.max_failed_episodes:
-            self._stop(f"{self.failed_episodes} episodes in a row produced nothing usable")
+            self._pause(state, f"{self.failed_episodes} episodes in a row produced nothing usable")
         return None
 
     def _adopt(self, episode: _Episode, verdict: Verdict, state: SearchState) -> Candidate | None:
