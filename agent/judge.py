@@ -47,6 +47,9 @@ SECRET_SUFFIXES = ("_API_KEY", "_TOKEN", "_SECRET")
 OUTPUT_CAP_BYTES = 256 * 2**20  # stdout + stderr of one verdict (a series: all of it); past this the judge is killed
 KEPT_OUTPUT_BYTES = 2**20       # the tail of each output file kept on disk afterwards
 STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
+SERIES_DONE = "series-done.json"   # evaluator/resident.py: a series' end, with its done_ticket
+STOP_GRACE_SECONDS = 15.0          # for a series told to stop to say it is done, before its judge is killed
+STOP_POLL_SECONDS = 0.02
 # Phases (agent/loop.py): VERIFY the conservative engine's one verdict before its stress: the
 # public sequence and the benchmark on one case only (`JudgeSettings.conservative_case`), at the
 # run's full repeats (it is installed on this timing), so that its score compares case for case with every other engine's
@@ -360,9 +363,12 @@ class Series:
     it runs them back to back, ahead of the asking. `timings`: every (label, engine) the contest
     may ask for, in the order it asks; `result(label)` waits for that one (the next in order). A
     contest that decides early says so by `close`: the judge, by then on a timing nobody will ask
-    for, is killed with its group (the timing would hold up the next verdict, its clock running),
-    and the next verdict starts a fresh one. Each timing has a ticket of its own (see _read). Use
-    as a context manager."""
+    for, is told so (SIGUSR1: it cuts the timing under way, whose clock would hold up the next
+    verdict, runs no more of the series and says it is done; evaluator/resident.py), and the next
+    verdict has the same judge and its spare worker. A judge that has not said so within
+    STOP_GRACE_SECONDS (a worker still importing its engine cannot be cut) is killed with its
+    group, as before, and the next verdict starts a fresh one. Each timing has a ticket of its own
+    (see _read), and so does the end of the series. Use as a context manager."""
 
     def __init__(self, judge: Judge, timings: list[tuple[str, Path]], out_dir: Path):
         self.judge, self.timings, self.out_dir = judge, timings, out_dir
@@ -371,6 +377,7 @@ class Series:
         self.since = 0.0
         self.before: set[int] = set()
         self.tickets = {label: secrets.token_hex(16) for label, _ in timings}   # one per timing's result.json
+        self.done_ticket = secrets.token_hex(16)                                 # ... and the series' end
 
     def __enter__(self) -> "Series":
         return self
@@ -380,7 +387,14 @@ class Series:
 
     def close(self) -> None:
         if self.running is not None and self.running is self.judge.proc and self.next < len(self.timings):
-            self.judge._stop(self.before)
+            self.running.send_signal(signal.SIGUSR1)
+            done = self.out_dir / SERIES_DONE
+            deadline = time.monotonic() + STOP_GRACE_SECONDS
+            while not _series_done(done, self.done_ticket) and self.running.poll() is None \
+                    and time.monotonic() < deadline:
+                time.sleep(STOP_POLL_SECONDS)
+            if not _series_done(done, self.done_ticket):
+                self.judge._stop(self.before)
         self.next = len(self.timings)
 
     def result(self, label: str, timeout: float) -> EvalResult:
@@ -396,11 +410,13 @@ class Series:
             for name in labels:
                 _fresh_outputs(self.out_dir / name)
                 (self.out_dir / name / RESULT).unlink(missing_ok=True)
+            (self.out_dir / SERIES_DONE).unlink(missing_ok=True)
             self.since, self.before = time.monotonic(), children()
             self.running = self.judge.send({"timings": [[name, str(engine), self.tickets[name], cache_scope(engine)]
                                                         for name, engine in self.timings],
                                             "out_dir": str(self.out_dir), "cases": self.judge.settings.cases,
-                                            "repeat": self.judge.settings.for_phase(TIMING).phase_repeat})
+                                            "repeat": self.judge.settings.for_phase(TIMING).phase_repeat,
+                                            "done_ticket": self.done_ticket})
         outputs = [self.out_dir / name / f for name in labels for f in (STDOUT, STDERR)]
         killed_because = None if self.running is not self.judge.proc else \
             self.judge.watch(time.monotonic() + max(timeout, 1.0), outputs,
@@ -423,6 +439,15 @@ def _killed(out: Path, why: str, timeout: float, device: str, seconds: float, ti
     kind, text = ("timeout", f"no verdict within {timeout:.0f}s") if why == "timeout" else ("crash", why)
     return _record(out, EvalResult.failure(partial.stage if partial else "unknown", kind,
                                            f"{text}; evaluator killed", device, seconds))
+
+
+def _series_done(path: Path, ticket: str) -> bool:
+    """Whether the judge wrote `path`, the end of the series that carried `ticket`."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and secrets.compare_digest(str(data.get("ticket")), ticket)
 
 
 def _record(path: Path, result: EvalResult) -> EvalResult:

@@ -9,8 +9,9 @@ Requests come on stdin, one JSON object a line, and are done one at a time, in o
     {"engine": PATH, "out_dir": DIR, "stress": "quick", "cases": "mixed", "benchmark": true,
      "profile": false, "update_cache": false, "cache_scope": [DIGEST, ...], "repeat": 1, "ticket": T}
                                                                    one verdict: DIR/result.json
-    {"timings": [[LABEL, PATH, T, [DIGEST, ...]], ...], "out_dir": DIR, "cases": ..., "repeat": ...}
-                                                                   a contest's series: DIR/LABEL/result.json
+    {"timings": [[LABEL, PATH, T, [DIGEST, ...]], ...], "out_dir": DIR, "cases": ..., "repeat": ...,
+     "done_ticket": D}                                             a contest's series: DIR/LABEL/result.json,
+                                                                   then DIR/series-done.json
 
 Each verdict is exactly `python3 -m evaluator.evaluate` with the request's flags (a series'
 timing: `--stress off`, no profile, the cache only read, and no public sequence: a series times
@@ -33,9 +34,14 @@ it could write into the next.
 A series' timings run back to back without waiting to be asked; consecutive timings of one engine
 share its worker (the contest's order, agent/acceptance.py, A, B B, A A, B: each later pair has
 one timing in a worker that timed before and one in a fresh worker); a worker whose timing failed
-is not used again. A caller whose contest has decided before its last timing kills this process
-(the timing under way would otherwise hold up the next request, its clock running), and the next
-verdict has a fresh judge. SIGTERM ends the process (the verdict under way unwound, its jail torn down, nothing
+is not used again. A caller whose contest has decided before its last timing sends SIGUSR1: the
+timing under way is cut (its worker killed with its group: it would otherwise hold up the next
+request, its clock running), no later timing of the series runs, and the judge reads its next
+request, its spare worker kept (before, the caller killed the judge, and the next verdict paid a
+fresh judge's start, its setup and its own worker's start: 7-10 s on an H200, after most contests).
+A series ends, stopped or not, with DIR/series-done.json holding the request's `done_ticket`, once
+its workers are gone: the caller waits a few seconds for it after a SIGUSR1 and kills the judge
+if it does not come (a worker still importing cannot be cut). SIGUSR1 outside a series does nothing. SIGTERM ends the process (the verdict under way unwound, its jail torn down, nothing
 written); so does the end of stdin. The caller (agent/judge.py) watches each verdict's deadline and
 kills the whole process group when it passes. Exit 2 for bad flags or a request it cannot read.
 """
@@ -67,6 +73,7 @@ from evaluator.evaluate import (STRESS_MODES, JudgeSetup, add_timing_flags, defa
 from evaluator.remote import Worker  # noqa: E402
 
 RESULT, STDOUT, STDERR = "result.json", "stdout.txt", "stderr.txt"
+SERIES_DONE = "series-done.json"   # in a series' DIR: written last, with the request's done_ticket
 ERROR_CHARS = 1500     # of the traceback, in a verdict for a timing the judge itself failed on
 OUTPUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND   # the caller made (and emptied) the files
 HEX = frozenset("0123456789abcdef")   # a cache scope's digests (evaluator/triton_cache.py)
@@ -100,6 +107,7 @@ class SeriesRequest:
     out_dir: Path
     cases: list[str] | None = None      # None: the process's --cases
     repeat: int | None = None           # None: the process's --repeat
+    done_ticket: str | None = None      # copied into DIR/series-done.json once the series is over
 
 
 def parse_request(line: str) -> Verdict | SeriesRequest:
@@ -119,7 +127,7 @@ def parse_request(line: str) -> Verdict | SeriesRequest:
             if not timings or any(not _plain_name(label) for label, *_ in timings) \
                     or len({label for label, *_ in timings}) != len(timings):
                 raise BadRequest("timings: distinct LABELs of letters, digits, - and _")
-            return SeriesRequest(timings, out_dir, cases, repeat)
+            return SeriesRequest(timings, out_dir, cases, repeat, _ticket(data.get("done_ticket")))
         if data.get("stress", "quick") not in STRESS_MODES:
             raise BadRequest(f"stress must be one of {STRESS_MODES}")
         return Verdict(Path(data["engine"]), out_dir, data.get("stress", "quick"), cases,
@@ -149,6 +157,10 @@ def _plain_name(label: str) -> bool:
 
 class Resident:
     """The process's state: its flags, its JudgeSetup, whether a series was asked to stop."""
+
+    in_series = False                  # a series' timings are under way
+    series_stopped = False             # ... and its caller asked for no more (SIGUSR1)
+    timing_worker: Worker | None = None   # the worker timing now, where the series holds it
 
     def __init__(self, a: argparse.Namespace, config: dict):
         self.a, self.config = a, config
@@ -265,12 +277,30 @@ class Resident:
         write_json({**result, "ticket": v.ticket}, v.out_dir / RESULT)
         release_device_memory(self.device)
 
+    def stop_series(self) -> None:
+        """SIGUSR1's handler: the caller's contest has decided. Only a flag and a kill (safe between
+        any two of the main thread's bytecodes): the timing under way ends as its worker dies, and
+        `series` runs no more. Outside a series, nothing."""
+        if not self.in_series:
+            return
+        self.series_stopped = True
+        worker = self.timing_worker
+        if worker is not None and worker.proc is not None:
+            try:
+                os.killpg(worker.proc.pid, signal.SIGKILL)
+            except OSError:   # gone already
+                pass
+
     def series(self, s: SeriesRequest) -> None:
-        """Each timing in turn (stress off, no public sequence), DIR/LABEL/result.json after each."""
+        """Each timing in turn (stress off, no public sequence), DIR/LABEL/result.json after each,
+        until the last or the caller's SIGUSR1 (`stop_series`)."""
         held: Held | None = None   # the last engine's worker, for that engine's next timing
         self.settle_spare()
+        self.series_stopped, self.in_series = False, True
         try:
             for label, engine, ticket, scope in s.timings:
+                if self.series_stopped:
+                    break
                 folder = s.out_dir / label
                 with self.output_to(folder):
                     try:
@@ -281,12 +311,19 @@ class Resident:
                             held = Held.start(engine, self.a.device, self.memory_bytes, self.a.triton_cache,
                                               self.log, scope)
                         self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else ""))
+                        self.timing_worker = held.worker if held else None
+                        if self.series_stopped:   # asked while its worker started: before it was known
+                            break
                         result = self.evaluate(engine, "off", s.cases, reuse=held.worker if held else None,
                                                public=False, repeat=s.repeat, cache_scope=scope)
                     except Exception:  # noqa: BLE001 - the judge's own failure: this timing's verdict, not its end
                         traceback.print_exc()
                         result = failed_result(self.device, "unknown", CRASH, "the judge failed on this timing: "
                                                + traceback.format_exc()[-ERROR_CHARS:])
+                    self.timing_worker = None
+                    if self.series_stopped:   # cut by the caller: a verdict of nothing, not written
+                        self.log(f"--- {label}: the series was stopped by its caller (the contest decided)")
+                        break
                     if held is not None:
                         held.timed = True
                         if result["status"] != "passed":
@@ -296,8 +333,13 @@ class Resident:
                 write_json({**result, "ticket": ticket}, folder / RESULT)
                 release_device_memory(self.device)
         finally:
+            self.in_series = False
+            self.timing_worker = None
             if held is not None:
                 held.close()
+            release_device_memory(self.device)
+        if s.done_ticket is not None:   # not after a failure of the judge's own: the caller kills it then
+            write_json({"ticket": s.done_ticket, "stopped": self.series_stopped}, s.out_dir / SERIES_DONE)
 
 
 @dataclass
@@ -353,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(128 + signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGUSR1, lambda *_: judge.stop_series())
     try:
         for line in sys.stdin:
             if not line.strip():

@@ -8,10 +8,12 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from agent import acceptance
+from agent import judge as judge_module
 from agent.judge import Judge, JudgeSettings
 from agent.records import EvalResult
 from evaluator.common import REPO_ROOT
@@ -157,22 +159,49 @@ def test_a_bad_request_is_one_line_and_exit_2(tiny_model):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "bad request" in proc.stderr
 
 
-def test_a_series_closed_before_its_last_timing_takes_its_judge_down(tiny_model, recompute_source,
-                                                                   write_engine, tmp_path):
+def test_a_series_closed_before_its_last_timing_is_cut_and_the_judge_goes_on(tiny_model, recompute_source,
+                                                                          write_engine, tmp_path):
     """Series.close once the contest has what it needs: the judge, running ahead on a timing nobody
-    will ask for, is killed with its group (that timing would hold up the next verdict, its clock
-    running), the timings after it are not run, and the next verdict comes from a fresh judge."""
-    engines = [write_engine(recompute_source, f"e{i}") for i in range(4)]   # each timing its own worker's start
+    will ask for (here one that would never end), cuts it (its worker killed), runs no later
+    timing, says the series is done, and gives the next verdict itself: no second judge start,
+    nothing of the cut timing's worker left."""
+    engines = [write_engine(recompute_source, "e0"), write_engine(broken_source("hangs", recompute_source), "e1"),
+               write_engine(recompute_source, "e2")]
     timings = [(f"t{i}", engine) for i, engine in enumerate(engines)]
+    with Judge(settings(tiny_model), tmp_path / "judge") as judge:
+        with judge.series(timings, tmp_path / "c") as series:
+            assert series.result("t0", 600).passed
+            first = judge.proc
+            hung = tmp_path / "c" / "t1" / "stderr.txt"
+            deadline = time.monotonic() + 60
+            while "--- t1" not in hung.read_text() and time.monotonic() < deadline:   # t1 under way
+                time.sleep(0.05)
+            time.sleep(1.0)   # its worker in the hanging prefill
+        assert judge.proc is first and first.poll() is None
+        assert json.loads((tmp_path / "c" / "series-done.json").read_text())["stopped"] is True
+        started = time.monotonic()
+        after = judge.verdict(engines[0], tmp_path / "after", 600, settings(tiny_model))
+        assert after.passed and judge.starts == 1 and "judge start" not in after.stage_seconds
+        assert time.monotonic() - started < 120
+        assert "stopped by its caller" in hung.read_text()
+    assert not (tmp_path / "c" / "t1" / "result.json").exists() and not (tmp_path / "c" / "t2" / "result.json").exists()
+
+
+def test_a_judge_that_does_not_say_its_series_is_done_is_killed(tiny_model, recompute_engine_path, tmp_path,
+                                                                 monkeypatch):
+    """No word from the judge within the grace (a worker still importing cannot be cut; here no
+    grace at all): it is killed with its group, as before the judge could stop a series, and the
+    next verdict has a fresh one."""
+    monkeypatch.setattr(judge_module, "STOP_GRACE_SECONDS", 0.0)
+    timings = [(f"t{i}", recompute_engine_path) for i in range(6)]
     before = children()
     with Judge(settings(tiny_model), tmp_path / "judge") as judge:
         with judge.series(timings, tmp_path / "c") as series:
             assert series.result("t0", 600).passed
             first = judge.proc
         assert judge.proc is None and first.poll() is not None and not children() - before
-        after = judge.verdict(engines[0], tmp_path / "after", 600, settings(tiny_model))
+        after = judge.verdict(recompute_engine_path, tmp_path / "after", 600, settings(tiny_model))
         assert after.passed and judge.starts == 2
-    assert not (tmp_path / "c" / "t3" / "result.json").exists()
 
 
 def test_one_timings_result_cannot_be_passed_off_as_anothers(tiny_model, recompute_engine_path, recompute_source,
