@@ -220,16 +220,15 @@ class Pipeline:
                         return
                     self.in_flight += 1
                 view = self._view(parent.candidate, parent.result)
+                candidate = None
                 try:
                     candidate = model.ask(view)
                 finally:
-                    with self.cond:
+                    with self.cond:   # one step: no moment with nothing in flight and the candidate not ready
                         self.in_flight -= 1
-                        self.cond.notify_all()
-                if candidate is not None and not self.state.tried(candidate):
-                    with self.cond:
-                        self.ready.append(replace(candidate, parent=parent.index))
-                        self._kept()
+                        if candidate is not None and not self.state.tried(candidate):
+                            self.ready.append(replace(candidate, parent=parent.index))
+                            self._kept()
                         self.cond.notify_all()
         except Exception:  # noqa: BLE001 - a bug here stops this worker, never the run
             self.log(f"warning: proposer worker failed:\n{traceback.format_exc()}")

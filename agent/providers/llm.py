@@ -356,7 +356,8 @@ class LLMProposer:
 
     def paused(self, state: SearchState) -> bool:
         """Paused, and no engine of `state` scores above the mark yet."""
-        return self.paused_below is not None and _top_score(state) <= self.paused_below
+        mark = self.paused_below   # once: another thread's _awake may clear it meanwhile
+        return mark is not None and _top_score(state) <= mark
 
     def _awake(self, state: SearchState) -> bool:
         """False while paused; a faster engine ends the pause (said once) and the count of failures."""
