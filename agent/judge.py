@@ -390,10 +390,10 @@ class Series:
             self.running.send_signal(signal.SIGUSR1)
             done = self.out_dir / SERIES_DONE
             deadline = time.monotonic() + STOP_GRACE_SECONDS
-            while not _series_done(done, self.done_ticket) and self.running.poll() is None \
+            while _ticketed(done, self.done_ticket) is None and self.running.poll() is None \
                     and time.monotonic() < deadline:
                 time.sleep(STOP_POLL_SECONDS)
-            if not _series_done(done, self.done_ticket):
+            if _ticketed(done, self.done_ticket) is None:
                 self.judge._stop(self.before)
         self.next = len(self.timings)
 
@@ -441,28 +441,25 @@ def _killed(out: Path, why: str, timeout: float, device: str, seconds: float, ti
                                            f"{text}; evaluator killed", device, seconds))
 
 
-def _series_done(path: Path, ticket: str) -> bool:
-    """Whether the judge wrote `path`, the end of the series that carried `ticket`."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and secrets.compare_digest(str(data.get("ticket")), ticket)
-
-
 def _record(path: Path, result: EvalResult) -> EvalResult:
     """A verdict the judge made (timeout, crash) replaces whatever the evaluator left."""
     atomic_write(path, json.dumps(result.to_dict(), indent=2) + "\n")
     return result
 
 
-def _read(path: Path, ticket: str) -> EvalResult | None:
-    """The verdict at `path` if the judge wrote it for the request that carried `ticket`
-    (evaluator/resident.py: a result.json without it, a worker's forgery included, is not one)."""
+def _ticketed(path: Path, ticket: str) -> dict | None:
+    """The JSON object at `path` if the judge wrote it for the request that carried `ticket`
+    (evaluator/resident.py: a file without it, a worker's forgery included, is not the judge's)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or not secrets.compare_digest(str(data.get("ticket")), ticket):
         return None
-    return EvalResult.from_dict(data)
+    return data
+
+
+def _read(path: Path, ticket: str) -> EvalResult | None:
+    """The verdict at `path` if the judge wrote it for the request that carried `ticket`."""
+    data = _ticketed(path, ticket)
+    return None if data is None else EvalResult.from_dict(data)

@@ -71,6 +71,17 @@ def point_at(monkeypatch, protocol: str, url: str) -> None:
         monkeypatch.setenv("ANTHROPIC_MODEL", "claude-haiku-4-5")
 
 
+def openai_proposer(tmp_path, monkeypatch, url: str, log: list | None = None, device: str = "cpu",
+                    fallback=None):
+    """The openai provider's proposer, pointed at `url`, with `fallback` (default: a builtin that
+    has nothing) beside it; its log lines appended to `log` when given."""
+    point_at(monkeypatch, "openai", url)
+    from agent.providers.openai import create
+    options = ProviderOptions(device, 0, tmp_path, fallback or Empty())
+    options.log = log.append if log is not None else (lambda line: None)
+    return create(options)
+
+
 # --------------------------------------------------------------------------- the loop, judge faked
 PROFILE = {"source": "torch.profiler, cpu", "case": "decode", "total_ms": 10.0, "other_ms": 1.0,
            "slots": {s: {"ms": ms, "calls": 12, "shapes": {}} for s, ms in
@@ -349,11 +360,7 @@ def test_plan_change_is_checked_against_the_menu_and_repaired(tmp_path, monkeypa
     steps = [{"text": answer("plan_invalid", "")}, {"text": answer("plan_change", "")}]
     log = []
     with ScriptedServer("openai", steps) as server:
-        point_at(monkeypatch, "openai", server.url)
-        from agent.providers.openai import create
-        options = ProviderOptions("cpu", 0, tmp_path, Empty())
-        options.log = log.append
-        proposer = create(options)
+        proposer = openai_proposer(tmp_path, monkeypatch, server.url, log)
         candidate = proposer.propose(paged_state())
     assert candidate.plan.params["block_size"] == 32 and candidate.origin == "openai:gpt-4.1-mini"
     assert not candidate.extra_variants and "model-proposed plan change" in candidate.note
@@ -397,11 +404,7 @@ def test_on_a_gpu_the_slots_that_keep_the_engine_eager_are_asked_for_first(tmp_p
     assert prompts.graph_blocking(replace(state, best=Candidate(no_decode_graphs, "builtin", "paged"))) == \
         ["prefill_attention"]   # graphs off by the plan: a graph-safe decode variant would change nothing
     with ScriptedServer("openai", []) as server:
-        point_at(monkeypatch, "openai", server.url)
-        from agent.providers.openai import create
-        options = ProviderOptions("cuda", 0, tmp_path, Empty())
-        options.log = lambda line: None
-        proposer = create(options)
+        proposer = openai_proposer(tmp_path, monkeypatch, server.url, device="cuda")
         episodes = [proposer._start(state, prompts.profile(state.best_result), KERNEL) for _ in range(2 * BLOCKING_TRIES + 1)]
     assert [e.slot for e in episodes] == ["decode_attention", "prefill_attention"] * BLOCKING_TRIES + ["linear"]
     first, last = episodes[0].messages[1]["content"], episodes[-1].messages[1]["content"]
@@ -415,14 +418,10 @@ def test_on_a_gpu_the_slots_that_keep_the_engine_eager_are_asked_for_first(tmp_p
 
 def test_no_request_without_run_time_to_judge_its_answer(tmp_path, monkeypatch):
     with ScriptedServer("openai", [{"text": answer("plan_change", "")}]) as server:
-        point_at(monkeypatch, "openai", server.url)
-        from agent.providers.openai import create
-        options = ProviderOptions("cpu", 0, tmp_path, Empty())
         log = []
-        options.log = log.append
         state = paged_state()
         state.seconds_left = 100.0   # less than a request's timeout plus an evaluation
-        proposer = create(options)
+        proposer = openai_proposer(tmp_path, monkeypatch, server.url, log)
         assert proposer.propose(state) is None
         assert [proposer.ask(state) for _ in range(3)] == [None] * 3   # the parallel workers' asks
     assert server.requests == [] and sum("not enough for a request" in line for line in log) == 1
@@ -432,12 +431,8 @@ def test_an_episode_in_flight_sends_no_further_round_once_the_llm_side_stopped(t
     """Parallel episodes: one stops the LLM side (a fatal error, an internal one) while another
     waits for its answer; that one's repair rounds are not sent."""
     with ScriptedServer("openai", [{"text": "no code in this answer"}] * 4) as server:
-        point_at(monkeypatch, "openai", server.url)
-        from agent.providers.openai import create
-        options = ProviderOptions("cpu", 0, tmp_path, Empty())
         log = []
-        options.log = log.append
-        proposer = create(options)
+        proposer = openai_proposer(tmp_path, monkeypatch, server.url, log)
         answer_of = proposer.client.complete
 
         def complete(messages, max_tokens):
@@ -457,12 +452,8 @@ def test_a_model_with_nothing_usable_is_paused_until_a_faster_engine_then_stoppe
     monkeypatch.setenv("LLM_REPAIR_ROUNDS", "0")
     monkeypatch.setenv("LLM_MAX_CALLS", "20")
     with ScriptedServer("openai", [{"text": "no code in this answer"}] * 10) as server:
-        point_at(monkeypatch, "openai", server.url)
-        from agent.providers.openai import create
-        options = ProviderOptions("cpu", 0, tmp_path, Empty())
         log = []
-        options.log = log.append
-        proposer = create(options)
+        proposer = openai_proposer(tmp_path, monkeypatch, server.url, log)
         proposer.settings.max_failed_episodes, proposer.settings.max_pauses = 2, 1
         state = paged_state()
         assert [proposer.ask(state) for _ in range(2)] == [None, None] and len(server.requests) == 2
@@ -495,12 +486,8 @@ def test_a_bug_on_the_llm_side_stops_the_llm_not_the_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(prompts, "profile", broken)
     with ScriptedServer("openai", []) as server:
-        point_at(monkeypatch, "openai", server.url)
-        from agent.providers.openai import create
-        options = ProviderOptions("cpu", 0, tmp_path, Two())
         log = []
-        options.log = log.append
-        proposer, state = create(options), paged_state()
+        proposer, state = openai_proposer(tmp_path, monkeypatch, server.url, log, fallback=Two()), paged_state()
         first = proposer.propose(state)            # the builtin's turn
         second = proposer.propose(state)           # the LLM's turn: it breaks, the builtin goes on
     assert (first.plan.params, second.plan.params) == ({"block_size": 32}, {"block_size": 64})
@@ -570,11 +557,7 @@ def test_a_resumed_run_keeps_the_models_earlier_variants_and_their_names(where, 
     else:
         state.waiting.append(earlier)
     with ScriptedServer("openai", [{"text": "no code here"}]) as server:
-        point_at(monkeypatch, "openai", server.url)
-        from agent.providers.openai import create
-        options = ProviderOptions("cpu", 0, tmp_path, Empty())
-        options.log = lambda line: None
-        create(options).ask(state)
+        openai_proposer(tmp_path, monkeypatch, server.url).ask(state)
     prompt = json.dumps(server.requests[0]["body"]["messages"])
     assert "Write a faster variant `llm_6` of the slot" in prompt
     menu_line = re.search(r"  - `decode_attention`: ([^\\]*)\\n", prompt).group(1)
