@@ -25,6 +25,7 @@ import json
 import os
 import secrets
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ STDOUT, STDERR, RESULT = "stdout.txt", "stderr.txt", "result.json"
 SERIES_DONE = "series-done.json"   # evaluator/resident.py: a series' end, with its done_ticket
 STOP_GRACE_SECONDS = 15.0          # for a series told to stop to say it is done, before its judge is killed
 STOP_POLL_SECONDS = 0.02
+MAX_VERDICT_BYTES = 16 * 2**20     # a verdict's JSON is a few KiB; a bigger file is not the judge's
 # Phases (agent/loop.py): VERIFY the conservative engine's one verdict before its stress: the
 # public sequence and the benchmark on one case only (`JudgeSettings.conservative_case`), at the
 # run's full repeats (it is installed on this timing), so that its score compares case for case with every other engine's
@@ -388,14 +390,16 @@ class Series:
     def close(self) -> None:
         if self.running is not None and self.running is self.judge.proc and self.next < len(self.timings):
             self.running.send_signal(signal.SIGUSR1)
-            done = self.out_dir / SERIES_DONE
             deadline = time.monotonic() + STOP_GRACE_SECONDS
-            while _ticketed(done, self.done_ticket) is None and self.running.poll() is None \
-                    and time.monotonic() < deadline:
+            while not self._stopped() and self.running.poll() is None and time.monotonic() < deadline:
                 time.sleep(STOP_POLL_SECONDS)
-            if _ticketed(done, self.done_ticket) is None:
+            if not self._stopped():
                 self.judge._stop(self.before)
         self.next = len(self.timings)
+
+    def _stopped(self) -> bool:
+        """Whether the judge said this series is over (its series-done.json, under our ticket)."""
+        return _ticketed(self.out_dir / SERIES_DONE, self.done_ticket) is not None
 
     def result(self, label: str, timeout: float) -> EvalResult:
         """The verdict of timing `label`, within `timeout` seconds from now (else the judge is
@@ -420,11 +424,16 @@ class Series:
         outputs = [self.out_dir / name / f for name in labels for f in (STDOUT, STDERR)]
         killed_because = None if self.running is not self.judge.proc else \
             self.judge.watch(time.monotonic() + max(timeout, 1.0), outputs,
-                             lambda: _read(out, self.tickets[label]) is not None, self.before)
+                             lambda: _read(out, self.tickets[label]) is not None or self._stopped(), self.before)
         seconds, self.since = time.monotonic() - self.since, time.monotonic()
         if killed_because is not None:
             return _killed(out, killed_because, timeout, device, seconds, self.tickets[label])
         result = _read(out, self.tickets[label])
+        if result is None and self._stopped():   # a SIGUSR1 the agent did not send: the judge lives on
+            self.next = len(self.timings)
+            return _record(out, EvalResult.failure("unknown", "crash", "the judge's series ended before this "
+                                                   "timing (stopped by a signal it was not sent by the agent)",
+                                                   device, seconds))
         if result is None:
             if self.running is self.judge.proc:
                 self.judge._stop(self.before)
@@ -451,12 +460,23 @@ def _ticketed(path: Path, ticket: str) -> dict | None:
     """The JSON object at `path` if the judge wrote it for the request that carried `ticket`
     (evaluator/resident.py: a file without it, a worker's forgery included, is not the judge's)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(_regular_file_text(path))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or not secrets.compare_digest(str(data.get("ticket")), ticket):
         return None
     return data
+
+
+def _regular_file_text(path: Path) -> str:
+    """The text of `path` if it is a regular file, read without following a link or blocking on a
+    FIFO (a same-uid worker could plant either where the judge's verdict goes), at most
+    MAX_VERDICT_BYTES; OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return f.read(MAX_VERDICT_BYTES).decode()
 
 
 def _read(path: Path, ticket: str) -> EvalResult | None:

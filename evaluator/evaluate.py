@@ -36,6 +36,7 @@ import os
 import secrets
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -271,15 +272,19 @@ class StageClock:
 
 
 def write_json(result: dict, out: str | Path) -> None:
-    """Atomically, so the judge never reads half a verdict."""
+    """Atomically, so the judge never reads half a verdict. The file is made anew under a random
+    name (O_EXCL: a link planted under a name the writer would pick is never followed, so what
+    lands at `out` is the judge's own regular file), then renamed into place."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
     try:
-        tmp.write_text(json.dumps(result, indent=2))
+        os.fchmod(fd, 0o644)   # as a plain write would leave it (mkstemp's is 0600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(result, indent=2))
         os.replace(tmp, out)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half verdict behind
+        Path(tmp).unlink(missing_ok=True)  # a full disk leaves no half verdict behind
         raise
 
 

@@ -284,12 +284,14 @@ class Resident:
         if not self.in_series:
             return
         self.series_stopped = True
-        worker = self.timing_worker
-        if worker is not None and worker.proc is not None:
-            try:
-                os.killpg(worker.proc.pid, signal.SIGKILL)
-            except OSError:   # gone already
-                pass
+        _cut(self.timing_worker)
+
+    def timing_with(self, worker: Worker) -> None:
+        """`worker` times now: known to stop_series from the moment it exists, so a stop while it
+        still starts or imports its engine cuts it too (a stop that came first cuts it here)."""
+        self.timing_worker = worker
+        if self.series_stopped:
+            _cut(worker)
 
     def series(self, s: SeriesRequest) -> None:
         """Each timing in turn (stress off, no public sequence), DIR/LABEL/result.json after each,
@@ -309,10 +311,11 @@ class Resident:
                             held = None
                         if held is None:
                             held = Held.start(engine, self.a.device, self.memory_bytes, self.a.triton_cache,
-                                              self.log, scope)
+                                              self.log, scope, on_start=self.timing_with)
                         self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else ""))
                         self.timing_worker = held.worker if held else None
-                        if self.series_stopped:   # asked while its worker started: before it was known
+                        if self.series_stopped:   # asked while its worker started (and was cut)
+                            self.log(f"--- {label}: the series was stopped by its caller (the contest decided)")
                             break
                         result = self.evaluate(engine, "off", s.cases, reuse=held.worker if held else None,
                                                public=False, repeat=s.repeat, cache_scope=scope)
@@ -342,6 +345,15 @@ class Resident:
             write_json({"ticket": s.done_ticket, "stopped": self.series_stopped}, s.out_dir / SERIES_DONE)
 
 
+def _cut(worker: Worker | None) -> None:
+    """Kill `worker`'s process group (signal-handler safe: one system call)."""
+    if worker is not None and worker.proc is not None:
+        try:
+            os.killpg(worker.proc.pid, signal.SIGKILL)
+        except OSError:   # gone already
+            pass
+
+
 @dataclass
 class Held:
     """A worker holding one engine, kept open between that engine's consecutive timings."""
@@ -352,12 +364,14 @@ class Held:
 
     @staticmethod
     def start(engine: Path, device: str, memory_bytes: int | None, triton_cache: Path | None, log,
-              scope: tuple[str, ...] = ()) -> "Held | None":
-        """A fresh worker that imported `engine`; None where it failed to start or to import it:
-        then evaluate() starts its own, and its verdict says what failed."""
+              scope: tuple[str, ...] = (), on_start=lambda worker: None) -> "Held | None":
+        """A fresh worker that imported `engine`; None where it failed to start or to import it
+        (or was cut: `on_start` hears of it as soon as it runs): then evaluate() starts its own,
+        and its verdict says what failed."""
         worker = None
         try:
             worker = Worker(device, memory_bytes or default_memory_cap(), log, triton_cache, scope)
+            on_start(worker)
             worker.ready()
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
         except Exception:  # noqa: BLE001 - EvalFailure, or the worker's start (fork, channel) failing

@@ -5,6 +5,7 @@ comes from a fresh judge; an interrupted agent leaves no judge or worker behind)
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from agent import judge as judge_mod
 from agent.judge import Judge, JudgeSettings
 from agent.records import EvalResult
 from evaluator.common import REPO_ROOT
+from evaluator.evaluate import write_json
 from evaluator.sweep import children, processes
 from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import broken_source
@@ -179,6 +181,25 @@ def test_a_result_json_the_judge_did_not_write_is_not_the_verdict(tiny_model, re
         forger.join()
     assert (verdict.status, verdict.error_kind) == ("failed", "timeout")
     assert time.monotonic() - started >= HANG_TIMEOUT_SECONDS
+
+
+def test_a_link_or_fifo_planted_where_the_verdict_goes_is_not_read_and_does_not_hang(tmp_path):
+    """A same-uid worker could plant a symlink (to a file it rewrites after the judge's write) or a
+    FIFO (whose read would block the agent for good) at result.json: the agent reads only a regular
+    file, without following or blocking; and the judge's write puts its own regular file there."""
+    ticket = "%032x" % random.getrandbits(128)
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text(json.dumps({"status": "passed", "stage": "done", "score": 1e9, "ticket": ticket}))
+    link, fifo = tmp_path / "link" / "result.json", tmp_path / "fifo" / "result.json"
+    link.parent.mkdir(), fifo.parent.mkdir()
+    link.symlink_to(theirs)
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    assert judge_mod._read(link, ticket) is None and judge_mod._read(fifo, ticket) is None
+    assert time.monotonic() - started < 5
+    write_json({"status": "passed", "ticket": ticket}, link)
+    assert not link.is_symlink() and judge_mod._read(link, ticket) is not None
+    assert json.loads(theirs.read_text())["score"] == 1e9   # the judge's write did not go through the link
 
 
 SERIES_FAILING = r'''

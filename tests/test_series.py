@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -18,7 +20,7 @@ from agent.judge import Judge, JudgeSettings
 from agent.records import EvalResult
 from evaluator.common import REPO_ROOT
 from evaluator.resident import BadRequest, parse_request
-from evaluator.sweep import children
+from evaluator.sweep import children, processes
 from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import broken_source
 from tests.test_search import timed
@@ -159,32 +161,78 @@ def test_a_bad_request_is_one_line_and_exit_2(tiny_model):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "bad request" in proc.stderr
 
 
+def children_of(pid: int) -> set[int]:
+    return {p for p, f in processes() if f.get("PPid", "").strip() == str(pid)}
+
+
+def wait_for(path, text, seconds=60.0):
+    """Until the judge's log for a timing says `text` (the timing is under way)."""
+    deadline = time.monotonic() + seconds
+    while (not path.exists() or text not in path.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_a_series_closed_before_its_last_timing_is_cut_and_the_judge_goes_on(tiny_model, recompute_source,
                                                                           write_engine, tmp_path):
     """Series.close once the contest has what it needs: the judge, running ahead on a timing nobody
     will ask for (here one that would never end), cuts it (its worker killed), runs no later
-    timing, says the series is done, and gives the next verdict itself: no second judge start,
-    nothing of the cut timing's worker left."""
+    timing, says the series is done, and gives the next verdict itself, from its spare worker: no
+    second judge start, nothing of the cut timing's worker left; and the next series runs whole."""
     engines = [write_engine(recompute_source, "e0"), write_engine(broken_source("hangs", recompute_source), "e1"),
                write_engine(recompute_source, "e2")]
     timings = [(f"t{i}", engine) for i, engine in enumerate(engines)]
-    with Judge(settings(tiny_model), tmp_path / "judge") as judge:
+    with Judge(replace(settings(tiny_model), spare_worker="on"), tmp_path / "judge") as judge:
         with judge.series(timings, tmp_path / "c") as series:
             assert series.result("t0", 600).passed
             first = judge.proc
+            before = children_of(first.pid)   # its spare
             hung = tmp_path / "c" / "t1" / "stderr.txt"
-            deadline = time.monotonic() + 60
-            while "--- t1" not in hung.read_text() and time.monotonic() < deadline:   # t1 under way
-                time.sleep(0.05)
+            wait_for(hung, "--- t1")
             time.sleep(1.0)   # its worker in the hanging prefill
+            timing_workers = children_of(first.pid) - before
+            assert timing_workers
         assert judge.proc is first and first.poll() is None
         assert json.loads((tmp_path / "c" / "series-done.json").read_text())["stopped"] is True
+        assert not timing_workers & children_of(first.pid)
         started = time.monotonic()
-        after = judge.verdict(engines[0], tmp_path / "after", 600, settings(tiny_model))
+        after = judge.verdict(engines[0], tmp_path / "after", 600, judge.settings)
         assert after.passed and judge.starts == 1 and "judge start" not in after.stage_seconds
+        assert "the judge's spare" in (tmp_path / "after" / "stderr.txt").read_text()
         assert time.monotonic() - started < 120
         assert "stopped by its caller" in hung.read_text()
+        with judge.series([("again", engines[0])], tmp_path / "again") as series:
+            assert series.result("again", 600).passed and judge.starts == 1
     assert not (tmp_path / "c" / "t1" / "result.json").exists() and not (tmp_path / "c" / "t2" / "result.json").exists()
+
+
+def test_a_stop_cuts_a_worker_still_importing_its_engine_and_a_stop_not_asked_for_ends_one_timing(
+        tiny_model, recompute_source, write_engine, tmp_path):
+    """The stop reaches a timing's worker from the moment it exists: one importing an engine that
+    takes a minute to import is cut at once, not waited for (or its judge killed at the grace's
+    end). And a SIGUSR1 the agent did not send (a same-uid worker can signal the judge) ends only
+    the timing asked for, as a crash said at once, not a wait to the timeout; the judge lives on."""
+    slow_import = write_engine("import time\ntime.sleep(60)\n" + recompute_source, "slow")
+    hang = write_engine(broken_source("hangs", recompute_source), "hang")
+    quick = write_engine(recompute_source, "quick")
+    with Judge(settings(tiny_model), tmp_path / "judge") as judge:
+        with judge.series([("t0", quick), ("t1", slow_import)], tmp_path / "c") as series:
+            assert series.result("t0", 600).passed
+            first = judge.proc
+            wait_for(tmp_path / "c" / "t1" / "stderr.txt", "worker")   # its worker started, importing
+            time.sleep(1.0)
+            started = time.monotonic()
+        assert time.monotonic() - started < judge_module.STOP_GRACE_SECONDS / 2
+        assert judge.proc is first and first.poll() is None and judge.starts == 1
+        with judge.series([("t0", quick), ("t1", hang)], tmp_path / "d") as series:
+            assert series.result("t0", 600).passed
+            wait_for(tmp_path / "d" / "t1" / "stderr.txt", "--- t1")
+            time.sleep(1.0)
+            first.send_signal(signal.SIGUSR1)
+            started = time.monotonic()
+            cut = series.result("t1", 300)
+        assert time.monotonic() - started < 30
+        assert cut.error_kind == "crash" and "not sent by the agent" in cut.error
+        assert judge.proc is first and first.poll() is None and judge.starts == 1
 
 
 def test_a_judge_that_does_not_say_its_series_is_done_is_killed(tiny_model, recompute_engine_path, tmp_path,
