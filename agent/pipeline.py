@@ -100,7 +100,7 @@ class Pipeline:
                     continue
                 if self.workers == 0 or time.monotonic() >= self.deadline:
                     return None
-                if self.in_flight == 0 and self.proposer.paused(self.state):   # only a faster engine wakes it
+                if self.in_flight == 0 and self.proposer.paused(self.state):   # only a new best engine wakes it
                     return None
                 self.cond.wait(min(IDLE_POLL_SECONDS, max(self.deadline - time.monotonic(), 0.01)))
 

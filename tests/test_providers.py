@@ -445,9 +445,20 @@ def test_an_episode_in_flight_sends_no_further_round_once_the_llm_side_stopped(t
     assert len(server.requests) == 1 and sum("carries on alone" in line for line in log) == 1
 
 
-def test_a_model_with_nothing_usable_is_paused_until_a_faster_engine_then_stopped(tmp_path, monkeypatch):
+def installed(state, block_size: int, score: float, history_only: bool = False) -> None:
+    """A judged engine of `score`; unless `history_only`, the loop installs it as its best."""
+    candidate = Candidate(replace(state.best.plan, params={**state.best.plan.params, "block_size": block_size}),
+                          "builtin", "")
+    result = replace(state.best_result, score=score)
+    state.history.append((candidate, result))
+    if not history_only:
+        state.best, state.best_result = candidate, result
+
+
+def test_a_model_with_nothing_usable_is_paused_until_a_new_best_engine_then_stopped(tmp_path, monkeypatch):
     """Episodes in a row with nothing usable pause the model (no request goes out, the builtin goes
-    on); an engine scoring above every one judged before wakes it with a fresh count; after
+    on); a new best engine wakes it with a fresh count, and nothing else does (a screen that scored
+    high but was not installed, as one that lost its contest or failed its final); after
     `max_pauses` pauses the next such run of episodes stops it for good."""
     monkeypatch.setenv("LLM_REPAIR_ROUNDS", "0")
     monkeypatch.setenv("LLM_MAX_CALLS", "20")
@@ -457,21 +468,66 @@ def test_a_model_with_nothing_usable_is_paused_until_a_faster_engine_then_stoppe
         proposer.settings.max_failed_episodes, proposer.settings.max_pauses = 2, 1
         state = paged_state()
         assert [proposer.ask(state) for _ in range(2)] == [None, None] and len(server.requests) == 2
-        assert sum("asked again once an engine scores above 1 (pause 1 of 1)" in line for line in log) == 1
+        assert sum("asked again once a new best engine is installed (the best scores 1 now; pause 1 of 1)" in line
+                   for line in log) == 1
         assert not proposer.ready(state) and proposer.paused(state) and proposer.active
         assert proposer.ask(state) is None and len(server.requests) == 2          # paused: nothing sent
-        state.history.append((Candidate(replace(state.best.plan, params={**state.best.plan.params, "block_size": 32}),
-                                        "builtin", ""), replace(state.best_result, score=1.0)))
-        assert proposer.paused(state)                                            # as fast is not faster
-        faster = replace(state.best_result, score=2.5)
-        state.history.append((Candidate(replace(state.best.plan, params={**state.best.plan.params, "block_size": 64}),
-                                        "builtin", ""), faster))
+        installed(state, 32, 3.0, history_only=True)                             # high, but not the best
+        assert proposer.paused(state) and proposer.ask(state) is None and len(server.requests) == 2
+        installed(state, 64, 2.5)
         assert proposer.ready(state) and not proposer.paused(state)
         assert proposer.ask(state) is None and len(server.requests) == 3          # awake: asked again
-        assert any("an engine scores 2.5, above 1: asking the model again" in line for line in log)
+        assert any("a new best engine (score 2.5): asking the model again" in line for line in log)
         assert proposer.ask(state) is None and len(server.requests) == 4
         assert not proposer.active and sum("carries on alone" in line for line in log) == 1   # pauses spent
         assert proposer.ask(state) is None and len(server.requests) == 4
+
+
+def test_an_episode_in_flight_sends_no_further_round_once_the_model_is_paused(tmp_path, monkeypatch):
+    """Parallel episodes: one pauses the model while another waits for its answer; that one's
+    repair rounds are not sent (a paused model is asked nothing), and a new best wakes it."""
+    monkeypatch.setenv("LLM_REPAIR_ROUNDS", "3")
+    with ScriptedServer("openai", [{"text": "no code in this answer"}] * 6) as server:
+        log = []
+        proposer = openai_proposer(tmp_path, monkeypatch, server.url, log)
+        state = paged_state()
+        answer_of = proposer.client.complete
+
+        def complete(messages, max_tokens):
+            reply = answer_of(messages, max_tokens)
+            proposer._pause(state, "another episode had nothing usable")   # as that episode would
+            return reply
+        monkeypatch.setattr(proposer.client, "complete", complete)
+        assert proposer.ask(state) is None
+        assert len(server.requests) == 1 and any("the model is paused; no round 2" in line for line in log)
+        assert proposer.active and proposer.paused(state)
+        monkeypatch.setattr(proposer.client, "complete", answer_of)
+        installed(state, 32, 2.0)
+        assert proposer.ask(state) is None and len(server.requests) == 5   # awake: the whole episode again
+
+
+def test_the_serial_loop_ends_the_model_side_when_it_is_paused_and_the_builtin_is_spent(tmp_path, monkeypatch):
+    """Serial path (propose): with the builtin walk spent and the model paused nothing can wake it,
+    and the log says so instead of "the LLM goes on alone"."""
+    with ScriptedServer("openai", []) as server:
+        log = []
+        proposer, state = openai_proposer(tmp_path, monkeypatch, server.url, log, fallback=Empty()), paged_state()
+        proposer._pause(state, "4 episodes in a row produced nothing usable")
+        assert proposer.propose(state) is None and not proposer.active and server.requests == []
+    assert not any("goes on alone" in line for line in log)
+    assert any("the model is paused and nothing else is left to judge" in line for line in log)
+
+
+def test_a_replay_of_a_run_recorded_before_pauses_stops_the_model_as_that_run_did():
+    """A transcript's settings lack the fields added since: they keep today's defaults, except
+    those that change what the proposer does (BEFORE_RECORDED), which take the behaviour of the
+    recording's time (no pauses)."""
+    from agent.providers.llm import LLMSettings
+    from agent.providers.replay import _restore
+    old = _restore(LLMSettings, {"model": "m", "repair_rounds": 1}, LLMSettings(model="m"))
+    assert (old.max_pauses, old.repair_rounds, old.retries) == (0, 1, LLMSettings(model="m").retries)
+    new = _restore(LLMSettings, {"model": "m", "max_pauses": 2}, LLMSettings(model="m"))
+    assert new.max_pauses == 2
 
 
 def test_a_bug_on_the_llm_side_stops_the_llm_not_the_run(tmp_path, monkeypatch):

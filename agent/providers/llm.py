@@ -80,9 +80,13 @@ class LLMSettings:
     kernels_on_cpu: bool = False    # on CPU the engine runs the torch variants, so kernels cannot win
 
 
-def _top_score(state: SearchState) -> float:
-    """The highest score judged so far in the run (passing engines only)."""
-    return max((result.rank() for _, result in state.history if result.passed), default=0.0)
+def _best_key(state: SearchState) -> str | None:
+    """The engine the loop holds as its best now (what a paused model waits to see change)."""
+    return state.best.key() if state.best is not None else None
+
+
+def _best_score(state: SearchState) -> float:
+    return state.best_result.rank() if state.best_result is not None else 0.0
 
 
 def chat_settings(options, model_env: str, default_model: str) -> LLMSettings:
@@ -207,7 +211,7 @@ class LLMProposer:
         self.failed_episodes = 0
         self.failed_calls = 0
         self.pauses = 0
-        self.paused_below: float | None = None   # paused: asked again once an engine scores above this
+        self.paused_on: str | None = None   # paused: the best engine's key then; asked again once it changes
         self.attempts_per_slot = {s: 0 for s in SLOTS}
         self.variants: dict[tuple[str, str], str] = {}   # this run's unit-checked variants: template text
         self.codes: dict[tuple[str, str], str] = {}      # ... and their code as the model wrote it
@@ -293,11 +297,12 @@ class LLMProposer:
                     self._fallback_keys.add(candidate.key())
                     return candidate
                 self.fallback_done = True
-                if self.active:
+                if self.active and not self.paused(state):
                     self.log("llm: the builtin proposer has nothing left; the LLM goes on alone")
                 continue
             if self.active:
-                self._stop("nothing left to ask for")
+                self._stop("the model is paused and nothing else is left to judge" if self.paused(state)
+                           else "nothing left to ask for")
             return None
 
     def feedback(self, candidate: Candidate, result: EvalResult) -> None:
@@ -341,32 +346,35 @@ class LLMProposer:
         return "kernel_blocks" in (ENGINES / f"{state.best.plan.engine}.py.j2").read_text()
 
     def _pause(self, state: SearchState, why: str) -> None:
-        """Ask no more until an engine faster than any judged so far gives the model new ground (a
-        model that kept repeating the best engine's plan was dropped for the rest of a run whose
-        engines then got 10x faster); after `max_pauses` pauses, stop."""
-        if self.paused_below is not None or not self.active:   # another episode got here first
+        """Ask no more until the loop installs a new best engine, which gives the model new ground
+        (a model that kept repeating the best engine's plan was dropped for the rest of a run whose
+        engines then got 10x faster); after `max_pauses` pauses, stop. The mark is the installed
+        best, not the top of the history: a screen that scored high and lost its contest, or
+        failed its final, is no new ground."""
+        if self.paused_on is not None or not self.active:   # another episode got here first
             return
         if self.pauses >= self.settings.max_pauses:
             self._stop(why)
             return
         self.pauses += 1
-        self.paused_below = _top_score(state)
-        self.log(f"llm: {why}; the model is asked again once an engine scores above {self.paused_below:.4g} "
-                 f"(pause {self.pauses} of {self.settings.max_pauses}); the builtin proposer goes on")
+        self.paused_on = _best_key(state)
+        self.log(f"llm: {why}; the model is asked again once a new best engine is installed (the best "
+                 f"scores {_best_score(state):.4g} now; pause {self.pauses} of {self.settings.max_pauses}); "
+                 "the builtin proposer goes on")
 
     def paused(self, state: SearchState) -> bool:
-        """Paused, and no engine of `state` scores above the mark yet."""
-        mark = self.paused_below   # once: another thread's _awake may clear it meanwhile
-        return mark is not None and _top_score(state) <= mark
+        """Paused, and the loop's best engine is still the one it was then."""
+        mark = self.paused_on   # once: another thread's _awake may clear it meanwhile
+        return mark is not None and _best_key(state) == mark
 
     def _awake(self, state: SearchState) -> bool:
-        """False while paused; a faster engine ends the pause (said once) and the count of failures."""
-        if self.paused_below is None:
+        """False while paused; a new best engine ends the pause (said once) and the count of failures."""
+        if self.paused_on is None:
             return True
         if self.paused(state):
             return False
-        self.log(f"llm: an engine scores {_top_score(state):.4g}, above {self.paused_below:.4g}: asking the model again")
-        self.paused_below = None
+        self.log(f"llm: a new best engine (score {_best_score(state):.4g}): asking the model again")
+        self.paused_on = None
         self.failed_episodes = 0
         return True
 
@@ -421,6 +429,9 @@ class LLMProposer:
         verdict: Verdict | None = None
         for r in range(1, rounds + 1):
             if not self.active or not self._time_for_a_request():   # another episode may have stopped it
+                return None
+            if self.paused(state):   # ... or paused it: no repair or refinement goes out meanwhile
+                self.log(f"llm: {episode.what}: the model is paused; no round {r}")
                 return None
             try:
                 with self._unlocked():

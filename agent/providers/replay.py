@@ -137,11 +137,20 @@ class ReplayClient:
         return Reply(**record["reply"])
 
 
+# Settings that change what the proposer does, and their value in runs recorded before they
+# existed: a replay of such a run must behave as it did then (before pauses, a model with nothing
+# usable was stopped at once: max_pauses 0).
+BEFORE_RECORDED = {"max_pauses": 0}
+
+
 def _restore(cls, recorded: dict | None, base):
-    """A settings dataclass as recorded, on top of today's defaults (new fields keep theirs)."""
+    """A settings dataclass as recorded, on top of today's defaults; a field the recording lacks
+    keeps today's default, or the behaviour of its time where BEFORE_RECORDED says."""
     for f in fields(cls):
         if recorded and f.name in recorded:
             setattr(base, f.name, recorded[f.name])
+        elif recorded and f.name in BEFORE_RECORDED:
+            setattr(base, f.name, BEFORE_RECORDED[f.name])
     return base
 
 
