@@ -275,8 +275,8 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
     if previous is not None:
         report.entries = list(previous.entries)
         state.history = [(e.candidate, e.result) for e in previous.entries]
-        if previous.best is not None:
-            state.best, state.best_result = previous.best.candidate, previous.best.result
+        if previous.search_best is not None:
+            state.best, state.best_result = previous.search_best.candidate, previous.search_best.result
         state.waiting = list(previous.waiting)
     report.start({"run": run_record(cfg), "spec": spec.to_dict(),
                   "hardware": state.hardware}, header_lines(cfg, spec, state.hardware, settings))

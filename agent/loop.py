@@ -16,7 +16,8 @@ Its verdict says so (`note`). (A contest's rounds against it re-time it on every
 incumbent: only for a challenger that its one case did not already decide.)
 Every other candidate is a challenger (`challenge`): TIMING first (the public sequence and the
 benchmark, no stress: the screen), then back-to-back timings against the best
-(agent/acceptance.py), and only a finalist gets FINAL (the stress suite with its long cases);
+(agent/acceptance.py), and only a finalist gets FINAL (the stress suite with its long cases),
+deferred while it is the search's best (`settle_final`: a faster winner first makes it moot);
 the verdict installed joins the final's stress to the screen's benchmark of the same engine, so
 no engine is timed twice for one verdict, unless the screens time fewer fresh engines than the
 full benchmark (on a GPU: agent/cli.py BENCH), where the final times it in full. Whatever is
@@ -38,7 +39,7 @@ from agent.judge import FINAL, RESULT as RESULT_FILE, STRESS, TIMING, VERIFY
 from agent.pipeline import Pipeline
 from agent.records import DEADLINE, Candidate, EvalResult, Proposer, SearchState
 from agent.render import render_engine
-from agent.report import Entry, Reporter, describe
+from agent.report import Entry, FinalDue, Reporter, describe
 from agent.workspace import VARIANTS, Workspace, atomic_write
 from evaluator.checkpoint import Conventions
 
@@ -98,32 +99,43 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     timings (default: one `judge` call each, OneByOne)."""
     deadline = (time.monotonic() if started is None else started) + budget
     left = lambda: deadline - time.monotonic() - RESERVE_SECONDS  # noqa: E731
-    judge = budget_aware(judge, left, state)
     report.seconds_left = left
     state.seconds_left = left()
     keep = lambda waiting: ws.save_waiting([c.to_record() for c in waiting])  # noqa: E731 - for --resume
+    due = lambda: settle_final(state, judge, ws, report, left)  # noqa: E731 - the provisional best's final
+    # What judging other candidates may spend: the budget less the provisional best's final, so
+    # that a long screen or contest cannot leave a won contest without the time for its final.
+    others = lambda: left() - (expected_final_seconds(state, state.best_result)  # noqa: E731
+                               if provisional_best(state, report) is not None else 0.0)
+    judge = budget_aware(judge, others, state)   # a verdict cut by what it was given is the budget's
     with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line,
                   keep) as pipeline:
-        candidate = pipeline.next() if state.history else conservative_candidate()
+        candidate = pipeline.next(idle=due) if state.history else conservative_candidate()
         while candidate is not None:
             if max_candidates is not None and len(state.history) >= max_candidates:
                 report.line(f"{len(state.history)} candidates judged, the most asked for (--max-candidates); stopping")
                 break
+            if provisional_best(state, report) is not None and others() < expected_seconds(state):
+                due()   # after one more candidate its final would no longer fit
             if state.history and left() < expected_seconds(state):
                 report.line(f"budget: {left():.0f}s left, not enough for another evaluation; stopping")
                 break
             index = len(state.history) + 1
-            entry = judge_one(index, candidate, state, judge, ws, report, left,
+            entry = judge_one(index, candidate, state, judge, ws, report, others,
                               lambda screen: pipeline.screened(index, candidate, screen), series)
             state.history.append((candidate, entry.result))
-            if entry.accepted:
+            if entry.accepted or entry.final_due is not None:
+                replaced = provisional_best(state, report)
+                if replaced is not None:   # its final is no longer due
+                    replaced.final_due = replace(replaced.final_due, superseded_by=index)
                 state.best, state.best_result = candidate, entry.result
             if len(state.history) > 1:  # the conservative step is the loop's own, not the proposer's
                 pipeline.feedback(candidate, entry.result)
                 report.line(f"     {pipeline.status()}")
                 settle_conservative(state, judge, ws, report, left)
             state.seconds_left = left()
-            candidate = pipeline.next()
+            candidate = pipeline.next(idle=due)
+    settle_final(state, judge, ws, report, left)
     settle_conservative(state, judge, ws, report, left, final=True)
     report.line(Archive.of(state).summary())
     report.line(report.judge_time())
@@ -175,7 +187,7 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
             return again
         if not again.safe():
             return decided(again, "too close to the tolerance")
-    incumbent = next((e for e in reversed(report.entries) if e.accepted), None)
+    incumbent = entry_of(report, state.best)
 
     timings: Timings | None = None   # started at the first timing the contest asks for
 
@@ -208,30 +220,92 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         report.line(f"     NOT INSTALLED: {why}")
         screen.cut_short = True
         return decided(screen, why)
-    incumbent_result = state.best_result
-    timed = screen if again is None else acceptance.fastest(screen, again)
-    final = decided(joined(spent("final", judge(engine, folder, timeout_for(state, left()), FINAL)), timed),
-                    decision.reason)
+    timed = decided(screen if again is None else acceptance.fastest(screen, again), decision.reason)
+    entry.final_due = FinalDue(decision.p, incumbent.index if incumbent is not None else None)
+    report.line(f"     PROVISIONAL: the best the search builds on from now; its final (the stress suite, "
+                f"~{final_seconds:.0f}s) runs when the judge would otherwise wait, or in time before the budget "
+                f"ends, and not at all if a faster engine replaces it first")
+    return timed
+
+
+def provisional_best(state: SearchState, report: Reporter) -> Entry | None:
+    """The search's best, where it won its contest but its final has not run (FinalDue)."""
+    entry = entry_of(report, state.best)
+    due = entry.final_due if entry is not None else None
+    return entry if due is not None and due.superseded_by is None else None
+
+
+def entry_of(report: Reporter, candidate: Candidate | None) -> Entry | None:
+    """The report's entry of `candidate` (the search's best: installed, or provisional)."""
+    if candidate is None:
+        return None
+    key = candidate.key()
+    return next((e for e in reversed(report.entries) if e.candidate.key() == key and e.result is not None), None)
+
+
+def settle_final(state: SearchState, judge: Judge, ws: Workspace, report: Reporter,
+                 left: Callable[[], float]) -> None:
+    """The provisional best's final (FINAL: the stress suite with its long cases, and on a GPU a
+    full timing), deferred since its contest: a best that a faster engine replaces before then
+    never needs one (a final is 46-57 s on an H200, a screen 10-29 s: twenty-eighth session).
+    Passed in full, it is installed; otherwise the search goes back to the best installed
+    (workspace/engine.py, judged in full), and candidates already built on it are judged as any."""
+    entry = provisional_best(state, report)
+    if entry is None:
+        return
+    due, timed = entry.final_due, entry.result
+    entry.final_due = None
+    report.line(f"#{entry.index:03d} {describe(entry.candidate.plan)}: the final it won in its contest")
+    final_seconds = expected_final_seconds(state, timed)
+    if left() < final_seconds:
+        why = (f"won its contest, but its final (the stress suite) cannot fit the {max(left(), 0):.0f}s of the "
+               f"budget left (a final takes ~{final_seconds:.0f}s): the best installed stays")
+        report.line(f"     NOT INSTALLED: {why}")
+        result = replace(decided(timed, why), cut_short=True)
+    else:
+        beaten = next((e.result for e in report.entries if e.index == due.beat), None)
+        result = run_final(entry, timed, due.p, beaten, state, judge, ws, report, left)
+    entry.result = result
+    at = max(i for i, (c, _) in enumerate(state.history) if c.key() == entry.candidate.key())
+    state.history[at] = (entry.candidate, result)
+    atomic_write(entry.directory / RESULT_FILE, json.dumps(result.to_dict(), indent=2) + "\n")
+    if entry.accepted:
+        state.best_result = result
+    else:
+        installed = next((e for e in reversed(report.entries) if e.accepted), None)
+        state.best, state.best_result = (installed.candidate, installed.result) if installed else (None, None)
+        report.line("     the search goes back to " + (f"#{installed.index:03d}, the best installed" if installed
+                                                         else "no engine: none is installed"))
+    report.finished(entry)
+
+
+def run_final(entry: Entry, timed: EvalResult, p: float | None, beaten: EvalResult | None, state: SearchState,
+              judge: Judge, ws: Workspace, report: Reporter, left: Callable[[], float]) -> EvalResult:
+    """FINAL on a finalist whose screen (`timed`) won its contest (sign test `p`) against `beaten`;
+    installed where it passes in full and, for a clear win, its full timing confirms it."""
+    engine = entry.directory / "engine.py"
+    final = decided(joined(report.spending(entry)("final", judge(engine, entry.directory, timeout_for(state, left()),
+                                                                FINAL)), timed), timed.decision)
     report.verdict(entry, final, label="final")
-    below = unconfirmed_win(final, timed, decision, incumbent_result)
+    below = unconfirmed_win(final, timed, p, beaten)
     if below is not None:
         report.line(f"     NOT INSTALLED: {below}")
         return decided(final, below)
     if final.passed and final.safe():
-        install(entry, final, source, ws, report)
+        install(entry, final, engine.read_text(), ws, report)
     elif final.passed:
         report.warn(f"#{entry.index:03d} passed with margin {final.margin():.2f} < "
                     f"{final.required_margin():.2f}: too close to the tolerance to keep")
     return final
 
 
-def unconfirmed_win(final: EvalResult, screen: EvalResult, decision: acceptance.Decision,
+def unconfirmed_win(final: EvalResult, screen: EvalResult, p: float | None,
                     incumbent: EvalResult | None) -> str | None:
     """Why a finalist accepted on its screen alone (a clear win: no paired timings) is not
     installed, or None. Where the final timed the engine itself in full (the screens time one fresh
     engine a case), that timing must still beat the best's recorded one: a single screen run is
     noisier than the median it was compared with."""
-    if not final.passed or final.benchmark is screen.benchmark or decision.p is not None \
+    if not final.passed or final.benchmark is screen.benchmark or p is not None \
             or incumbent is None or not incumbent.passed or incumbent.rank() <= 0:
         return None
     ratio = acceptance.speedup(final, incumbent)

@@ -72,8 +72,10 @@ class Pipeline:
             threading.Thread(target=self._work, name=f"proposer-{i + 1}", daemon=True).start()
 
     # --- the judge's side -----------------------------------------------------------------
-    def next(self) -> Candidate | None:
-        """The next candidate to judge, or None when no side has anything left before the deadline."""
+    def next(self, idle: Callable[[], None] | None = None) -> Candidate | None:
+        """The next candidate to judge, or None when no side has anything left before the deadline.
+        `idle` (the judge's own pending work: a provisional best's final) runs, once, where the
+        judge would otherwise wait for the model."""
         while True:
             with self.cond:
                 while self.merges:
@@ -101,8 +103,13 @@ class Pipeline:
                 if self.workers == 0 or time.monotonic() >= self.deadline:
                     return None
                 if self.in_flight == 0 and self.proposer.paused(self.state):   # only a new best engine wakes it
-                    return None
-                self.cond.wait(min(IDLE_POLL_SECONDS, max(self.deadline - time.monotonic(), 0.01)))
+                    if idle is None:
+                        return None
+                if idle is None:
+                    self.cond.wait(min(IDLE_POLL_SECONDS, max(self.deadline - time.monotonic(), 0.01)))
+                    continue
+            idle()   # outside the lock: the model's workers go on meanwhile
+            idle = None
 
     def feedback(self, candidate: Candidate, result: EvalResult) -> None:
         self.judged += 1

@@ -23,19 +23,35 @@ ERROR_CHARS = 400           # of an error, in the log line (the whole text is in
 PLAN_CHARS = 60             # of a plan's description, in the summary table
 
 
+@dataclass(frozen=True)
+class FinalDue:
+    """A challenger that won its contest and became the search's best before its final (agent/loop.py
+    settle_final): what the final must still confirm. `p`: its contest's sign test (None: a clear
+    win on the screen alone); `beat`: the index of the best it replaced."""
+
+    p: float | None
+    beat: int | None
+    superseded_by: int | None = None   # a faster engine replaced it first: it will never need its final
+
+    def to_dict(self) -> dict:
+        return {"p": self.p, "beat": self.beat, "superseded_by": self.superseded_by}
+
+
 @dataclass
 class Entry:
     index: int
     candidate: Candidate
     directory: Path
     result: EvalResult | None = None     # None while it is being judged
-    accepted: bool = False
+    accepted: bool = False               # written to workspace/engine.py (judged in full)
     seconds: float = 0.0                 # since the run started, when its verdict was final
     spent: dict[str, list[float]] = field(default_factory=dict)   # judge seconds per kind of evaluation
+    final_due: FinalDue | None = None    # won its contest, its final not run yet
 
     def to_dict(self, root: Path) -> dict:
         return {"index": self.index, "dir": str(self.directory.relative_to(root)), **self.candidate.to_dict(),
                 "result": self.result.to_dict() if self.result else None, "accepted": self.accepted,
+                "final_due": self.final_due.to_dict() if self.final_due else None,
                 "seconds": round(self.seconds, 3),
                 "judge_seconds": {kind: [round(x, 3) for x in xs] for kind, xs in self.spent.items()}}
 
@@ -105,7 +121,8 @@ def summary_rows(entries: list[Entry]) -> tuple[list[str], list[list[str]]]:
         r = e.result
         verdict = ("unfinished" if r is None else "not judged" if r.error_kind == DEADLINE
                    else f"{r.stage}:{r.error_kind}" if not r.passed
-                   else "unstressed" if r.unstressed else "verified" if r.rank() <= 0 else "passed")
+                   else "won, no final" if e.final_due and r.passed else "unstressed" if r.unstressed
+                   else "verified" if r.rank() <= 0 else "passed")
         tps = r.tokens_per_second() if r else {}
         rows.append(["*" if e.accepted else "", str(e.index), describe(e.candidate.plan)[:PLAN_CHARS],
                      e.candidate.origin, verdict, f"{r.rank():.4g}" if r and r.passed else "-",

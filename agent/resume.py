@@ -31,7 +31,7 @@ from pathlib import Path
 
 from agent.plan import Plan
 from agent.records import DEADLINE, Candidate, EvalResult
-from agent.report import Entry
+from agent.report import Entry, FinalDue
 from agent.workspace import CANDIDATES, ENGINE, RESULTS_JSON, VARIANTS, VERDICT, WAITING, Workspace
 
 # Run settings that must match for old verdicts to mean the same thing in the new run.
@@ -56,8 +56,15 @@ class Previous:
 
     @property
     def best(self) -> Entry | None:
-        """The loop's best: the last candidate it accepted."""
+        """The loop's best installed: the last candidate it accepted (workspace/engine.py)."""
         return next((e for e in reversed(self.entries) if e.accepted), None)
+
+    @property
+    def search_best(self) -> Entry | None:
+        """What the search builds on: the best installed, or a later winner whose final had not run
+        when the run stopped (agent/loop.py settle_final runs it in the resumed run)."""
+        return next((e for e in reversed(self.entries)
+                     if e.accepted or (e.final_due is not None and e.final_due.superseded_by is None)), None)
 
 
 def _entry(ws: Workspace, d: dict) -> Entry:
@@ -67,7 +74,10 @@ def _entry(ws: Workspace, d: dict) -> Entry:
     result = EvalResult.from_dict(d["result"])
     if result.passed and result.error == OLD_UNSTRESSED:
         result = replace(result, unstressed=True, error=None)
-    return Entry(int(d["index"]), candidate, directory, result, bool(d.get("accepted")))
+    due = d.get("final_due")
+    final_due = FinalDue(due.get("p"), due.get("beat"), due.get("superseded_by")) \
+        if isinstance(due, dict) and result.passed else None
+    return Entry(int(d["index"]), candidate, directory, result, bool(d.get("accepted")), final_due=final_due)
 
 
 def _variants(directory: Path, names: list[str]) -> dict[tuple[str, str], str]:

@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -105,6 +106,121 @@ def test_resume_skips_what_was_judged_and_keeps_the_best(tmp_path, monkeypatch):
     assert ws2.installed_verdict()["index"] == 5
 
 
+class PhaseJudge(FakeJudge):
+    """FakeJudge that remembers each call's phase, and fails the FINAL of engines in `fail_final`."""
+
+    def __init__(self, fail_final=()):
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+        self.fail_final = set(fail_final)
+
+    def __call__(self, engine: Path, out_dir: Path, timeout: float, phase) -> EvalResult:
+        self.calls.append((engine.read_text(), phase))
+        if phase == loop.FINAL and engine.read_text() in self.fail_final:
+            result = EvalResult.failure("stress", "mismatch", "wrong on a long prompt", "cpu", 1.0)
+            atomic_write(out_dir / "result.json", json.dumps(result.to_dict()))
+            return result
+        return super().__call__(engine, out_dir, timeout, phase)
+
+
+def deferred_run(tmp_path, monkeypatch, judge, plans=PLANS[:3]) -> tuple[Workspace, SearchState, list[str]]:
+    monkeypatch.setattr(loop, "render_engine", fake_render)
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    report, state, lines = Reporter(ws.root, live=False), SearchState(spec=None, device="cpu", hardware={}), []
+    monkeypatch.setattr(report, "line", lambda text="": lines.append(text))
+    report.start({"run": RUN}, [])
+    loop.run(state, ListProposer(plans), judge, ws, report, 600.0)
+    report.finish([])
+    return ws, state, lines
+
+
+def test_a_winner_replaced_before_its_final_never_needs_one(tmp_path, monkeypatch):
+    """Each winner becomes the search's best at once; its final is deferred, and a faster winner
+    makes it unnecessary: three winners in a row cost one final, the last one's, and only that
+    engine is installed (workspace/engine.py holds only engines judged in full meanwhile)."""
+    judge = PhaseJudge()
+    ws, state, lines = deferred_run(tmp_path, monkeypatch, judge)
+    finals = [engine for engine, phase in judge.calls if phase == loop.FINAL]
+    assert finals == [fake_render(PLANS[2])]
+    assert ws.engine.read_text() == fake_render(PLANS[2]) and ws.installed_verdict()["index"] == 4
+    assert sum("PROVISIONAL" in line for line in lines) == 3
+    record = json.loads((ws.root / "results.json").read_text())["candidates"]
+    assert [c["accepted"] for c in record] == [True, False, False, True]
+    assert [(c["final_due"] or {}).get("superseded_by") for c in record] == [None, 3, 4, None]
+
+
+def test_a_winner_whose_final_fails_is_not_installed_and_the_search_goes_back(tmp_path, monkeypatch):
+    """The deferred final of the search's best fails (its stress suite): the engine installed
+    before stays, and it is the search's best again."""
+    judge = PhaseJudge(fail_final=[fake_render(PLANS[2])])
+    ws, state, lines = deferred_run(tmp_path, monkeypatch, judge)
+    assert ws.installed_verdict()["index"] == 1 and state.best.plan.engine == "recompute"
+    assert any("the search goes back to #001, the best installed" in line for line in lines)
+    record = json.loads((ws.root / "results.json").read_text())["candidates"]
+    assert record[3]["result"]["stage"] == "stress" and not record[3]["accepted"] and not record[3]["final_due"]
+
+
+def test_a_winner_the_run_stopped_before_its_final_gets_it_on_resume(tmp_path, monkeypatch):
+    """A run cut after a contest was won, before its final: the resumed run builds on that winner
+    and runs its final, instead of losing the win (its plan is judged, so never proposed again)."""
+    ws, _ = recorded_run(tmp_path, PLANS[:2], monkeypatch)
+    record = json.loads((ws.root / "results.json").read_text())
+    last = record["candidates"][-1]
+    last.update(accepted=False, final_due={"p": None, "beat": 2})   # killed before its final
+    (ws.root / "results.json").write_text(json.dumps(record))
+    (ws.root / "engine.json").unlink()
+    state, previous = resumed_state(ws)
+    assert previous.best.index == 1 and previous.search_best.index == 3
+    state.best, state.best_result = previous.search_best.candidate, previous.search_best.result
+    report = Reporter(ws.root, live=False)
+    report.entries = list(previous.entries)
+    report.start({"run": RUN}, [])
+    judge = PhaseJudge()
+    loop.run(state, ListProposer([]), judge, ws, report, 600.0)
+    report.finish([])
+    assert judge.calls == [(fake_render(PLANS[1]), loop.FINAL)]
+    assert ws.installed_verdict()["index"] == 3
+
+
+def test_the_final_of_the_best_runs_while_the_judge_would_wait_for_the_model(monkeypatch):
+    """Pipeline.next's `idle`: with model workers busy and nothing ready, the judge's pending final
+    runs (once) instead of the judge waiting."""
+    from agent.pipeline import Pipeline
+    ran, answered = [], threading.Event()
+
+    class Slow:
+        name = "slow"
+        active = True
+        fallback = ListProposer([])   # the builtin walk, spent
+
+        def propose(self, state):
+            return None
+
+        def feedback(self, candidate, result):
+            pass
+
+        def ready(self, state):
+            return True
+
+        def ask(self, state):   # a model episode that lasts until the judge has done its own work
+            answered.wait(60)
+            raise RuntimeError("this worker is done")   # it stops (a bug on the model's side would)
+
+        def paused(self, state):
+            return False
+    best = Candidate(PLANS[0], "builtin", "")
+    state = SearchState(spec=None, device="cpu", hardware={}, history=[(best, passed(1.0))], best=best,
+                        best_result=passed(1.0))
+
+    def idle():
+        ran.append(time.monotonic())
+        answered.set()
+    with Pipeline(Slow(), state, 2, time.monotonic() + 60.0, lambda text: None, lambda waiting: None) as pipeline:
+        assert pipeline.next(idle=idle) is None
+    assert len(ran) == 1
+
+
 def test_a_resumed_runs_rate_counts_only_what_it_judged(tmp_path, monkeypatch):
     """Candidates judged per minute over a resumed process's own minutes: the earlier process's
     candidates are not its work (a resumed GPU run once claimed 3.25 a minute for 5 in 369 s)."""
@@ -135,6 +251,7 @@ def test_resume_after_a_kill_between_engine_and_its_verdict(tmp_path, monkeypatc
     ws, _ = recorded_run(tmp_path, PLANS[:2], monkeypatch)
     record = json.loads((ws.root / "results.json").read_text())
     record["candidates"] = record["candidates"][:2]
+    record["candidates"][1].update(accepted=True, final_due=None)   # #002 passed its final and was installed
     (ws.root / "results.json").write_text(json.dumps(record))
     (ws.root / "engine.json").write_text(json.dumps({"index": 2, "sha256": "of the engine before"}))
     unfinished = ws.candidate_dir(4, "never finished")
@@ -334,7 +451,8 @@ def agent_process(model, ws: Path, *more: str) -> subprocess.Popen:
 
 
 def judged_results(ws: Path) -> dict[str, int]:
-    """result.json of every candidate the record says was judged -> its mtime."""
+    """result.json of every candidate the record says was judged -> its mtime (a winner whose
+    final had not run yet is not judged in full: the resumed run runs it, agent/loop.py settle_final)."""
     try:
         record = json.loads((ws / "results.json").read_text())
     except (OSError, ValueError):
@@ -342,7 +460,7 @@ def judged_results(ws: Path) -> dict[str, int]:
     out = {}
     for c in record["candidates"]:
         path = ws / c["dir"] / "result.json"
-        if c["result"] and path.exists():
+        if c["result"] and not c.get("final_due") and path.exists():
             out[str(path)] = path.stat().st_mtime_ns
     return out
 

@@ -478,8 +478,8 @@ def test_a_clear_win_on_one_screen_run_is_installed_only_if_its_full_timing_stil
     clear = acceptance.Decision(True, "faster", 1.2)
     slower_in_full = replace(timed(0.97, [1, 1, 1]), stress={"cases": 3})
     faster_in_full = replace(timed(1.15, [1, 1, 1]), stress={"cases": 3})
-    assert "stays" in unconfirmed_win(slower_in_full, screen, clear, incumbent)
-    assert unconfirmed_win(faster_in_full, screen, clear, incumbent) is None
-    assert unconfirmed_win(slower_in_full, screen, replace(clear, p=0.01), incumbent) is None
-    assert unconfirmed_win(replace(slower_in_full, benchmark=screen.benchmark), screen, clear, incumbent) is None
-    assert unconfirmed_win(slower_in_full, screen, clear, None) is None
+    assert "stays" in unconfirmed_win(slower_in_full, screen, clear.p, incumbent)
+    assert unconfirmed_win(faster_in_full, screen, clear.p, incumbent) is None
+    assert unconfirmed_win(slower_in_full, screen, 0.01, incumbent) is None
+    assert unconfirmed_win(replace(slower_in_full, benchmark=screen.benchmark), screen, clear.p, incumbent) is None
+    assert unconfirmed_win(slower_in_full, screen, clear.p, None) is None

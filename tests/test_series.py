@@ -165,11 +165,12 @@ def children_of(pid: int) -> set[int]:
     return {p for p, f in processes() if f.get("PPid", "").strip() == str(pid)}
 
 
-def wait_for(path, text, seconds=60.0):
+def wait_for(path, text, seconds=120.0) -> bool:
     """Until the judge's log for a timing says `text` (the timing is under way)."""
     deadline = time.monotonic() + seconds
     while (not path.exists() or text not in path.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return path.exists() and text in path.read_text()
 
 
 def test_a_series_closed_before_its_last_timing_is_cut_and_the_judge_goes_on(tiny_model, recompute_source,
@@ -185,15 +186,12 @@ def test_a_series_closed_before_its_last_timing_is_cut_and_the_judge_goes_on(tin
         with judge.series(timings, tmp_path / "c") as series:
             assert series.result("t0", 600).passed
             first = judge.proc
-            before = children_of(first.pid)   # its spare
             hung = tmp_path / "c" / "t1" / "stderr.txt"
-            wait_for(hung, "--- t1")
+            assert wait_for(hung, "--- t1")
             time.sleep(1.0)   # its worker in the hanging prefill
-            timing_workers = children_of(first.pid) - before
-            assert timing_workers
         assert judge.proc is first and first.poll() is None
         assert json.loads((tmp_path / "c" / "series-done.json").read_text())["stopped"] is True
-        assert not timing_workers & children_of(first.pid)
+        assert len(children_of(first.pid)) <= 1   # its spare at most: the cut timing's worker is gone
         started = time.monotonic()
         after = judge.verdict(engines[0], tmp_path / "after", 600, judge.settings)
         assert after.passed and judge.starts == 1 and "judge start" not in after.stage_seconds
@@ -218,14 +216,14 @@ def test_a_stop_cuts_a_worker_still_importing_its_engine_and_a_stop_not_asked_fo
         with judge.series([("t0", quick), ("t1", slow_import)], tmp_path / "c") as series:
             assert series.result("t0", 600).passed
             first = judge.proc
-            wait_for(tmp_path / "c" / "t1" / "stderr.txt", "worker")   # its worker started, importing
+            assert wait_for(tmp_path / "c" / "t1" / "stderr.txt", "worker")   # its worker started, importing
             time.sleep(1.0)
             started = time.monotonic()
         assert time.monotonic() - started < judge_module.STOP_GRACE_SECONDS / 2
         assert judge.proc is first and first.poll() is None and judge.starts == 1
         with judge.series([("t0", quick), ("t1", hang)], tmp_path / "d") as series:
             assert series.result("t0", 600).passed
-            wait_for(tmp_path / "d" / "t1" / "stderr.txt", "--- t1")
+            assert wait_for(tmp_path / "d" / "t1" / "stderr.txt", "--- t1")
             time.sleep(1.0)
             first.send_signal(signal.SIGUSR1)
             started = time.monotonic()
