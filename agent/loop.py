@@ -81,6 +81,9 @@ BUDGET_CUT_SLACK_SECONDS = 1.0   # a timeout within this of the budget left was 
 # twenty-third sessions). On a CPU a final times nothing (its screen's timing is joined in) and
 # took less than a screen: expected_seconds stands.
 FIRST_FINAL_FACTOR = {"cuda": 2.5}
+# The time kept for a provisional best's final, over the quickest final judged so far: finals of
+# one run differ by the engine (46-57 s on an H200, twenty-seventh and twenty-eighth sessions).
+FINAL_RESERVE_FACTOR = 1.25
 RANKED_0 = "ranked 0 (any engine that passes replaces it)"   # a conservative engine whose stress failed
 
 
@@ -105,7 +108,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     due = lambda: settle_final(state, judge, ws, report, left)  # noqa: E731 - the provisional best's final
     # What judging other candidates may spend: the budget less the provisional best's final, so
     # that a long screen or contest cannot leave a won contest without the time for its final.
-    others = lambda: left() - (expected_final_seconds(state, state.best_result)  # noqa: E731
+    others = lambda: left() - (FINAL_RESERVE_FACTOR * expected_final_seconds(state, state.best_result)  # noqa: E731
                                if provisional_best(state, report) is not None else 0.0)
     judge = budget_aware(judge, others, state)   # a verdict cut by what it was given is the budget's
     with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line,
@@ -221,6 +224,13 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         screen.cut_short = True
         return decided(screen, why)
     timed = decided(screen if again is None else acceptance.fastest(screen, again), decision.reason)
+    installed = next((e for e in reversed(report.entries) if e.accepted), None)
+    if installed is None or installed.candidate.plan.engine == search.CONSERVATIVE_ENGINE:
+        # Not deferred while the engine on disk is the conservative one: a run stopped at any
+        # moment leaves a fast engine, and the run learns what a final costs here before it
+        # keeps time for one (an H200 run that deferred its first final guessed 34 s from its
+        # screens, gave it that much at the end, and it needed 46-57 s: twenty-eighth session).
+        return run_final(entry, timed, decision.p, state.best_result, state, judge, ws, report, left)
     entry.final_due = FinalDue(decision.p, incumbent.index if incumbent is not None else None)
     report.line(f"     PROVISIONAL: the best the search builds on from now; its final (the stress suite, "
                 f"~{final_seconds:.0f}s) runs when the judge would otherwise wait, or in time before the budget "

@@ -123,7 +123,7 @@ class PhaseJudge(FakeJudge):
         return super().__call__(engine, out_dir, timeout, phase)
 
 
-def deferred_run(tmp_path, monkeypatch, judge, plans=PLANS[:3]) -> tuple[Workspace, SearchState, list[str]]:
+def deferred_run(tmp_path, monkeypatch, judge, plans=PLANS) -> tuple[Workspace, SearchState, list[str]]:
     monkeypatch.setattr(loop, "render_engine", fake_render)
     ws = Workspace(tmp_path / "ws")
     ws.reset()
@@ -137,28 +137,29 @@ def deferred_run(tmp_path, monkeypatch, judge, plans=PLANS[:3]) -> tuple[Workspa
 
 def test_a_winner_replaced_before_its_final_never_needs_one(tmp_path, monkeypatch):
     """Each winner becomes the search's best at once; its final is deferred, and a faster winner
-    makes it unnecessary: three winners in a row cost one final, the last one's, and only that
-    engine is installed (workspace/engine.py holds only engines judged in full meanwhile)."""
+    makes it unnecessary: of four winners in a row, the first (which replaces the conservative
+    engine on disk) and the last have finals, and only they are installed (workspace/engine.py
+    holds only engines judged in full meanwhile)."""
     judge = PhaseJudge()
     ws, state, lines = deferred_run(tmp_path, monkeypatch, judge)
     finals = [engine for engine, phase in judge.calls if phase == loop.FINAL]
-    assert finals == [fake_render(PLANS[2])]
-    assert ws.engine.read_text() == fake_render(PLANS[2]) and ws.installed_verdict()["index"] == 4
+    assert finals == [fake_render(PLANS[0]), fake_render(PLANS[3])]
+    assert ws.engine.read_text() == fake_render(PLANS[3]) and ws.installed_verdict()["index"] == 5
     assert sum("PROVISIONAL" in line for line in lines) == 3
     record = json.loads((ws.root / "results.json").read_text())["candidates"]
-    assert [c["accepted"] for c in record] == [True, False, False, True]
-    assert [(c["final_due"] or {}).get("superseded_by") for c in record] == [None, 3, 4, None]
+    assert [c["accepted"] for c in record] == [True, True, False, False, True]
+    assert [(c["final_due"] or {}).get("superseded_by") for c in record] == [None, None, 4, 5, None]
 
 
 def test_a_winner_whose_final_fails_is_not_installed_and_the_search_goes_back(tmp_path, monkeypatch):
     """The deferred final of the search's best fails (its stress suite): the engine installed
     before stays, and it is the search's best again."""
-    judge = PhaseJudge(fail_final=[fake_render(PLANS[2])])
+    judge = PhaseJudge(fail_final=[fake_render(PLANS[3])])
     ws, state, lines = deferred_run(tmp_path, monkeypatch, judge)
-    assert ws.installed_verdict()["index"] == 1 and state.best.plan.engine == "recompute"
-    assert any("the search goes back to #001, the best installed" in line for line in lines)
+    assert ws.installed_verdict()["index"] == 2 and state.best.plan == PLANS[0]
+    assert any("the search goes back to #002, the best installed" in line for line in lines)
     record = json.loads((ws.root / "results.json").read_text())["candidates"]
-    assert record[3]["result"]["stage"] == "stress" and not record[3]["accepted"] and not record[3]["final_due"]
+    assert record[4]["result"]["stage"] == "stress" and not record[4]["accepted"] and not record[4]["final_due"]
 
 
 def test_a_winner_the_run_stopped_before_its_final_gets_it_on_resume(tmp_path, monkeypatch):
@@ -171,7 +172,7 @@ def test_a_winner_the_run_stopped_before_its_final_gets_it_on_resume(tmp_path, m
     (ws.root / "results.json").write_text(json.dumps(record))
     (ws.root / "engine.json").unlink()
     state, previous = resumed_state(ws)
-    assert previous.best.index == 1 and previous.search_best.index == 3
+    assert previous.best.index == 2 and previous.search_best.index == 3
     state.best, state.best_result = previous.search_best.candidate, previous.search_best.result
     report = Reporter(ws.root, live=False)
     report.entries = list(previous.entries)
