@@ -110,6 +110,8 @@ class Archive:
         can win on separate branches (a scripted good model on an H200, twenty-third session: a
         prefill attention won, then a decode attention built on the engine before it replaced it,
         and the prefill win was dropped)."""
+        if not self.members[replaced - 1].result.passed:   # a winner whose deferred final failed: not ground to keep
+            return None
         mine = self.lineage(accepted)
         common = next((i for i in self.lineage(replaced) if i in mine), None)
         if common is None or common == replaced:

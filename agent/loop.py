@@ -81,8 +81,8 @@ BUDGET_CUT_SLACK_SECONDS = 1.0   # a timeout within this of the budget left was 
 # twenty-third sessions). On a CPU a final times nothing (its screen's timing is joined in) and
 # took less than a screen: expected_seconds stands.
 FIRST_FINAL_FACTOR = {"cuda": 2.5}
-# The time kept for a provisional best's final, over the quickest final judged so far: finals of
-# one run differ by the engine (46-57 s on an H200, twenty-seventh and twenty-eighth sessions).
+# The time kept for a provisional best's final, over the slowest final judged so far: finals of
+# one run differ by the engine (43-57 s on an H200, twenty-seventh and twenty-eighth sessions).
 FINAL_RESERVE_FACTOR = 1.25
 RANKED_0 = "ranked 0 (any engine that passes replaces it)"   # a conservative engine whose stress failed
 
@@ -108,8 +108,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     due = lambda: settle_final(state, judge, ws, report, left)  # noqa: E731 - the provisional best's final
     # What judging other candidates may spend: the budget less the provisional best's final, so
     # that a long screen or contest cannot leave a won contest without the time for its final.
-    others = lambda: left() - (FINAL_RESERVE_FACTOR * expected_final_seconds(state, state.best_result)  # noqa: E731
-                               if provisional_best(state, report) is not None else 0.0)
+    others = lambda: left() - final_reserve(state, report)  # noqa: E731
     judge = budget_aware(judge, others, state)   # a verdict cut by what it was given is the budget's
     with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line,
                   keep) as pipeline:
@@ -138,7 +137,10 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
                 settle_conservative(state, judge, ws, report, left)
             state.seconds_left = left()
             candidate = pipeline.next(idle=due)
-    settle_final(state, judge, ws, report, left)
+    while (pending := provisional_best(state, report)) is not None:   # a failed final may hand back to the one it replaced
+        settle_final(state, judge, ws, report, left)
+        if provisional_best(state, report) is pending:
+            break
     settle_conservative(state, judge, ws, report, left, final=True)
     report.line(Archive.of(state).summary())
     report.line(report.judge_time())
@@ -217,7 +219,8 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         screen.cut_short = decision.cut
         return decided(screen, decision.reason)
     final_seconds = expected_final_seconds(state, screen)
-    if left() < final_seconds:   # a final cut by the deadline would be lost
+    if left() + final_reserve(state, report) < final_seconds:   # a final cut by the deadline would be lost
+        # (the time kept for the provisional best's final is this winner's: it replaces that one)
         why = (f"won its contest, but its final (the stress suite) cannot fit the {max(left(), 0):.0f}s of the "
                f"budget left (a final takes ~{final_seconds:.0f}s): the best so far stays")
         report.line(f"     NOT INSTALLED: {why}")
@@ -236,6 +239,16 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
                 f"~{final_seconds:.0f}s) runs when the judge would otherwise wait, or in time before the budget "
                 f"ends, and not at all if a faster engine replaces it first")
     return timed
+
+
+def final_reserve(state: SearchState, report: Reporter) -> float:
+    """The time kept from other candidates for the provisional best's final: FINAL_RESERVE_FACTOR
+    times the slowest final of the run (finals of one run differ by the engine)."""
+    if provisional_best(state, report) is None:
+        return 0.0
+    finals = [r.seconds for c, r in state.history
+              if r.passed and r.stress is not None and c.plan.engine != search.CONSERVATIVE_ENGINE]
+    return FINAL_RESERVE_FACTOR * (max(finals) if finals else expected_final_seconds(state, state.best_result))
 
 
 def provisional_best(state: SearchState, report: Reporter) -> Entry | None:
@@ -257,24 +270,35 @@ def settle_final(state: SearchState, judge: Judge, ws: Workspace, report: Report
                  left: Callable[[], float]) -> None:
     """The provisional best's final (FINAL: the stress suite with its long cases, and on a GPU a
     full timing), deferred since its contest: a best that a faster engine replaces before then
-    never needs one (a final is 46-57 s on an H200, a screen 10-29 s: twenty-eighth session).
-    Passed in full, it is installed; otherwise the search goes back to the best installed
-    (workspace/engine.py, judged in full), and candidates already built on it are judged as any."""
+    never needs one (a final is 43-57 s on an H200, a screen 10-34 s: twenty-eighth session).
+    Passed in full, it is installed. Otherwise the search goes back: to the winner it replaced
+    where that one's final is still due (it becomes the provisional best again), else to the best
+    installed (workspace/engine.py, judged in full). A final this run cannot fit, cut by the
+    budget, or interrupted stays due: `--resume` runs it."""
     entry = provisional_best(state, report)
     if entry is None:
         return
     due, timed = entry.final_due, entry.result
-    entry.final_due = None
     report.line(f"#{entry.index:03d} {describe(entry.candidate.plan)}: the final it won in its contest")
     final_seconds = expected_final_seconds(state, timed)
     if left() < final_seconds:
-        why = (f"won its contest, but its final (the stress suite) cannot fit the {max(left(), 0):.0f}s of the "
-               f"budget left (a final takes ~{final_seconds:.0f}s): the best installed stays")
-        report.line(f"     NOT INSTALLED: {why}")
-        result = replace(decided(timed, why), cut_short=True)
-    else:
-        beaten = next((e.result for e in report.entries if e.index == due.beat), None)
-        result = run_final(entry, timed, due.p, beaten, state, judge, ws, report, left)
+        report.line(f"     NOT INSTALLED: won its contest, but its final (the stress suite) cannot fit the "
+                    f"{max(left(), 0):.0f}s of the budget left (a final takes ~{final_seconds:.0f}s); "
+                    "--resume runs it")
+        go_back(entry, state, report)
+        return
+    installed = next((e for e in reversed(report.entries) if e.accepted), None)
+    entry.final_due = None   # its final runs now: no time is kept for it meanwhile
+    try:
+        result = run_final(entry, timed, due.p, installed.result if installed else None, state, judge, ws,
+                           report, left)
+    except BaseException:
+        entry.final_due = due   # interrupted: still due, for --resume
+        raise
+    if result.unfinished:   # the budget cut it: not a verdict on the engine
+        entry.final_due = due
+        go_back(entry, state, report)
+        return
     entry.result = result
     at = max(i for i, (c, _) in enumerate(state.history) if c.key() == entry.candidate.key())
     state.history[at] = (entry.candidate, result)
@@ -282,17 +306,31 @@ def settle_final(state: SearchState, judge: Judge, ws: Workspace, report: Report
     if entry.accepted:
         state.best_result = result
     else:
-        installed = next((e for e in reversed(report.entries) if e.accepted), None)
-        state.best, state.best_result = (installed.candidate, installed.result) if installed else (None, None)
-        report.line("     the search goes back to " + (f"#{installed.index:03d}, the best installed" if installed
-                                                         else "no engine: none is installed"))
+        go_back(entry, state, report, due)
     report.finished(entry)
+
+
+def go_back(entry: Entry, state: SearchState, report: Reporter, due: FinalDue | None = None) -> None:
+    """`entry` is not installed: the search's best becomes the winner it replaced, where that
+    one's final is still due (superseded by `entry` alone, `due` given: its own final failed),
+    else the best installed."""
+    beaten = next((e for e in report.entries if due is not None and e.index == due.beat), None)
+    if beaten is not None and beaten.final_due is not None and beaten.final_due.superseded_by == entry.index:
+        beaten.final_due = replace(beaten.final_due, superseded_by=None)
+        state.best, state.best_result = beaten.candidate, beaten.result
+        report.line(f"     the search goes back to #{beaten.index:03d}, the winner it replaced (its final is due)")
+        return
+    installed = next((e for e in reversed(report.entries) if e.accepted), None)
+    state.best, state.best_result = (installed.candidate, installed.result) if installed else (None, None)
+    report.line("     the search goes back to " + (f"#{installed.index:03d}, the best installed" if installed
+                                                     else "no engine: none is installed"))
 
 
 def run_final(entry: Entry, timed: EvalResult, p: float | None, beaten: EvalResult | None, state: SearchState,
               judge: Judge, ws: Workspace, report: Reporter, left: Callable[[], float]) -> EvalResult:
-    """FINAL on a finalist whose screen (`timed`) won its contest (sign test `p`) against `beaten`;
-    installed where it passes in full and, for a clear win, its full timing confirms it."""
+    """FINAL on a finalist whose screen (`timed`) won its contest (sign test `p`); installed where
+    it passes in full and, for a clear win, its full timing beats `beaten`'s (the best installed:
+    a full timing too, where the winner it replaced may have had only its screen)."""
     engine = entry.directory / "engine.py"
     final = decided(joined(report.spending(entry)("final", judge(engine, entry.directory, timeout_for(state, left()),
                                                                 FINAL)), timed), timed.decision)

@@ -619,3 +619,19 @@ def test_a_long_contest_cannot_take_the_time_the_best_needs_for_its_final(tmp_pa
     phases = [(key, phase) for key, phase, _ in calls]
     assert [key for key, phase in phases if phase == loop.FINAL] == [a.key(), b.key()] and installed_key(ws) == b.key()
     assert (c.key(), loop.TIMING) in phases and state.history[3][1].unfinished
+
+
+def test_the_best_s_final_runs_before_a_candidate_that_would_leave_it_no_time(tmp_path, monkeypatch):
+    """b won a slow contest (60 s a timing) and waits for its final; with what is left, one more
+    candidate and b's final would not both fit: b's final runs first, then c is judged."""
+    a, b, c = (Plan("paged", params={"x": i}) for i in range(3))
+    calls = []
+    verdicts = {CONSERVATIVE: passed(0.5), a.key(): passed(1.0, 50.0), b.key(): passed(1.05, 50.0),
+                c.key(): passed(1.0, 50.0)}
+    ws, state, _ = run_loop(tmp_path, ListProposer([a, b, c]), verdicts, budget=loop.RESERVE_SECONDS + 260,
+                            monkeypatch=monkeypatch, series=slow_series(monkeypatch, "003"), calls=calls)
+    phases = [(key, phase) for key, phase, _ in calls]
+    assert phases.index((b.key(), loop.FINAL)) < phases.index((c.key(), loop.TIMING))
+    assert installed_key(ws) == b.key()
+    log = (ws.root / "results.log").read_text()
+    assert log.index("the final it won in its contest") < log.index("#004")

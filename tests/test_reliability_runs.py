@@ -152,14 +152,41 @@ def test_a_winner_replaced_before_its_final_never_needs_one(tmp_path, monkeypatc
 
 
 def test_a_winner_whose_final_fails_is_not_installed_and_the_search_goes_back(tmp_path, monkeypatch):
-    """The deferred final of the search's best fails (its stress suite): the engine installed
-    before stays, and it is the search's best again."""
+    """The deferred final of the search's best fails (its stress suite): it is not installed, and
+    the search goes back to the winner it replaced, whose final is due again and runs (it passes
+    here and is installed), not past it to the older engine on disk."""
     judge = PhaseJudge(fail_final=[fake_render(PLANS[3])])
     ws, state, lines = deferred_run(tmp_path, monkeypatch, judge)
-    assert ws.installed_verdict()["index"] == 2 and state.best.plan == PLANS[0]
-    assert any("the search goes back to #002, the best installed" in line for line in lines)
+    finals = [engine for engine, phase in judge.calls if phase == loop.FINAL]
+    assert finals == [fake_render(PLANS[0]), fake_render(PLANS[3]), fake_render(PLANS[2])]
+    assert ws.installed_verdict()["index"] == 4 and state.best.plan == PLANS[2]
+    assert any("the search goes back to #004, the winner it replaced" in line for line in lines)
     record = json.loads((ws.root / "results.json").read_text())["candidates"]
     assert record[4]["result"]["stage"] == "stress" and not record[4]["accepted"] and not record[4]["final_due"]
+    assert record[3]["accepted"] and [c["accepted"] for c in record] == [True, True, False, True, False]
+
+
+def test_a_final_interrupted_or_cut_by_the_budget_stays_due(tmp_path, monkeypatch):
+    """A deferred final stopped by an interrupt (or one the budget cut short) is not a verdict:
+    the winner stays due in the record, so --resume makes it the search's best and runs it."""
+    class Interrupted(PhaseJudge):
+        def __call__(self, engine, out_dir, timeout, phase):
+            if phase == loop.FINAL and engine.read_text() == fake_render(PLANS[3]):
+                raise KeyboardInterrupt
+            return super().__call__(engine, out_dir, timeout, phase)
+    monkeypatch.setattr(loop, "render_engine", fake_render)
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    report.start({"run": RUN}, [])
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(SearchState(spec=None, device="cpu", hardware={}), ListProposer(PLANS), Interrupted(), ws, report,
+                 600.0)
+    report.finish([])   # as cli.run_search does on the way out of an interrupt
+    record = json.loads((ws.root / "results.json").read_text())["candidates"]
+    assert record[-1]["index"] == 5 and record[-1]["final_due"] and not record[-1]["accepted"]
+    _, previous = resumed_state(ws)
+    assert previous.search_best.index == 5 and previous.best.index == 2
 
 
 def test_a_winner_the_run_stopped_before_its_final_gets_it_on_resume(tmp_path, monkeypatch):

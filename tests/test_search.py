@@ -182,6 +182,10 @@ def test_a_new_best_from_another_branch_is_merged_with_the_best_it_replaced():
                                    4.0, {("decode_attention", "llm_2"): decode}, parent=4)]
     assert Archive(cousin).merge(3, 5).plan.slots == {"prefill_attention": "llm_1", "decode_attention": "llm_2",
                                                       "norm": "triton"}
+    # #3 won its contest but failed its deferred final (agent/loop.py settle_final): its change is no ground to keep
+    failed_final = [*history[:2], (history[2][0], EvalResult.failure("stress", "mismatch", "long prompt", "cpu")),
+                    history[3]]
+    assert Archive(failed_final).merge(3, 4) is None
 
     state = SearchState(spec=None, device="cpu", hardware={}, history=history[:3], best=history[2][0],
                         best_result=history[2][1])
