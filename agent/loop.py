@@ -135,7 +135,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
                 pipeline.feedback(candidate, entry.result)
                 report.line(f"     {pipeline.status()}")
                 settle_conservative(state, judge, ws, report, left)
-            state.seconds_left = left()
+            state.seconds_left = others()   # a model's request must leave its answer's verdict time, not the final's
             candidate = pipeline.next(idle=due)
     while (pending := provisional_best(state, report)) is not None:   # a failed final may hand back to the one it replaced
         settle_final(state, judge, ws, report, left)
