@@ -178,7 +178,8 @@ def test_a_series_closed_before_its_last_timing_is_cut_and_the_judge_goes_on(tin
     """Series.close once the contest has what it needs: the judge, running ahead on a timing nobody
     will ask for (here one that would never end), cuts it (its worker killed), runs no later
     timing, says the series is done, and gives the next verdict itself, from its spare worker: no
-    second judge start, nothing of the cut timing's worker left; and the next series runs whole."""
+    second judge start, nothing of the cut timing's worker left. (A series after a stopped one:
+    the next test.)"""
     engines = [write_engine(recompute_source, "e0"), write_engine(broken_source("hangs", recompute_source), "e1"),
                write_engine(recompute_source, "e2")]
     timings = [(f"t{i}", engine) for i, engine in enumerate(engines)]
@@ -198,8 +199,6 @@ def test_a_series_closed_before_its_last_timing_is_cut_and_the_judge_goes_on(tin
         assert "the judge's spare" in (tmp_path / "after" / "stderr.txt").read_text()
         assert time.monotonic() - started < 120
         assert "stopped by its caller" in hung.read_text()
-        with judge.series([("again", engines[0])], tmp_path / "again") as series:
-            assert series.result("again", 600).passed and judge.starts == 1
     assert not (tmp_path / "c" / "t1" / "result.json").exists() and not (tmp_path / "c" / "t2" / "result.json").exists()
 
 
