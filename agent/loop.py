@@ -105,7 +105,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     report.seconds_left = left
     state.seconds_left = left()
     keep = lambda waiting: ws.save_waiting([c.to_record() for c in waiting])  # noqa: E731 - for --resume
-    due = lambda: settle_final(state, judge, ws, report, left)  # noqa: E731 - the provisional best's final
+    due = lambda: settle_final(state, judge, ws, report, left, pipeline.final)  # noqa: E731 - the provisional best's final
     # What judging other candidates may spend: the budget less the provisional best's final, so
     # that a long screen or contest cannot leave a won contest without the time for its final.
     others = lambda: left() - final_reserve(state, report)  # noqa: E731
@@ -138,7 +138,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
             state.seconds_left = others()   # a model's request must leave its answer's verdict time, not the final's
             candidate = pipeline.next(idle=due)
     while (pending := provisional_best(state, report)) is not None:   # a failed final may hand back to the one it replaced
-        settle_final(state, judge, ws, report, left)
+        settle_final(state, judge, ws, report, left, pipeline.final)
         if provisional_best(state, report) is pending:
             break
     settle_conservative(state, judge, ws, report, left, final=True)
@@ -266,15 +266,16 @@ def entry_of(report: Reporter, candidate: Candidate | None) -> Entry | None:
     return next((e for e in reversed(report.entries) if e.candidate.key() == key and e.result is not None), None)
 
 
-def settle_final(state: SearchState, judge: Judge, ws: Workspace, report: Reporter,
-                 left: Callable[[], float]) -> None:
+def settle_final(state: SearchState, judge: Judge, ws: Workspace, report: Reporter, left: Callable[[], float],
+                 tell: Callable[[Candidate, EvalResult], None] = lambda candidate, result: None) -> None:
     """The provisional best's final (FINAL: the stress suite with its long cases, and on a GPU a
     full timing), deferred since its contest: a best that a faster engine replaces before then
     never needs one (a final is 43-57 s on an H200, a screen 10-34 s: twenty-eighth session).
     Passed in full, it is installed. Otherwise the search goes back: to the winner it replaced
     where that one's final is still due (it becomes the provisional best again), else to the best
     installed (workspace/engine.py, judged in full). A final this run cannot fit, cut by the
-    budget, or interrupted stays due: `--resume` runs it."""
+    budget, or interrupted stays due: `--resume` runs it. `tell` hands the verdict to the
+    candidate's proposer (a model told "faster: accepted" at the contest hears if it did not hold)."""
     entry = provisional_best(state, report)
     if entry is None:
         return
@@ -307,6 +308,7 @@ def settle_final(state: SearchState, judge: Judge, ws: Workspace, report: Report
         state.best_result = result
     else:
         go_back(entry, state, report, due)
+    tell(entry.candidate, result)
     report.finished(entry)
 
 

@@ -135,6 +135,11 @@ class Pipeline:
                 self._kept()
             self.cond.notify_all()   # a worker waiting for room (or for a basis) may go on
 
+    def final(self, candidate: Candidate, result: EvalResult) -> None:
+        """The deferred final's verdict on a candidate judged before (agent/loop.py settle_final):
+        its proposer, told "faster: accepted" at the contest, hears whether the engine held."""
+        self.proposer.feedback(candidate, result)
+
     def screened(self, index: int, candidate: Candidate, screen: EvalResult) -> None:
         """Candidate #`index` passed its screen; the model may build on it until its verdict."""
         with self.cond:

@@ -618,3 +618,26 @@ def test_a_resumed_run_keeps_the_models_earlier_variants_and_their_names(where, 
     assert "Write a faster variant `llm_6` of the slot" in prompt
     menu_line = re.search(r"  - `decode_attention`: ([^\\]*)\\n", prompt).group(1)
     assert "llm_5" in menu_line.split(", ")
+
+
+def test_a_model_told_its_engine_won_hears_when_its_deferred_final_fails(tmp_path, monkeypatch):
+    """A contest's win is "faster: accepted" in the model's history while its final is deferred
+    (agent/loop.py settle_final); if that final then fails, the model hears the engine was not
+    kept. A final that holds adds nothing."""
+    from agent.providers.llm import _Pending
+    with ScriptedServer("openai", []) as server:
+        log = []
+        proposer, state = openai_proposer(tmp_path, monkeypatch, server.url, log), paged_state()
+        won, held = (Candidate(replace(state.best.plan, params={**state.best.plan.params, "block_size": b}), "m", "")
+                     for b in (32, 64))
+        for candidate, what in ((won, "linear/llm_1"), (held, "norm/llm_2")):
+            proposer._pending[candidate.key()] = _Pending(what, state.best_result)
+            proposer.feedback(candidate, replace(state.best_result, score=2.0, decision="faster: 5/5 paired timings"))
+        proposer.feedback(won, EvalResult.failure("stress", "mismatch", "wrong on a long prompt", "cpu"))
+        proposer.feedback(held, replace(state.best_result, score=2.0, decision="faster: 5/5 paired timings",
+                                        stress={"passed": 18}))
+    verdicts = [(a.what, a.verdict) for a in proposer.history]
+    assert verdicts == [("linear/llm_1", "faster: accepted"), ("norm/llm_2", "faster: accepted"),
+                        ("linear/llm_1", "won its contest, then failed its final: not kept")]
+    assert any("linear/llm_1 won its contest, then its final" in line and "wrong on a long prompt" in line
+               for line in log)

@@ -123,14 +123,25 @@ class PhaseJudge(FakeJudge):
         return super().__call__(engine, out_dir, timeout, phase)
 
 
-def deferred_run(tmp_path, monkeypatch, judge, plans=PLANS) -> tuple[Workspace, SearchState, list[str]]:
+class Heard(ListProposer):
+    """ListProposer that remembers every verdict it was handed."""
+
+    def __init__(self, plans):
+        super().__init__(plans)
+        self.heard: list[tuple[dict, str]] = []
+
+    def feedback(self, candidate, result):
+        self.heard.append((candidate.plan.params, result.stage))
+
+
+def deferred_run(tmp_path, monkeypatch, judge, plans=PLANS, proposer=None) -> tuple[Workspace, SearchState, list[str]]:
     monkeypatch.setattr(loop, "render_engine", fake_render)
     ws = Workspace(tmp_path / "ws")
     ws.reset()
     report, state, lines = Reporter(ws.root, live=False), SearchState(spec=None, device="cpu", hardware={}), []
     monkeypatch.setattr(report, "line", lambda text="": lines.append(text))
     report.start({"run": RUN}, [])
-    loop.run(state, ListProposer(plans), judge, ws, report, 600.0)
+    loop.run(state, proposer or ListProposer(plans), judge, ws, report, 600.0)
     report.finish([])
     return ws, state, lines
 
@@ -155,8 +166,9 @@ def test_a_winner_whose_final_fails_is_not_installed_and_the_search_goes_back(tm
     """The deferred final of the search's best fails (its stress suite): it is not installed, and
     the search goes back to the winner it replaced, whose final is due again and runs (it passes
     here and is installed), not past it to the older engine on disk."""
-    judge = PhaseJudge(fail_final=[fake_render(PLANS[3])])
-    ws, state, lines = deferred_run(tmp_path, monkeypatch, judge)
+    judge, proposer = PhaseJudge(fail_final=[fake_render(PLANS[3])]), Heard(PLANS)
+    ws, state, lines = deferred_run(tmp_path, monkeypatch, judge, proposer=proposer)
+    assert ({"x": 3}, "stress") in proposer.heard   # its proposer hears the final's failure too
     finals = [engine for engine, phase in judge.calls if phase == loop.FINAL]
     assert finals == [fake_render(PLANS[0]), fake_render(PLANS[3]), fake_render(PLANS[2])]
     assert ws.installed_verdict()["index"] == 4 and state.best.plan == PLANS[2]

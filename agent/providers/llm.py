@@ -219,6 +219,7 @@ class LLMProposer:
         self._fallback_keys: set[str] = set()
         self._taken_over = False                         # _take_over: a resumed run's variants adopted
         self._pending: dict[str, _Pending] = {}
+        self._won: dict[str, str] = {}   # key -> what: won its contest, its final deferred (agent/loop.py settle_final)
         self._deadline = 0.0                             # monotonic time the run's budget ends
         # agent/pipeline.py calls `ask` from several threads: everything above is changed under
         # this lock, which an episode lets go of only while its request is out (_unlocked).
@@ -317,6 +318,7 @@ class LLMProposer:
             return
         pending = self._pending.pop(key, None)
         if pending is None:
+            self._final_heard(key, result)
             return
         baseline = pending.baseline
         scores = f"score {result.rank():.4g} vs best {baseline.rank():.4g}" if baseline else f"score {result.rank():.4g}"
@@ -332,8 +334,22 @@ class LLMProposer:
             verdict, detail = "correct but not faster: rejected", scores
         if pending.timing:
             detail += f"; unit timing: {pending.timing}"
+        if verdict == "faster: accepted" and result.stress is None:   # a screen's win: the final comes later
+            self._won[key] = pending.what
         self.log(f"llm: {pending.what} judged in the whole engine: {verdict} ({_first_line(detail)})")
         self.history.append(Attempt(pending.what, verdict, _first_line(detail, DETAIL_CHARS)))
+
+    def _final_heard(self, key: str, result: EvalResult) -> None:
+        """The deferred final of an engine the model was told had won: where it failed, the model
+        hears that the engine was not kept (its history said "faster: accepted")."""
+        what = self._won.pop(key, None)
+        if what is None or (result.passed and (result.decision or "").startswith(ACCEPTED)):   # installed
+            return
+        detail = (f"{result.stage}/{result.error_kind}: {result.error or ''}" if not result.passed
+                  else result.decision)
+        self.log(f"llm: {what} won its contest, then its final in the whole engine did not hold: {_first_line(detail)}")
+        self.history.append(Attempt(what, "won its contest, then failed its final: not kept",
+                                    _first_line(detail, DETAIL_CHARS)))
 
     # --- turns --------------------------------------------------------------------------
     def _kernels_allowed(self) -> bool:
