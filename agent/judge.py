@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import signal
-import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from agent.workspace import VARIANTS, atomic_write
 from evaluator.isolation import protect_judge
 from evaluator.sweep import children, forget_child, kill_new_children, start_child
 from evaluator.traces import PUBLIC_CASES
+from evaluator.triton_cache import read_regular
 
 REPO = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1            # prctl option (linux/prctl.h)
@@ -460,23 +460,12 @@ def _ticketed(path: Path, ticket: str) -> dict | None:
     """The JSON object at `path` if the judge wrote it for the request that carried `ticket`
     (evaluator/resident.py: a file without it, a worker's forgery included, is not the judge's)."""
     try:
-        data = json.loads(_regular_file_text(path))
-    except (OSError, ValueError):
+        data = json.loads(read_regular(path, MAX_VERDICT_BYTES) or b"")
+    except ValueError:
         return None
     if not isinstance(data, dict) or not secrets.compare_digest(str(data.get("ticket")), ticket):
         return None
     return data
-
-
-def _regular_file_text(path: Path) -> str:
-    """The text of `path` if it is a regular file, read without following a link or blocking on a
-    FIFO (a same-uid worker could plant either where the judge's verdict goes), at most
-    MAX_VERDICT_BYTES; OSError otherwise."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return f.read(MAX_VERDICT_BYTES).decode()
 
 
 def _read(path: Path, ticket: str) -> EvalResult | None:

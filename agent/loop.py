@@ -227,7 +227,7 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         screen.cut_short = True
         return decided(screen, why)
     timed = decided(screen if again is None else acceptance.fastest(screen, again), decision.reason)
-    installed = next((e for e in reversed(report.entries) if e.accepted), None)
+    installed = report.installed()
     if installed is None or installed.candidate.plan.engine == search.CONSERVATIVE_ENGINE:
         # Not deferred while the engine on disk is the conservative one: a run stopped at any
         # moment leaves a fast engine, and the run learns what a final costs here before it
@@ -246,8 +246,7 @@ def final_reserve(state: SearchState, report: Reporter) -> float:
     times the slowest final of the run (finals of one run differ by the engine)."""
     if provisional_best(state, report) is None:
         return 0.0
-    finals = [r.seconds for c, r in state.history
-              if r.passed and r.stress is not None and c.plan.engine != search.CONSERVATIVE_ENGINE]
+    finals = finals_judged(state)
     return FINAL_RESERVE_FACTOR * (max(finals) if finals else expected_final_seconds(state, state.best_result))
 
 
@@ -288,7 +287,7 @@ def settle_final(state: SearchState, judge: Judge, ws: Workspace, report: Report
                     "--resume runs it")
         go_back(entry, state, report)
         return
-    installed = next((e for e in reversed(report.entries) if e.accepted), None)
+    installed = report.installed()
     entry.final_due = None   # its final runs now: no time is kept for it meanwhile
     try:
         result = run_final(entry, timed, due.p, installed.result if installed else None, state, judge, ws,
@@ -322,7 +321,7 @@ def go_back(entry: Entry, state: SearchState, report: Reporter, due: FinalDue | 
         state.best, state.best_result = beaten.candidate, beaten.result
         report.line(f"     the search goes back to #{beaten.index:03d}, the winner it replaced (its final is due)")
         return
-    installed = next((e for e in reversed(report.entries) if e.accepted), None)
+    installed = report.installed()
     state.best, state.best_result = (installed.candidate, installed.result) if installed else (None, None)
     report.line("     the search goes back to " + (f"#{installed.index:03d}, the best installed" if installed
                                                      else "no engine: none is installed"))
@@ -479,13 +478,18 @@ def expected_seconds(state: SearchState, also: tuple[float, ...] = ()) -> float:
     return max(min(fast + list(also), default=MIN_EVAL_SECONDS), MIN_EVAL_SECONDS)
 
 
+def finals_judged(state: SearchState) -> list[float]:
+    """How long the run's finals of non-conservative engines took (verdicts with their stress suite)."""
+    return [r.seconds for c, r in state.history
+            if r.passed and r.stress is not None and c.plan.engine != search.CONSERVATIVE_ENGINE]
+
+
 def expected_final_seconds(state: SearchState, screen: EvalResult) -> float:
     """An optimistic guess of a final's length: the quickest earlier final of a non-conservative
     engine (a verdict with its stress suite), else on a device with a FIRST_FINAL_FACTOR the
     quickest pass (this candidate's `screen` among them) times it, else the quickest pass
     (expected_seconds)."""
-    finals = [r.seconds for c, r in state.history
-              if r.passed and r.stress is not None and c.plan.engine != search.CONSERVATIVE_ENGINE]
+    finals = finals_judged(state)
     if finals:
         return max(min(finals), MIN_EVAL_SECONDS)
     factor = FIRST_FINAL_FACTOR.get(state.device)

@@ -253,8 +253,12 @@ class Reporter:
         self._write_json(finished=True)
         self._log.close()
 
+    def installed(self) -> Entry | None:
+        """The entry of workspace/engine.py: the last candidate installed (judged in full)."""
+        return next((e for e in reversed(self.entries) if e.accepted), None)
+
     def _write_json(self, finished: bool) -> None:
-        best = next((e.index for e in reversed(self.entries) if e.accepted), None)
-        data = {**self.meta, "finished": finished, "best": best,
+        installed = self.installed()
+        data = {**self.meta, "finished": finished, "best": installed.index if installed else None,
                 "candidates": [e.to_dict(self.root) for e in self.entries]}
         atomic_write(self.root / RESULTS_JSON, json.dumps(data, indent=2, default=str) + "\n")

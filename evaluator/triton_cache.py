@@ -89,7 +89,7 @@ def seed(shared: Path, target: Path, uid: int | None, scope: Scope = ()) -> None
                 continue
             shutil.copytree(source, entry, symlinks=True)
             for group in entry.glob(f"{GROUP_PREFIX}*"):
-                relocated = _relocate_group(_read_regular(group, MAX_ENTRY_BYTES), entry)
+                relocated = _relocate_group(read_regular(group, MAX_ENTRY_BYTES), entry)
                 if relocated is not None:
                     group.write_bytes(relocated)
             added.append(entry)
@@ -98,9 +98,10 @@ def seed(shared: Path, target: Path, uid: int | None, scope: Scope = ()) -> None
             os.chown(path, uid, uid, follow_symlinks=False)
 
 
-def _read_regular(path: Path, limit: int) -> bytes | None:
+def read_regular(path: Path, limit: int) -> bytes | None:
     """The bytes of `path` if it is a regular file of at most `limit` bytes, read without following
-    a link or blocking on a pipe; else None."""
+    a link or blocking on a pipe; else None. (Also how the agent reads a judge's verdict files,
+    agent/judge.py: a same-uid worker could plant either there.)"""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -150,7 +151,7 @@ def merge(worker_cache: Path, shared: Path, scope: Scope = ()) -> int:
             continue
         files: dict[str, bytes] = {}
         for item in entry.iterdir():
-            data = _read_regular(item, MAX_ENTRY_BYTES)
+            data = read_regular(item, MAX_ENTRY_BYTES)
             if data is None:
                 break
             files[item.name] = data

@@ -605,18 +605,25 @@ def test_a_winner_whose_final_cannot_fit_the_budget_is_not_started_and_says_why(
     assert state.history[-1][0].plan == a and state.history[-1][1].unfinished
 
 
+def three_winners(tmp_path, monkeypatch, c_score: float, budget: float, slow: str):
+    """a beats the conservative engine (its final at once), b beats a, then c (`c_score`); the
+    repeated timings of the candidate in folder `slow` take 60 s each; `budget` past the reserve.
+    The three plans, the workspace, the state, and every (plan key, phase) the judge was asked."""
+    a, b, c = (Plan("paged", params={"x": i}) for i in range(3))
+    calls = []
+    verdicts = {CONSERVATIVE: passed(0.5), a.key(): passed(1.0, 50.0), b.key(): passed(1.05, 50.0),
+                c.key(): passed(c_score, 50.0)}
+    ws, state, _ = run_loop(tmp_path, ListProposer([a, b, c]), verdicts, budget=loop.RESERVE_SECONDS + budget,
+                            monkeypatch=monkeypatch, series=slow_series(monkeypatch, slow), calls=calls)
+    return a, b, c, ws, state, [(key, phase) for key, phase, _ in calls]
+
+
 def test_a_long_contest_cannot_take_the_time_the_best_needs_for_its_final(tmp_path, monkeypatch):
     """The search's best (b) won its contest and waits for its final; the next challenger's
     contest is slow (60 s a timing): its timings stop where going on would leave the best's final
     no time, and the best's final runs and installs it. (a, the first to beat the conservative
     engine, has its final at once.)"""
-    a, b, c = (Plan("paged", params={"x": i}) for i in range(3))
-    calls = []
-    verdicts = {CONSERVATIVE: passed(0.5), a.key(): passed(1.0, 50.0), b.key(): passed(1.05, 50.0),
-                c.key(): passed(1.1, 50.0)}
-    ws, state, _ = run_loop(tmp_path, ListProposer([a, b, c]), verdicts, budget=loop.RESERVE_SECONDS + 200,
-                            monkeypatch=monkeypatch, series=slow_series(monkeypatch, "004"), calls=calls)
-    phases = [(key, phase) for key, phase, _ in calls]
+    a, b, c, ws, state, phases = three_winners(tmp_path, monkeypatch, c_score=1.1, budget=200, slow="004")
     assert [key for key, phase in phases if phase == loop.FINAL] == [a.key(), b.key()] and installed_key(ws) == b.key()
     assert (c.key(), loop.TIMING) in phases and state.history[3][1].unfinished
 
@@ -624,13 +631,7 @@ def test_a_long_contest_cannot_take_the_time_the_best_needs_for_its_final(tmp_pa
 def test_the_best_s_final_runs_before_a_candidate_that_would_leave_it_no_time(tmp_path, monkeypatch):
     """b won a slow contest (60 s a timing) and waits for its final; with what is left, one more
     candidate and b's final would not both fit: b's final runs first, then c is judged."""
-    a, b, c = (Plan("paged", params={"x": i}) for i in range(3))
-    calls = []
-    verdicts = {CONSERVATIVE: passed(0.5), a.key(): passed(1.0, 50.0), b.key(): passed(1.05, 50.0),
-                c.key(): passed(1.0, 50.0)}
-    ws, state, _ = run_loop(tmp_path, ListProposer([a, b, c]), verdicts, budget=loop.RESERVE_SECONDS + 260,
-                            monkeypatch=monkeypatch, series=slow_series(monkeypatch, "003"), calls=calls)
-    phases = [(key, phase) for key, phase, _ in calls]
+    a, b, c, ws, state, phases = three_winners(tmp_path, monkeypatch, c_score=1.0, budget=260, slow="003")
     assert phases.index((b.key(), loop.FINAL)) < phases.index((c.key(), loop.TIMING))
     assert installed_key(ws) == b.key()
     log = (ws.root / "results.log").read_text()
