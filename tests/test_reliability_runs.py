@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from agent import cli, loop, resume
+from agent.judge import JudgeSettings
 from agent.plan import Plan
 from agent.records import DEADLINE, Candidate, EvalResult, SearchState
 from agent.report import Reporter
@@ -223,6 +224,34 @@ def test_a_winner_the_run_stopped_before_its_final_gets_it_on_resume(tmp_path, m
     assert ws.installed_verdict()["index"] == 3
 
 
+def test_cli_resume_runs_the_final_an_interrupted_run_left_due(cli_env, tmp_path, monkeypatch, capsys):
+    """The whole path through `python3 -m agent --resume` (cli.run_search: Previous.search_best):
+    a run stopped in its last winner's deferred final leaves that winner due; the resumed run
+    builds on it, runs that final and nothing else, and installs it."""
+    class Interrupted(PhaseJudge):
+        def __call__(self, engine, out_dir, timeout, phase):
+            if phase == loop.FINAL and engine.read_text() == fake_render(PLANS[1]):
+                raise KeyboardInterrupt
+            return super().__call__(engine, out_dir, timeout, phase)
+    monkeypatch.setattr(loop, "render_engine", fake_render)
+    monkeypatch.setattr(cli, "make_proposer", lambda *args: ListProposer(PLANS[:2]))
+    run_judge_is(Interrupted(), monkeypatch)
+    ws = tmp_path / "ws"
+    assert cli.main(cli_args(cli_env, ws)) == cli.EXIT_INTERRUPTED
+    assert json.loads((ws / "engine.json").read_text())["index"] == 2
+    assert json.loads((ws / "results.json").read_text())["candidates"][-1]["final_due"]
+
+    judge = PhaseJudge()
+    run_judge_is(judge, monkeypatch)
+    monkeypatch.setattr(cli, "make_proposer", lambda *args: ListProposer([]))
+    assert cli.main(cli_args(cli_env, ws, "--resume")) == cli.EXIT_OK, capsys.readouterr().err
+    assert judge.calls == [(fake_render(PLANS[1]), loop.FINAL)]
+    installed = json.loads((ws / "engine.json").read_text())
+    assert installed["index"] == 3 and (ws / "engine.py").read_text() == fake_render(PLANS[1])
+    record = json.loads((ws / "results.json").read_text())
+    assert record["best"] == 3 and record["candidates"][-1]["accepted"] and not record["candidates"][-1].get("final_due")
+
+
 def test_the_final_of_the_best_runs_while_the_judge_would_wait_for_the_model(monkeypatch):
     """Pipeline.next's `idle`: with model workers busy and nothing ready, the judge's pending final
     runs (once) instead of the judge waiting."""
@@ -386,6 +415,29 @@ def cli_args(model, ws: Path, *more: str) -> list[str]:
             "--workspace", str(ws), "--seed", "1", *more]
 
 
+def run_judge_is(fake: FakeJudge, monkeypatch) -> None:
+    """cli's run judge (agent/judge.py Judge) made a stand-in whose every verdict is `fake`'s. The
+    real one gets a phase's settings (JudgeSettings.for_phase); here they carry the phase's name."""
+    monkeypatch.setattr(JudgeSettings, "for_phase", lambda self, phase: phase)
+
+    class Resident:
+        def __init__(self, settings, log_dir):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def verdict(self, engine, out, timeout, phase):
+            return fake(engine, out, timeout, phase)
+
+        def series(self, timings, folder):
+            return loop.OneByOne(fake, timings, folder)
+    monkeypatch.setattr(cli, "Judge", Resident)
+
+
 def test_an_unwritable_workspace_is_one_line_and_exit_3(cli_env, tmp_path, capsys):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the workspace's parent should be")
@@ -412,25 +464,7 @@ def test_a_full_disk_ends_the_run_cleanly(cli_env, tmp_path, monkeypatch, capsys
         return real_fsync(fd)
 
     judge = FakeJudge()
-
-    class Resident:
-        """cli's run judge (agent/judge.py Judge), each verdict the fake's."""
-
-        def __init__(self, settings, log_dir):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def verdict(self, engine, out, timeout, settings):
-            return judge(engine, out, timeout, None)
-
-        def series(self, timings, folder):
-            return loop.OneByOne(lambda engine, out, timeout, phase: judge(engine, out, timeout, None), timings, folder)
-    monkeypatch.setattr(cli, "Judge", Resident)
+    run_judge_is(judge, monkeypatch)
     monkeypatch.setattr(cli, "make_proposer", lambda *args: ListProposer(PLANS))
     monkeypatch.setattr(os, "fsync", fsync)
     ws = tmp_path / "ws"
