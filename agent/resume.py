@@ -117,9 +117,7 @@ def load(ws: Workspace, run: dict[str, str]) -> Previous | None:
                               "run without --resume to start over")
     try:
         entries = [_entry(ws, d) for d in record.get("candidates", []) if d.get("result")]
-        installed = ws.installed_verdict()
-        if installed is not None and installed.get("index") == len(entries) + 1:
-            entries.append(_entry(ws, {**installed, "accepted": True}))
+        entries = _installed_taken_back(ws, entries, ws.installed_verdict())
     except (KeyError, TypeError, ValueError) as e:
         raise ResumeError(f"{RESULTS_JSON} is not a record this agent wrote ({e})") from e
     if [e.index for e in entries] != list(range(1, len(entries) + 1)):
@@ -137,6 +135,19 @@ def load(ws: Workspace, run: dict[str, str]) -> Previous | None:
     _drop_unfinished(ws, len(entries))
     _reinstall_best(ws, previous, best_source)
     return previous
+
+
+def _installed_taken_back(ws: Workspace, entries: list[Entry], installed: dict | None) -> list[Entry]:
+    """The record with what engine.json says was installed after the record's last write (a kill
+    in between): the next candidate, installed at its verdict; or a winner whose deferred final
+    passed and was installed (agent/loop.py settle_final), which must not run that final again."""
+    if installed is None:
+        return entries
+    index = installed.get("index")
+    if index == len(entries) + 1:
+        return entries + [_entry(ws, {**installed, "accepted": True})]
+    return [_entry(ws, {**installed, "accepted": True}) if e.index == index and e.final_due is not None else e
+            for e in entries]
 
 
 def _waiting(ws: Workspace) -> tuple[list[Candidate], int]:

@@ -252,6 +252,29 @@ def test_cli_resume_runs_the_final_an_interrupted_run_left_due(cli_env, tmp_path
     assert record["best"] == 3 and record["candidates"][-1]["accepted"] and not record["candidates"][-1].get("final_due")
 
 
+def test_a_final_installed_before_the_record_was_written_is_not_run_again(tmp_path, monkeypatch):
+    """Killed after a deferred final installed its winner, before results.json said so: --resume
+    takes the installed verdict (engine.json) for that winner instead of running its final again."""
+    ws, _ = recorded_run(tmp_path, PLANS[:2], monkeypatch)
+    assert ws.installed_verdict()["index"] == 3
+    record = json.loads((ws.root / "results.json").read_text())
+    record["candidates"][-1].update(accepted=False, final_due={"p": None, "beat": 2})   # as before its final
+    record["best"] = 2
+    (ws.root / "results.json").write_text(json.dumps(record))
+    state, previous = resumed_state(ws)
+    assert previous.best.index == 3 and previous.search_best.index == 3 and previous.best.final_due is None
+    assert previous.best.result.to_dict() == ws.installed_verdict()["result"]
+    state.best, state.best_result = previous.search_best.candidate, previous.search_best.result
+    report = Reporter(ws.root, live=False)
+    report.entries = list(previous.entries)
+    report.start({"run": RUN}, [])
+    judge = PhaseJudge()
+    loop.run(state, ListProposer([]), judge, ws, report, 600.0)
+    report.finish([])
+    assert judge.calls == []
+    assert json.loads((ws.root / "results.json").read_text())["best"] == 3
+
+
 def test_the_final_of_the_best_runs_while_the_judge_would_wait_for_the_model(monkeypatch):
     """Pipeline.next's `idle`: with model workers busy and nothing ready, the judge's pending final
     runs (once) instead of the judge waiting."""
