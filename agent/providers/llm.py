@@ -364,9 +364,11 @@ class LLMProposer:
     def _pause(self, state: SearchState, why: str) -> None:
         """Ask no more until the loop installs a new best engine, which gives the model new ground
         (a model that kept repeating the best engine's plan was dropped for the rest of a run whose
-        engines then got 10x faster); after `max_pauses` pauses, stop. The mark is the installed
-        best, not the top of the history: a screen that scored high and lost its contest, or
-        failed its final, is no new ground."""
+        engines then got 10x faster); after `max_pauses` pauses, stop. The mark is the search's
+        best, not the top of the history: a screen that scored high and lost its contest is no new
+        ground. A contest's winner whose final is deferred (agent/loop.py settle_final) is the
+        search's best at once, so it wakes the model: the search builds on it meanwhile; if its
+        final then fails, the model hears so and the best goes back."""
         if self.paused_on is not None or not self.active:   # another episode got here first
             return
         if self.pauses >= self.settings.max_pauses:
