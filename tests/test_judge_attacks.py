@@ -677,6 +677,27 @@ def test_benchmark_tokens_cannot_be_predicted_from_the_official_seed(recompute_s
     assert result["status"] == "passed", result["error"]
 
 
+# Refuses to answer when a call's tokens sit in a larger storage: the tokens of the calls after it
+# (the red-team helper's engine then answered later decode steps from one pass over them).
+READS_AHEAD = """
+def _beyond(*call_tokens):
+    # more bytes behind the first tensor than this call's tokens (its prompts may share one storage)
+    return call_tokens[0].untyped_storage().nbytes() > sum(t.numel() * t.element_size() for t in call_tokens)
+"""
+
+
+def test_a_call_cannot_reach_the_tokens_of_later_calls(recompute_source, write_engine, tiny_model):
+    """Every call of a timed trace gets its tokens in storage of their own: no view of the trace's
+    token tensor through which the engine could read the calls still to come (as_strided over
+    untyped_storage). Here an engine that finds more behind its arguments crashes its verdict."""
+    path = write_engine(attacking_engine(
+        recompute_source, top=READS_AHEAD,
+        in_prefill='if _beyond(*input_ids):\n    raise RuntimeError("prefill: later tokens in reach")',
+        in_decode='if _beyond(token_ids):\n    raise RuntimeError("decode: later tokens in reach")'))
+    result = evaluate(path, tiny_model.config, tiny_model.weight_dir, **{**QUICK, "cases": ["prefill", "decode"]})
+    assert result["status"] == "passed", result["error"]
+
+
 # Returns zeros and fills in the real logits from a raw thread 50 ms later (or the reverse).
 LATE_WRITER = '''
 import _thread
