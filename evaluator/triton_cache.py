@@ -98,20 +98,61 @@ def seed(shared: Path, target: Path, uid: int | None, scope: Scope = ()) -> None
             os.chown(path, uid, uid, follow_symlinks=False)
 
 
-def read_regular(path: Path, limit: int) -> bytes | None:
-    """The bytes of `path` if it is a regular file of at most `limit` bytes, read without following
-    a link or blocking on a pipe; else None. (Also how the agent reads a judge's verdict files,
-    agent/judge.py: a same-uid worker could plant either there.)"""
+def read_regular(path: Path | str, limit: int, dir_fd: int | None = None) -> bytes | None:
+    """The bytes of `path` (a name in the folder `dir_fd`, where given) if it is a regular file of
+    at most `limit` bytes with no other link to it, read without following a symbolic link or
+    blocking on a pipe; else None. (A hard link could make a file only root may read look like a
+    worker's own, where the kernel lets one be made. Also how the agent reads a judge's verdict
+    files, agent/judge.py: a same-uid worker could plant either there.)"""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit or info.st_nlink != 1:
             return None
         data = f.read(limit + 1)
     return data if len(data) <= limit else None
+
+
+def _open_folder(path: Path | str, dir_fd: int | None = None) -> int | None:
+    """A descriptor of the folder `path` (in `dir_fd`), None if it is a link or no folder."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError:
+        return None
+
+
+def _worker_entries(worker_cache: Path) -> dict[str, dict[str, bytes] | None]:
+    """A worker's cache, read as the judge (root) may read it: entry name -> its files, or None
+    for an entry that is not a folder of regular files. The worker owns its home and everything
+    in it: it can make its cache folder, or an entry, a link to a folder only root may read, and a
+    judge following it would copy that folder into the shared cache for later workers (a red-team
+    helper did, twenty-ninth session). So every level is opened by name in the one above it,
+    never following a link (the home itself lies in the judge's folder)."""
+    top = _open_folder(worker_cache)
+    if top is None:
+        return {}
+    out: dict[str, dict[str, bytes] | None] = {}
+    try:
+        for name in sorted(os.listdir(top)):
+            if name.startswith("."):
+                continue
+            folder = _open_folder(name, top)
+            if folder is None:
+                out[name] = None
+                continue
+            try:
+                files = {item: read_regular(item, MAX_ENTRY_BYTES, folder) for item in os.listdir(folder)}
+            finally:
+                os.close(folder)
+            out[name] = files if files and all(data is not None for data in files.values()) else None
+    except OSError:
+        return out
+    finally:
+        os.close(top)
+    return out
 
 
 def _relocate_group(data: bytes | None, folder: Path) -> bytes | None:
@@ -146,32 +187,25 @@ def merge(worker_cache: Path, shared: Path, scope: Scope = ()) -> int:
     if scope:
         budget = min(budget, MAX_SCOPED_BYTES - _size(shared / SCOPED))
     added = 0
-    for entry in sorted(worker_cache.iterdir()) if worker_cache.is_dir() else []:
-        if entry.name in known or entry.name.startswith(".") or entry.is_symlink() or not entry.is_dir():
+    for key, files in _worker_entries(worker_cache).items():
+        if key in known or files is None:
             continue
-        files: dict[str, bytes] = {}
-        for item in entry.iterdir():
-            data = read_regular(item, MAX_ENTRY_BYTES)
-            if data is None:
-                break
-            files[item.name] = data
-        else:
-            size = sum(map(len, files.values()))
-            if not files or size > min(MAX_ENTRY_BYTES, budget):
-                continue
-            staging = Path(tempfile.mkdtemp(dir=target, prefix=".incoming-"))
-            for name in [n for n in files if n.startswith(GROUP_PREFIX)]:
-                files[name] = _relocate_group(files[name], target / entry.name) or files[name]
-            for name, data in files.items():
-                (staging / name).write_bytes(data)
-            os.chmod(staging, 0o755)
-            try:
-                os.rename(staging, target / entry.name)
-            except OSError:   # another judge added it meanwhile
-                shutil.rmtree(staging, ignore_errors=True)
-                continue
-            budget -= size
-            added += 1
+        size = sum(map(len, files.values()))
+        if size > min(MAX_ENTRY_BYTES, budget):
+            continue
+        staging = Path(tempfile.mkdtemp(dir=target, prefix=".incoming-"))
+        for name in [n for n in files if n.startswith(GROUP_PREFIX)]:
+            files[name] = _relocate_group(files[name], target / key) or files[name]
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+        os.chmod(staging, 0o755)
+        try:
+            os.rename(staging, target / key)
+        except OSError:   # another judge added it meanwhile
+            shutil.rmtree(staging, ignore_errors=True)
+            continue
+        budget -= size
+        added += 1
     return added
 
 
@@ -181,4 +215,4 @@ def compiled(worker_cache: Path, shared: Path, scope: Scope = ()) -> int:
     one compiled the same engine says the shared cache is not being hit (docs/benchmarks.md,
     twenty-first session)."""
     known = {e.name for folder in visible(shared, scope) for e in _entries(folder)}
-    return sum(1 for e in _entries(worker_cache) if e.name not in known)
+    return sum(1 for key, files in _worker_entries(worker_cache).items() if files is not None and key not in known)

@@ -51,6 +51,26 @@ def test_merge_adds_new_entries_only_and_never_follows_links(tmp_path):
     assert sorted(p.name for p in shared.iterdir()) == ["fresh", "known"]
 
 
+def test_a_worker_cache_that_is_a_link_or_holds_hard_links_adds_nothing(tmp_path):
+    """The worker owns its home: its cache folder made a link to a folder only root may read (whose
+    subfolders look like entries), or a file hard-linked to one it may not read. Merged as root,
+    either would have copied root's files into the cache later workers get (red-team helper,
+    twenty-ninth session). Nothing is followed at any level, and a file with two links is refused."""
+    shared, home = tmp_path / "shared", tmp_path / "home"
+    private = tmp_path / "private"
+    entry(private, "stolen", {"key.txt": b"root only"})
+    home.mkdir()
+    (home / ".triton").symlink_to(private)
+    assert triton_cache.merge(home / ".triton", shared) == 0
+    assert triton_cache.compiled(home / ".triton", shared) == 0
+    (home / ".triton").unlink()
+    linked = entry(home / ".triton", "linked", {"kernel.json": b"{}"})
+    os.link(private / "stolen" / "key.txt", linked / "kernel.cubin")
+    fresh = entry(home / ".triton", "fresh", {"kernel.cubin": b"compiled here"})
+    assert triton_cache.merge(home / ".triton", shared) == 1
+    assert sorted(p.name for p in shared.iterdir()) == [fresh.name]
+
+
 def test_every_passing_engine_adds_to_the_layer_of_its_model_written_code(tmp_path):
     """The request names the engine's scope: the digests of the model-written variants its
     candidate folder holds (none for the repository's own code), each text with its name."""
