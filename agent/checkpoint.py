@@ -44,6 +44,8 @@ def check_hf_weights(spec, error: type[Exception]):
                         f"from the model config")
         params += _numel(shape)
     _check_finite([tensors[k] for k in expected], error)
+    if spec.conventions.tied and "lm_head.weight" in tensors:
+        _check_tied_head(tensors["lm_head.weight"], tensors["embed_tokens.weight"], error)
     ignored = {"lm_head.weight"} if spec.conventions.tied else set()
     extra = sorted(k for k in tensors if k not in expected and k not in ignored)
     warnings = list(spec.warnings)
@@ -52,6 +54,24 @@ def check_hf_weights(spec, error: type[Exception]):
         why = f" (layers beyond num_hidden_layers={spec.layers}?)" if beyond else ""
         warnings.append(f"{len(extra)} unexpected tensor(s) ignored{why}, e.g. '{tensors[extra[0]].name}'")
     return replace(spec, parameters=params, warnings=tuple(warnings))
+
+
+def _check_tied_head(head: TensorInfo, embed: TensorInfo, error: type[Exception]) -> None:
+    """A tied model that stores an lm_head anyway: fine where it is the embedding. Where it is not,
+    transformers 5 uses the stored head and older versions tie it away, so which model the
+    folder is depends on the reader: refused, naming both tensors."""
+    if head.shape != embed.shape or not torch.equal(_read(head), _read(embed)):
+        raise error(f"tie_word_embeddings is true, but '{head.name}' in {head.file} is not '{embed.name}': "
+                    "transformers versions disagree on which is the output head")
+
+
+def _read(info: TensorInfo) -> torch.Tensor:
+    if info.file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(info.file), framework="pt") as f:
+            return f.get_tensor(info.name)
+    return torch.load(info.file, map_location="cpu", weights_only=True, mmap=True)[info.name]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

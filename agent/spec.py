@@ -172,6 +172,9 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
                               "rope_theta", DEFAULT_THETA),
         dtype="bfloat16" if dtype in ("bfloat16", "bf16") else "float16",
         conventions=conv,
+        warnings=() if conv.hf or "rope_parameters" not in config else (
+            "model config key 'rope_parameters' is not part of the course format: ignored, as the course's "
+            "reference ignores it (RoPE reads 'rope_theta')",),
     )
 
 

@@ -31,6 +31,9 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
+# ... and the model_type transformers' AutoConfig builds each from (it reads model_type, not architectures).
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3"}
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # Config keys that mean experts (mixture of experts): the reference runs dense MLPs only.
@@ -82,7 +85,9 @@ def is_hf(config: dict) -> bool:
 
 def rope_parameters(config: dict) -> dict:
     """RoPE settings as one dict: transformers 5 writes `rope_parameters` (theta inside), older
-    checkpoints `rope_theta` and `rope_scaling` side by side."""
+    checkpoints `rope_theta` and `rope_scaling` side by side. A config holding both forms must
+    say the same in both (_check_rope_forms): which one transformers reads has changed between
+    its versions (5.x lets a legacy `rope_scaling` win)."""
     params = config.get("rope_parameters")
     if params is None:
         params = dict(config.get("rope_scaling") or {})
@@ -91,6 +96,30 @@ def rope_parameters(config: dict) -> dict:
     if not isinstance(params, dict):
         raise CheckpointError(f"model config key 'rope_parameters' must be an object, got {params!r}"[:200])
     return params
+
+
+def _rope_kind(params: dict) -> str:
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def _check_rope_forms(config: dict) -> None:
+    """Refuse, naming both keys, a config whose two RoPE forms disagree: a `rope_theta` beside
+    `rope_parameters` with another base, or a `rope_scaling` beside it of another type or factors.
+    (Run either way, one of transformers' versions would compute another model: a sweep of unseen
+    configs found both read silently, twenty-ninth session.)"""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict):
+        return
+    if "rope_theta" in config and "rope_theta" in params and float(config["rope_theta"]) != float(params["rope_theta"]):
+        raise CheckpointError(f"model config keys 'rope_theta' ({config['rope_theta']!r}) and "
+                              f"'rope_parameters.rope_theta' ({params['rope_theta']!r}) disagree")
+    legacy = config.get("rope_scaling")
+    if isinstance(legacy, dict) and legacy:
+        kind = _rope_kind(legacy)
+        differ = kind != _rope_kind(params) or any(legacy.get(k) != params.get(k) for k in LLAMA3_KEYS if kind == "llama3")
+        if differ:
+            raise CheckpointError(f"model config keys 'rope_scaling' ({kind}) and 'rope_parameters' "
+                                  f"({_rope_kind(params)}) disagree")
 
 
 def rope_theta(config: dict) -> float:
@@ -135,6 +164,12 @@ def conventions(config: dict) -> Conventions:
     if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
         raise CheckpointError(f"unsupported architecture {archs!r} (model config key 'architectures'; "
                               f"supported: {', '.join(ARCHITECTURES)})"[:300])
+    model_type = config.get("model_type")
+    if model_type is not None and model_type != MODEL_TYPES[archs[0]]:
+        raise CheckpointError(f"model config key 'model_type' is {model_type!r}, not {MODEL_TYPES[archs[0]]!r} "
+                              f"as 'architectures' ({archs[0]}) says: transformers builds the model model_type "
+                              "names")
+    _check_rope_forms(config)
     qkv_bias, qk_norm = ARCHITECTURES[archs[0]]
     for key in MOE_KEYS:
         if config.get(key):
@@ -167,10 +202,12 @@ def _check_window(config: dict) -> None:
     if window is None or config.get("use_sliding_window") is False:
         return
     limit = config.get("max_position_embeddings")
-    if not isinstance(window, int) or isinstance(limit, int) and limit > window:
-        raise CheckpointError(f"unsupported feature: sliding window {window!r} shorter than "
-                              f"max_position_embeddings {limit!r} (model config key 'sliding_window'; "
-                              f"set max_position_embeddings to at most the window to run it)")
+    if not isinstance(window, int) or not isinstance(limit, int) or limit > window:
+        context = (f"max_position_embeddings {limit!r}" if isinstance(limit, int) else
+                   "the context, which no max_position_embeddings bounds")
+        raise CheckpointError(f"unsupported feature: sliding window {window!r} shorter than {context} "
+                              f"(model config key 'sliding_window'; set max_position_embeddings to at most the "
+                              f"window to run it)")
 
 
 # Keys that carry a Hugging Face config's conventions (not its sizes): what a random stress
@@ -185,6 +222,8 @@ def with_conventions_of(config: dict, target: dict) -> dict:
     if "rope_parameters" in target:
         out["rope_parameters"] = dict(target["rope_parameters"], rope_theta=out.pop("rope_theta", DEFAULT_THETA))
     out["model_type"] = target.get("model_type", out.get("model_type"))
+    if is_hf(target) and "model_type" not in target:
+        del out["model_type"]   # a course name beside an architecture would be refused (conventions)
     return out
 
 

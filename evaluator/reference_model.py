@@ -103,9 +103,9 @@ class ReferenceModel:
             p = f"layers.{i}."
             h = rms_norm(x, w[p + "input_layernorm.weight"], d.eps)
             a = p + "self_attn."
-            q = F.linear(h, w[a + "q_proj.weight"], w.get(a + "q_proj.bias")).view(seq, d.heads, d.head_dim)
-            k = F.linear(h, w[a + "k_proj.weight"], w.get(a + "k_proj.bias")).view(seq, d.kv_heads, d.head_dim)
-            v = F.linear(h, w[a + "v_proj.weight"], w.get(a + "v_proj.bias")).view(seq, d.kv_heads, d.head_dim)
+            q = F.linear(h, w[a + "q_proj.weight"], self._bias(a + "q_proj.bias")).view(seq, d.heads, d.head_dim)
+            k = F.linear(h, w[a + "k_proj.weight"], self._bias(a + "k_proj.bias")).view(seq, d.kv_heads, d.head_dim)
+            v = F.linear(h, w[a + "v_proj.weight"], self._bias(a + "v_proj.bias")).view(seq, d.kv_heads, d.head_dim)
             if self.conv.qk_norm:
                 q, k = rms_norm(q, w[a + "q_norm.weight"], d.eps), rms_norm(k, w[a + "k_norm.weight"], d.eps)
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
@@ -116,6 +116,11 @@ class ReferenceModel:
             up = F.linear(h, w[p + "mlp.up_proj.weight"])
             x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
         return x
+
+    def _bias(self, name: str) -> torch.Tensor | None:
+        """A q/k/v bias where the architecture has them (Qwen2); a Llama checkpoint that stores
+        some anyway runs without, as transformers' Llama does (it never loads them)."""
+        return self.w.get(name) if self.conv.qkv_bias else None
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(x, self.w["norm.weight"], self.dims.eps), self.w["lm_head.weight"])

@@ -77,7 +77,7 @@ def test_sound_bf16_engine_passes(qwen):
 
 WRONG = {
     "wrong RoPE style": ("Qwen3ForCausalLM", lambda c, w: ({k: v for k, v in c.items() if k != "architectures"}, w)),
-    "missing q/k norm": ("Qwen3ForCausalLM", lambda c, w: (dict(c, architectures=["LlamaForCausalLM"]), w)),
+    "missing q/k norm": ("Qwen3ForCausalLM", lambda c, w: (dict(c, architectures=["LlamaForCausalLM"], model_type="llama"), w)),
     "missing bias": ("Qwen2ForCausalLM", lambda c, w: (c, {k: v for k, v in w.items() if not k.endswith(".bias")})),
 }
 

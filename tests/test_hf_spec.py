@@ -75,6 +75,17 @@ BROKEN = {
     "other rope type": ("llama", lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
                         "'rope_parameters'"),
     "sliding window below the context": ("llama", lambda d: _edit_config(d, sliding_window=128), "'sliding_window'"),
+    "model_type not the architecture's": ("llama", lambda d: _edit_config(d, model_type="gemma"), "'model_type'"),
+    "two RoPE bases": ("llama", lambda d: _edit_config(d, rope_theta=500000.0, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0}), "'rope_theta' (500000.0) and 'rope_parameters.rope_theta'"),
+    "rope_scaling beside rope_parameters": ("llama", lambda d: _edit_config(d, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0}, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+        "'rope_scaling' (linear) and 'rope_parameters' (default) disagree"),
+    "a window and no max_position_embeddings": ("llama", lambda d: _edit_config(
+        d, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16, max_position_embeddings=None),
+        "no max_position_embeddings bounds"),
+    "tied with another head stored": ("sharded", lambda d: _edit_config(d, tie_word_embeddings=True),
+                                      "transformers versions disagree"),
     "no weights at all": ("llama", lambda d: (d / "model.safetensors").unlink(), "holds no model.safetensors"),
     "shard without index": ("sharded", lambda d: (d / "model.safetensors.index.json").unlink(),
                             "no model.safetensors.index.json"),

@@ -148,6 +148,17 @@ def test_extra_tensors_are_a_warning(tmp_path):
     assert spec.warnings and "layers beyond num_hidden_layers" in spec.warnings[0]
 
 
+def test_rope_parameters_in_the_course_format_is_a_warning(tmp_path):
+    """Not a course key: the course's reference reads rope_theta alone, and so does every engine;
+    said, not silently dropped (a sweep of unseen configs, twenty-ninth session)."""
+    cfg, weights = write_model(tmp_path)
+    data = json.loads(cfg.read_text())
+    data["rope_parameters"] = {"rope_type": "linear", "factor": 4.0}
+    cfg.write_text(json.dumps(data))
+    spec = load_spec(cfg, weights)
+    assert any("'rope_parameters' is not part of the course format" in w for w in spec.warnings)
+
+
 def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path):
     config, weights = _weights_case(tmp_path, _nan)
     ws = tmp_path / "ws"
