@@ -437,6 +437,9 @@ def test_a_triton_before_knobs_is_hooked_on_compiled_kernel_beside_a_hook_alread
     compiled.CompiledKernel = CompiledKernel
     for name, module in (("triton", triton), ("triton.compiler", compiler), ("triton.compiler.compiler", compiled)):
         monkeypatch.setitem(sys.modules, name, module)
+    # where the real Triton was imported (a GPU machine), `from triton import knobs` would find its
+    # submodule in sys.modules even from the stand-in package
+    monkeypatch.delitem(sys.modules, "triton.knobs", raising=False)
     namespace = {"silu_mul__triton": lambda gate_up: CompiledKernel.launch_enter_hook(_Meta("_silu_kernel"))}
     saved = slot_profile.wrap_slots(namespace, lambda name: contextlib.nullcontext())
     seen = {}
