@@ -77,3 +77,27 @@ def test_paged_engine_matches_transformers_on_cpu(tmp_path, arch):
     prefill([11, 4], [9, 3])        # id 11 replaced while live, id 4 reused after remove
     for _ in range(2):
         decode([4, 7, 11])          # ragged contexts (4, 7, 10 tokens ... 6 to 12)
+
+
+@pytest.mark.parametrize("engine_name", ["paged", "recompute"])
+def test_a_context_past_the_sliding_window_is_refused(tmp_path, engine_name):
+    """A Mistral model whose window covers max_position_embeddings is taken (the agent refuses
+    any other), but both engines attend to every position: past the window they would answer for
+    another model (by 0.3 at the logits one token past it, a sweep of unseen checkpoints,
+    twenty-ninth session). Up to the window they run; one token past it, by prefill or by
+    decode, is a ValueError naming the window."""
+    model = build(tmp_path / "m", "MistralForCausalLM", max_position_embeddings=40, sliding_window=40)
+    spec = load_spec(model.folder / "config.json", model.folder)
+    if engine_name == "paged":
+        engine = paged_engine(spec, tmp_path)
+    else:
+        path = tmp_path / "engine.py"
+        path.write_text(render_engine(Plan("recompute"), None, spec.conventions))
+        engine = load_engine_module(path).create_engine(spec.config, spec.weight_dir, "cpu")
+    vocab = model.config["vocab_size"]
+    engine.prefill([0, 1], [torch.randint(0, vocab, (40,)), torch.randint(0, vocab, (39,))])
+    engine.decode([1], torch.randint(0, vocab, (1,)))                 # the 40th position of request 1
+    with pytest.raises(ValueError, match="sliding window of 40"):
+        engine.decode([0], torch.randint(0, vocab, (1,)))             # a 41st position
+    with pytest.raises(ValueError, match="sliding window of 40"):
+        engine.prefill([2], [torch.randint(0, vocab, (41,))])
