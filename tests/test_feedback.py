@@ -270,9 +270,7 @@ def test_profiled_pass_attributes_time_to_slots_on_cpu(tiny_model, tmp_path):
     engine.write_text(render_engine(plan))
     with Worker("cpu") as worker:
         worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
-        # mixed: one case that calls every slot (the pass starts no second case past PROFILE_BUDGET_S,
-        # and this worker compiles every kernel afresh: a second case never ran on an H200)
-        slot_ms = profiled_pass(RemoteModule(worker), tiny_model.config, tiny_model.weight_dir, ["mixed"])
+        slot_ms = profiled_pass(RemoteModule(worker), tiny_model.config, tiny_model.weight_dir, ["prefill", "decode"])
         # past its time budget the pass starts no further case, and says which it profiled: a mixed
         # case first (it calls every slot)
         first_only = profiled_pass(RemoteModule(worker), tiny_model.config, tiny_model.weight_dir,
