@@ -35,6 +35,7 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 MAX_ENTRY_BYTES = 64 * 2**20     # one compiled kernel's artefacts: far below this
@@ -124,35 +125,50 @@ def _open_folder(path: Path | str, dir_fd: int | None = None) -> int | None:
         return None
 
 
-def _worker_entries(worker_cache: Path) -> dict[str, dict[str, bytes] | None]:
-    """A worker's cache, read as the judge (root) may read it: entry name -> its files, or None
-    for an entry that is not a folder of regular files. The worker owns its home and everything
-    in it: it can make its cache folder, or an entry, a link to a folder only root may read, and a
-    judge following it would copy that folder into the shared cache for later workers (a red-team
+def _worker_entries(worker_cache: Path, skip: set[str]) -> Iterator[tuple[str, dict[str, bytes] | None]]:
+    """A worker's cache, read as the judge (root) may read it: (entry name, its files, or None for
+    an entry that is not a folder of regular files), one entry at a time, those named in `skip`
+    (the shared layers hold them) not opened. The worker owns its home and everything in it: it
+    can make its cache folder, or an entry, a link to a folder only root may read, and a judge
+    following it would copy that folder into the shared cache for later workers (a red-team
     helper did, twenty-ninth session). So every level is opened by name in the one above it,
     never following a link (the home itself lies in the judge's folder)."""
     top = _open_folder(worker_cache)
     if top is None:
-        return {}
-    out: dict[str, dict[str, bytes] | None] = {}
+        return
     try:
-        for name in sorted(os.listdir(top)):
-            if name.startswith("."):
-                continue
+        names = sorted(n for n in os.listdir(top) if not n.startswith(".") and n not in skip)
+        for name in names:
             folder = _open_folder(name, top)
             if folder is None:
-                out[name] = None
+                yield name, None
                 continue
             try:
                 files = {item: read_regular(item, MAX_ENTRY_BYTES, folder) for item in os.listdir(folder)}
+            except OSError:
+                files = {}
             finally:
                 os.close(folder)
-            out[name] = files if files and all(data is not None for data in files.values()) else None
+            yield name, (files if files and all(data is not None for data in files.values()) else None)
     except OSError:
-        return out
+        return
     finally:
         os.close(top)
-    return out
+
+
+def _worker_entry_names(worker_cache: Path) -> list[str]:
+    """The names of the folders in a worker's cache, listed as _worker_entries reads them (no link
+    followed), without reading them."""
+    top = _open_folder(worker_cache)
+    if top is None:
+        return []
+    try:
+        return [n for n in os.listdir(top) if not n.startswith(".")
+                and stat.S_ISDIR(os.stat(n, dir_fd=top, follow_symlinks=False).st_mode)]
+    except OSError:
+        return []
+    finally:
+        os.close(top)
 
 
 def _relocate_group(data: bytes | None, folder: Path) -> bytes | None:
@@ -187,8 +203,8 @@ def merge(worker_cache: Path, shared: Path, scope: Scope = ()) -> int:
     if scope:
         budget = min(budget, MAX_SCOPED_BYTES - _size(shared / SCOPED))
     added = 0
-    for key, files in _worker_entries(worker_cache).items():
-        if key in known or files is None:
+    for key, files in _worker_entries(worker_cache, known):
+        if files is None:
             continue
         size = sum(map(len, files.values()))
         if size > min(MAX_ENTRY_BYTES, budget):
@@ -215,4 +231,4 @@ def compiled(worker_cache: Path, shared: Path, scope: Scope = ()) -> int:
     one compiled the same engine says the shared cache is not being hit (docs/benchmarks.md,
     twenty-first session)."""
     known = {e.name for folder in visible(shared, scope) for e in _entries(folder)}
-    return sum(1 for key, files in _worker_entries(worker_cache).items() if files is not None and key not in known)
+    return sum(1 for name in _worker_entry_names(worker_cache) if name not in known)

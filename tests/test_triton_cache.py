@@ -229,3 +229,19 @@ def test_a_worker_started_ahead_gets_the_kernels_added_since(tmp_path):
         assert sorted(p.name for p in jail.compile_cache.iterdir()) == ["early", "late", "model_kernel"]
     finally:
         jail.close()
+
+
+def test_merge_and_compiled_read_only_the_entries_the_shared_cache_lacks(tmp_path, monkeypatch):
+    """A worker's cache is a copy of the shared one plus what it compiled: the judge reads the
+    new entries' files only (the shared cache may hold gigabytes), and counting them reads none."""
+    shared, worker = tmp_path / "shared", tmp_path / "home" / ".triton"
+    for i in range(5):
+        entry(shared, f"k{i}", {"kernel.cubin": os.urandom(64)})
+    triton_cache.seed(shared, worker, uid=None)
+    entry(worker, "new", {"kernel.cubin": b"compiled here", "kernel.json": b"{}"})
+    reads = []
+    real = triton_cache.read_regular
+    monkeypatch.setattr(triton_cache, "read_regular", lambda path, *a, **k: reads.append(str(path)) or real(path, *a, **k))
+    assert triton_cache.compiled(worker, shared) == 1 and reads == []
+    assert triton_cache.merge(worker, shared) == 1
+    assert sorted(reads) == ["kernel.cubin", "kernel.json"]
