@@ -28,7 +28,7 @@ from agent.providers.builtin import BuiltinProposer
 from agent.records import EvalResult, SearchState
 from agent.report import Entry, Reporter, describe
 from agent.resume import Previous, ResumeError
-from agent.spec import WEIGHTS_FILE, ModelSpec, SpecError, load_spec
+from agent.spec import WEIGHTS_FILE, ModelSpec, SpecError, check_window_covers, load_spec
 from agent.workspace import JUDGE_LOGS, Workspace
 
 EXIT_OK, EXIT_NO_ENGINE, EXIT_BAD_INPUT, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve(args)
         ensure_toy_weights(cfg)
         spec = load_spec(cfg.config, cfg.weights)
+        check_window_covers(spec, BENCH[cfg.device]["cases"].split(","))
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

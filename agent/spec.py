@@ -178,6 +178,21 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
     )
 
 
+def check_window_covers(spec: ModelSpec, cases: list[str]) -> None:
+    """A model whose sliding window is shorter than a context the judge checks or times (the
+    benchmark `cases`, the stress suite's long prompt) is refused here: the engines attend to
+    every position and refuse contexts past the window, so every candidate would fail."""
+    from evaluator.checkpoint import attention_window
+    from evaluator.traces import longest_checked_context
+
+    window = attention_window(spec.config) if spec.conventions.hf else None
+    longest = longest_checked_context(cases)
+    if window is not None and window < longest:
+        raise SpecError(f"unsupported feature: sliding window {window} is shorter than the {longest}-token "
+                        "contexts the judge checks (model config key 'sliding_window'; the engines attend to "
+                        "every position and refuse a context past the window)")
+
+
 def load_state_dict(weight_dir: Path) -> dict:
     from evaluator.common import load_course_file   # torch with it: only where weights are read
 

@@ -35,6 +35,9 @@ ARCHITECTURES = {
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3"}
 ROPE_TYPES = ("default", "llama3")
+MISTRAL_DEFAULT_WINDOW = 4096           # MistralConfig's sliding_window when a config has no such key
+QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")   # a window only with use_sliding_window
+QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28     # their configs' default: layers from this one on slide
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # Config keys that mean experts (mixture of experts): the reference runs dense MLPs only.
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -102,6 +105,10 @@ def _rope_kind(params: dict) -> str:
     return str(params.get("rope_type", params.get("type", "default")))
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_rope_forms(config: dict) -> None:
     """Refuse, naming both keys, a config whose two RoPE forms disagree: a `rope_theta` beside
     `rope_parameters` with another base, or a `rope_scaling` beside it of another type or factors.
@@ -110,7 +117,8 @@ def _check_rope_forms(config: dict) -> None:
     params = config.get("rope_parameters")
     if not isinstance(params, dict):
         return
-    if "rope_theta" in config and "rope_theta" in params and float(config["rope_theta"]) != float(params["rope_theta"]):
+    top, inner = config.get("rope_theta"), params.get("rope_theta")
+    if _number(top) and _number(inner) and float(top) != float(inner):
         raise CheckpointError(f"model config keys 'rope_theta' ({config['rope_theta']!r}) and "
                               f"'rope_parameters.rope_theta' ({params['rope_theta']!r}) disagree")
     legacy = config.get("rope_scaling")
@@ -194,12 +202,30 @@ def conventions(config: dict) -> Conventions:
                        tied=bool(config.get("tie_word_embeddings", False)))
 
 
+def attention_window(config: dict) -> int | None:
+    """The sliding window transformers applies to a Hugging Face config, or None (every layer
+    attends to every position): Mistral's `sliding_window` (MistralConfig's 4096 where the key is
+    absent, None where it is null); Qwen2's and Qwen3's only with `use_sliding_window` true (it
+    defaults to false), and then only in the layers from `max_window_layers` (default 28) on;
+    never Llama's (LlamaConfig has no window). The engines carry the same rule (engine/hf/weights.py.j2)."""
+    arch = config["architectures"][0]
+    if arch == "MistralForCausalLM":
+        return config.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+    if arch in QWEN_WINDOWED and config.get("use_sliding_window") is True:
+        layers = config.get("num_hidden_layers")
+        first = config.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
+        if isinstance(layers, int) and isinstance(first, int) and first >= layers:
+            return None
+        return config.get("sliding_window")
+    return None
+
+
 def _check_window(config: dict) -> None:
     """Sliding-window attention is refused where it could bite: a window shorter than the
-    context the engine is asked to serve (max_position_embeddings). Qwen configs name a window
-    they do not use unless `use_sliding_window` is set."""
-    window = config.get("sliding_window")
-    if window is None or config.get("use_sliding_window") is False:
+    context the engine is asked to serve (max_position_embeddings, which must then be given).
+    The engines attend to every position and refuse a context past the window."""
+    window = attention_window(config)
+    if window is None:
         return
     limit = config.get("max_position_embeddings")
     if not isinstance(window, int) or not isinstance(limit, int) or limit > window:

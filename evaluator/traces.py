@@ -68,6 +68,11 @@ def replay(trace: list[Op]) -> Iterator[tuple[Op, dict[int, int]]]:
         yield op, ctx.lengths
 
 
+def longest_context(trace: list[Op]) -> int:
+    """The longest context any request of `trace` reaches."""
+    return max((max(lengths.values(), default=0) for _, lengths in replay(trace)), default=0)
+
+
 def token_counts(trace: list[Op]) -> tuple[int, int]:
     """(prefill tokens, decode tokens) of a trace, as the benchmark counts them."""
     pre = sum(sum(op.lengths) for op in trace if op.kind == PREFILL)
@@ -170,6 +175,13 @@ QUICK = StressSize(long_prompt=1030, long_decode_steps=2, wide_batch=24, wide_ma
                    wide_steps=4, churn_max_prompt=24, mixed_rounds=3, mixed_max_prompt=48)
 FULL = StressSize(long_prompt=2100, long_decode_steps=8, wide_batch=64, wide_max_prompt=600,
                   wide_steps=10, churn_max_prompt=300, mixed_rounds=8, mixed_max_prompt=512)
+
+
+def longest_checked_context(cases: list[str] | tuple[str, ...]) -> int:
+    """The longest context a judge asks of an engine: the benchmark `cases` it times and the full
+    stress suite's long prompt (at most 7 tokens over long_prompt, then its decode steps)."""
+    stress = FULL.long_prompt + 7 + FULL.long_decode_steps
+    return max([stress, *(longest_context(benchmark_trace(c)) for c in cases)])
 
 
 def _ids(rng: random.Random, count: int) -> list[int]:

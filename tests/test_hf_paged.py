@@ -95,9 +95,12 @@ def test_a_context_past_the_sliding_window_is_refused(tmp_path, engine_name):
         path.write_text(render_engine(Plan("recompute"), None, spec.conventions))
         engine = load_engine_module(path).create_engine(spec.config, spec.weight_dir, "cpu")
     vocab = model.config["vocab_size"]
-    engine.prefill([0, 1], [torch.randint(0, vocab, (40,)), torch.randint(0, vocab, (39,))])
-    engine.decode([1], torch.randint(0, vocab, (1,)))                 # the 40th position of request 1
+    engine.prefill([0, 1], [torch.randint(0, vocab, (40,)), torch.randint(0, vocab, (38,))])
+    engine.decode([1], torch.randint(0, vocab, (1,)))                 # request 1 at 39
     with pytest.raises(ValueError, match="sliding window of 40"):
-        engine.decode([0], torch.randint(0, vocab, (1,)))             # a 41st position
+        engine.decode([1, 0], torch.randint(0, vocab, (2,)))          # 41 for request 0
+    engine.decode([1], torch.randint(0, vocab, (1,)))                 # request 1 untouched by that call: 40
+    with pytest.raises(ValueError, match="sliding window of 40"):
+        engine.decode([1], torch.randint(0, vocab, (1,)))             # and now 41
     with pytest.raises(ValueError, match="sliding window of 40"):
         engine.prefill([2], [torch.randint(0, vocab, (41,))])

@@ -74,7 +74,13 @@ BROKEN = {
     "mixture of experts": ("llama", lambda d: _edit_config(d, num_local_experts=8), "'num_local_experts'"),
     "other rope type": ("llama", lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
                         "'rope_parameters'"),
-    "sliding window below the context": ("llama", lambda d: _edit_config(d, sliding_window=128), "'sliding_window'"),
+    "sliding window below the context": ("llama", lambda d: _edit_config(
+        d, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=128), "'sliding_window'"),
+    "Mistral's default window below the context": ("llama", lambda d: _edit_config(
+        d, architectures=["MistralForCausalLM"], model_type="mistral", max_position_embeddings=8192),
+        "sliding window 4096 shorter than max_position_embeddings 8192"),
+    "a Qwen window used from a layer on": ("sharded", lambda d: _edit_config(
+        d, sliding_window=64, use_sliding_window=True, max_window_layers=1), "sliding window 64"),
     "model_type not the architecture's": ("llama", lambda d: _edit_config(d, model_type="gemma"), "'model_type'"),
     "two RoPE bases": ("llama", lambda d: _edit_config(d, rope_theta=500000.0, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0}), "'rope_theta' (500000.0) and 'rope_parameters.rope_theta'"),
@@ -95,6 +101,23 @@ BROKEN = {
 }
 
 
+# Windows transformers does not apply: taken as full attention (their sliding_window key is inert).
+INERT_WINDOWS = {
+    "Llama (no window in LlamaConfig)": ("llama", dict(sliding_window=16)),
+    "Qwen2 without use_sliding_window": ("sharded", dict(sliding_window=16)),
+    "Qwen2 with every layer below max_window_layers": ("sharded", dict(sliding_window=16, use_sliding_window=True,
+                                                                       max_window_layers=28)),
+}
+
+
+@pytest.mark.parametrize("case", list(INERT_WINDOWS))
+def test_windows_transformers_does_not_apply_are_no_windows(folders, tmp_path, case):
+    source, changes = INERT_WINDOWS[case]
+    folder = _copy(folders[source].folder, tmp_path / "m")
+    _edit_config(folder, **changes)
+    assert load_spec(folder / "config.json", folder).conventions.hf
+
+
 @pytest.mark.parametrize("problem", list(BROKEN))
 def test_broken_folders_are_one_line(folders, tmp_path, problem):
     source, breaks, words = BROKEN[problem]
@@ -112,3 +135,16 @@ def test_run_sh_takes_the_folders_config_and_exits_2(folders, tmp_path, capsys):
     assert main(["--weights", str(folder), "--workspace", str(tmp_path / "ws"), "--device", "cpu"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "names a missing file" in err[0]
+
+
+def test_a_window_shorter_than_what_the_judge_checks_is_one_line_and_exit_2(tmp_path, capsys):
+    """A Mistral whose window covers its max_position_embeddings (512) is a model the engines run,
+    but the judge checks contexts past 2000 tokens (the stress suite's long prompt), which every
+    engine must refuse: one line naming the window, exit 2, before any candidate is judged."""
+    model = build(tmp_path / "m", "MistralForCausalLM")
+    capsys.readouterr()   # transformers' progress bar while saving
+    assert main(["--weights", str(model.folder), "--workspace", str(tmp_path / "ws"), "--device", "cpu"]) \
+        == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sliding window 512 is shorter than the" in err[0]
+    assert not (tmp_path / "ws").exists()
