@@ -13,7 +13,9 @@ this process, and all it gains is a worker that answers wrongly, which the judge
 from __future__ import annotations
 
 import gc
+import itertools
 import os
+import secrets
 import socket
 import sys
 import time
@@ -34,6 +36,36 @@ class Refusal(Exception):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
+
+
+def _token_count(op: dict) -> int:
+    """The tokens one call of a trace carries: its prompts', or one a decoded request."""
+    if op["kind"] == PREFILL:
+        return sum(op["lengths"])
+    return len(op["ids"]) if op["kind"] == DECODE else 0
+
+
+class MaskedTokens:
+    """A trace's tokens on the device, each call's XOR-ed with a random key of its own that stays
+    in this process's memory; a call gets its tokens unmasked into a new tensor (`of`) only when
+    it is made. So no tensor an engine is handed, nor any device memory it could read by address
+    (a Triton kernel can load from any address near its inputs), holds the tokens of a call still
+    to come. Views of one token tensor had handed an engine every later call's tokens through
+    untyped_storage(), and an engine reading ahead there was timed ~9x faster on decode by answering
+    later steps from one pass over their tokens (a red-team helper, twenty-ninth session). The keys
+    ride to the device as kernel arguments (a scalar XOR): one small kernel a call, as a copy."""
+
+    def __init__(self, torch, payload: bytes, device: str, counts: list[int]):
+        host = (torch.frombuffer(bytearray(payload), dtype=torch.int64) if payload
+                else torch.empty(0, dtype=torch.int64))
+        self.keys = [secrets.randbits(62) for _ in counts]
+        self.starts = [0, *itertools.accumulate(counts)]
+        mask = torch.repeat_interleave(torch.tensor(self.keys, dtype=torch.int64),
+                                       torch.tensor(counts, dtype=torch.int64))
+        self.masked = (host ^ mask).to(device)
+
+    def of(self, index: int):
+        return self.masked[self.starts[index]:self.starts[index + 1]] ^ self.keys[index]
 
 
 class Worker:
@@ -92,24 +124,19 @@ class Worker:
         if self.torch.cuda.is_available():
             self.torch.cuda.empty_cache()
 
-    def _tokens(self, payload: bytes, device: str):
-        torch = self.torch
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.int64) if payload else torch.empty(0, dtype=torch.int64)
-        return flat.to(device)
+    def _tokens(self, payload: bytes, device: str, ops: list[dict]) -> "MaskedTokens":
+        return MaskedTokens(self.torch, payload, device, [_token_count(op) for op in ops])
 
-    def _bind(self, engine, kind: str, ids: list[int], lengths: list[int], flat, at: int):
-        """(method, args, rows, next offset) of one call. Its tokens are a copy of its own slice of
-        the trace's token tensor: a view would hand the engine that tensor's whole storage, the
-        tokens of every later call in it, and an engine reading ahead there was timed ~9x faster
-        on decode by answering later steps from one pass over their known tokens (a red-team
-        helper, twenty-ninth session). The official harness, too, gives each call tensors of its own."""
-        if kind == PREFILL:
-            own = flat[at:at + sum(lengths)].clone()
-            prompts = list(own.split(lengths)) if lengths else []
-            return engine.prefill, (ids, prompts), len(ids), at + sum(lengths)
-        if kind == DECODE:
-            return engine.decode, (ids, flat[at:at + len(ids)].clone()), len(ids), at + len(ids)
-        return engine.remove, (ids,), 0, at
+    def _bind(self, engine, op: dict, tokens: "MaskedTokens", index: int):
+        """(method, args, rows) of call `index` of a trace, its tokens unmasked into a tensor of
+        their own (MaskedTokens.of)."""
+        ids, lengths = list(op["ids"]), list(op["lengths"])
+        if op["kind"] == PREFILL:
+            prompts = list(tokens.of(index).split(lengths)) if lengths else []
+            return engine.prefill, (ids, prompts), len(ids)
+        if op["kind"] == DECODE:
+            return engine.decode, (ids, tokens.of(index)), len(ids)
+        return engine.remove, (ids,), 0
 
     def _validate(self, out, rows: int, vocab: int, what: str) -> None:
         torch = self.torch
@@ -128,8 +155,7 @@ class Worker:
         overwrite a returned view on its next call)."""
         engine, device, vocab = self.engines[req["engine"]], req["device"], int(req["vocab"])
         what = req["what"]
-        flat = self._tokens(payload, device)
-        fn, args, rows, _ = self._bind(engine, req["kind"], list(req["ids"]), list(req["lengths"]), flat, 0)
+        fn, args, rows = self._bind(engine, req, self._tokens(payload, device, [req]), 0)
         self.guards.poison_free_device_memory(device)
         with self.torch.no_grad():
             out = self.common.call_engine(what, fn, *args)
@@ -171,10 +197,10 @@ class Worker:
         ops, staging = req["ops"], self.staging
         with torch.no_grad():
             start = time.perf_counter()
-            flat = self._tokens(payload, device)
-            at, row = 0, 0
+            tokens = self._tokens(payload, device, ops)
+            row = 0
             for index, op in enumerate(ops):
-                fn, args, rows, at = self._bind(engine, op["kind"], list(op["ids"]), list(op["lengths"]), flat, at)
+                fn, args, rows = self._bind(engine, op, tokens, index)
                 what = f"{req['what']} call {index + 1} ({op['kind']} of {len(op['ids'])})"
                 out = self.common.call_engine(what, fn, *args)
                 if rows:
@@ -204,13 +230,12 @@ class Worker:
                 "create_engine", self.module.create_engine, req["config"], req["weight_dir"], device), device, seen)
         finally:
             namespace.update(saved)   # the engine keeps the wrappers it bound; the module is as it was
-        flat = self._tokens(payload, device)
+        tokens = self._tokens(payload, device, req["ops"])
 
         def run() -> None:
-            at = 0
             with torch.no_grad():
                 for index, op in enumerate(req["ops"]):
-                    fn, args, _, at = self._bind(engine, op["kind"], list(op["ids"]), list(op["lengths"]), flat, at)
+                    fn, args, _ = self._bind(engine, op, tokens, index)
                     self.common.call_engine(f"profiled pass, call {index + 1}", fn, *args)
 
         slot_profile.watched(torch, run, device, seen)   # untimed: a graph captured on demand is named too

@@ -698,6 +698,28 @@ def test_a_call_cannot_reach_the_tokens_of_later_calls(recompute_source, write_e
     assert result["status"] == "passed", result["error"]
 
 
+def test_the_trace_tokens_in_memory_hold_no_call_in_the_clear():
+    """What a timed trace's tokens look like in the worker (evaluator/worker.py MaskedTokens): the
+    buffer on the device holds every call's tokens masked by a key of its own, so an engine that
+    reads device memory by address (a Triton kernel can) finds no later call's tokens; each call
+    gets exactly its own, unmasked, in a tensor of its own size."""
+    import torch
+
+    from evaluator.worker import MaskedTokens
+    counts = [12, 0, 3, 3, 5]
+    plain = torch.randint(0, 1000, (sum(counts),), dtype=torch.int64)
+    tokens = MaskedTokens(torch, plain.numpy().tobytes(), "cpu", counts)
+    start = 0
+    for index, count in enumerate(counts):
+        mine = tokens.of(index)
+        assert torch.equal(mine, plain[start:start + count])
+        assert mine.untyped_storage().nbytes() == 8 * count
+        if count:
+            assert not torch.equal(tokens.masked[start:start + count], plain[start:start + count])
+            assert int(tokens.masked[start:start + count].abs().min()) > 1000   # nothing like a token id
+        start += count
+
+
 # Returns zeros and fills in the real logits from a raw thread 50 ms later (or the reverse).
 LATE_WRITER = '''
 import _thread
