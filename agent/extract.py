@@ -61,7 +61,10 @@ def _parses(code: str) -> bool:
 
 
 def _defined(code: str, names: tuple[str, ...]) -> int:
-    return sum(1 for n in names if re.search(rf"^\s*def\s+{re.escape(n)}\s*\(", code, re.MULTILINE))
+    """How many of `names` the code defines. The indent is matched within its line ([ \t]*, not
+    \s*, which crosses newlines: from every line start of a run of blank lines it scanned the
+    rest of the run, quadratic, and 300000 blank lines froze the agent for minutes)."""
+    return sum(1 for n in names if re.search(rf"^[ \t]*def[ \t]+{re.escape(n)}[ \t]*\(", code, re.MULTILINE))
 
 
 def extract_code(text: str, functions: tuple[str, ...] = ()) -> str:

@@ -170,7 +170,10 @@ class Reporter:
         self._live.start()
 
     def line(self, text: str = "") -> None:
-        """One line to the log and the console."""
+        """One line to the log and the console. Text that cannot be written as UTF-8 (a lone
+        surrogate in a candidate's error message, carried back from its worker) is escaped
+        rather than ending the run with a UnicodeEncodeError (red-team helper, twenty-ninth session)."""
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
         self._log.write(text + "\n")
         if self._live is not None:
             self._live.console.print(text, markup=False, highlight=False)

@@ -75,3 +75,13 @@ def test_extract_json():
     assert extract_json('{"plan": {}}') == {"plan": {}}
     with pytest.raises(ExtractError, match="JSON"):
         extract_json("```json\n{not json\n```")
+
+
+def test_a_long_run_of_blank_lines_is_read_in_linear_time():
+    """300000 blank lines before the code: the function search once crossed newlines from every
+    line start (quadratic) and froze the whole agent for minutes (red-team helper, twenty-ninth
+    session); now milliseconds, bounded here far below what the quadratic form took."""
+    import time
+    start = time.monotonic()
+    assert extract_code("```python\n" + "\n" * 300_000 + CODE + "```", FN).endswith(CODE)
+    assert time.monotonic() - start < 5.0

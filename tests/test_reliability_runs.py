@@ -275,6 +275,28 @@ def test_a_final_installed_before_the_record_was_written_is_not_run_again(tmp_pa
     assert json.loads((ws.root / "results.json").read_text())["best"] == 3
 
 
+def test_a_verdict_holding_text_utf8_cannot_write_goes_into_the_log_escaped(tmp_path, monkeypatch):
+    """A candidate's error message with a lone surrogate (an engine raised it; the verdict carried
+    it back): the log line escapes it instead of the run ending in a UnicodeEncodeError, which a
+    --resume then met again on the same candidate (red-team helper, twenty-ninth session)."""
+    class Surrogate(PhaseJudge):
+        def __call__(self, engine, out_dir, timeout, phase):
+            if engine.read_text() == fake_render(PLANS[0]):
+                result = EvalResult.failure("public", "runtime_error", "raised ValueError: bad \udc80 byte", "cpu", 1.0)
+                atomic_write(out_dir / "result.json", json.dumps(result.to_dict()))
+                return result
+            return super().__call__(engine, out_dir, timeout, phase)
+    monkeypatch.setattr(loop, "render_engine", fake_render)
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    report.start({"run": RUN}, [])
+    loop.run(SearchState(spec=None, device="cpu", hardware={}), ListProposer(PLANS[:2]), Surrogate(), ws, report, 600.0)
+    report.finish([])
+    assert "bad \\udc80 byte" in (ws.root / "results.log").read_text()
+    assert json.loads((ws.root / "results.json").read_text())["finished"]
+
+
 def test_the_final_of_the_best_runs_while_the_judge_would_wait_for_the_model(monkeypatch):
     """Pipeline.next's `idle`: with model workers busy and nothing ready, the judge's pending final
     runs (once) instead of the judge waiting."""
