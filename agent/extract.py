@@ -56,12 +56,12 @@ def _parses(code: str) -> bool:
     try:
         parse(code)
         return True
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError):   # a lone surrogate, nesting past the parser's
         return False
 
 
 def _defined(code: str, names: tuple[str, ...]) -> int:
-    """How many of `names` the code defines. The indent is matched within its line ([ \t]*, not
+    r"""How many of `names` the code defines. The indent is matched within its line ([ \t]*, not
     \s*, which crosses newlines: from every line start of a run of blank lines it scanned the
     rest of the run, quadratic, and 300000 blank lines froze the agent for minutes)."""
     return sum(1 for n in names if re.search(rf"^[ \t]*def[ \t]+{re.escape(n)}[ \t]*\(", code, re.MULTILINE))
@@ -94,6 +94,9 @@ def extract_json(text: str) -> dict:
             value = json.loads(body)
         except json.JSONDecodeError as e:
             errors.append(f"line {e.lineno}: {e.msg}")
+            continue
+        except RecursionError:
+            errors.append("nested too deeply")
             continue
         if isinstance(value, dict):
             return value

@@ -131,7 +131,10 @@ def parse(source: str) -> ast.Module:
     per interpreter, not per thread, so two threads parsing at once can fail with SystemError
     ("AST constructor recursion depth mismatch"): the agent's parallel model episodes met it."""
     with _PARSE_LOCK:
-        return ast.parse(source)
+        try:
+            return ast.parse(source)
+        except (ValueError, RecursionError) as e:   # a lone surrogate in the text; nesting past the parser's
+            raise SyntaxError(f"cannot be parsed ({type(e).__name__}: {str(e)[:80]})") from None
 
 
 def check(source: str, level: str = KERNEL) -> list[Violation]:
@@ -143,7 +146,10 @@ def check(source: str, level: str = KERNEL) -> list[Violation]:
     except SyntaxError as e:
         return [Violation(e.lineno or 0, "syntax", f"syntax error: {e.msg}")]
     checker = _Checker(level, _bound_names(tree))
-    checker.visit(tree)
+    try:
+        checker.visit(tree)
+    except RecursionError:   # an expression nested past what the checker's recursion walks (x = 1+1+...)
+        return [Violation(0, "syntax", "nested too deeply to be checked: write it flatter")]
     return sorted(set(checker.violations), key=lambda v: (v.line, v.rule, v.message))
 
 

@@ -9,7 +9,7 @@ import json
 import os
 
 from agent.providers.chat import (SERVER, TIMEOUT, UNREACHABLE, ChatError, Message, Reply,
-                                  retry_after_of, status_error)
+                                  retry_after_of, shown_url, status_error)
 
 DEFAULT_MODEL = "claude-sonnet-4-5"
 
@@ -37,13 +37,15 @@ class AnthropicChat:
         except sdk.APITimeoutError as e:
             raise ChatError(TIMEOUT, str(e)) from e
         except sdk.APIConnectionError as e:
-            raise ChatError(UNREACHABLE, f"{e} ({self.base_url or 'api.anthropic.com'})") from e
+            raise ChatError(UNREACHABLE, f"{e} ({shown_url(self.base_url) or 'api.anthropic.com'})") from e
         except sdk.APIStatusError as e:
             raise status_error(e.status_code, e.message, retry_after_of(e)) from e
         except sdk.APIError as e:  # a malformed answer
             raise ChatError(SERVER, str(e)) from e
         except json.JSONDecodeError as e:  # a body that is not JSON: the SDK lets the parser's error out
             raise ChatError(SERVER, f"the answer did not parse as JSON: {e}") from e
+        except RecursionError as e:        # a body nested past the JSON parser's recursion
+            raise ChatError(SERVER, "the answer is JSON nested too deeply to parse") from e
         text = "".join(getattr(b, "text", "") for b in r.content if getattr(b, "type", "") == "text")
         return Reply(text=text, input_tokens=r.usage.input_tokens, output_tokens=r.usage.output_tokens,
                      model=r.model or self.model, finish_reason=r.stop_reason or "")

@@ -6,6 +6,7 @@ Failed attempts count as calls. Totals go to the log at the end of the run.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -55,6 +56,16 @@ class Usage:
     def summary(self) -> str:
         return (f"{self.calls} calls, {self.input_tokens} input + {self.output_tokens} output tokens, "
                 f"${self.cost_usd:.4f}")
+
+
+def counted(reported: object, estimate: int) -> int:
+    """The tokens a server reported for a call, or `estimate` where what it reported cannot be a
+    count (missing, null, negative, NaN, not a number): NaN or a negative number in the totals
+    made every later limit check pass, and a null one raised (red-team helper, twenty-ninth session)."""
+    if isinstance(reported, bool) or not isinstance(reported, (int, float)) or not math.isfinite(reported) \
+            or reported < 0:
+        return estimate
+    return int(reported)
 
 
 def estimate_tokens(messages: list[Message]) -> int:
@@ -111,8 +122,10 @@ class MeteredClient:
             with self._lock:
                 self._held_tokens -= worst_tokens
                 self._held_cost -= worst_cost
+        used_in = counted(reply.input_tokens, estimate_tokens(messages))
+        used_out = counted(reply.output_tokens, len(reply.text) // CHARS_PER_TOKEN + 1)
         with self._lock:
-            self.usage.input_tokens += reply.input_tokens
-            self.usage.output_tokens += reply.output_tokens
-            self.usage.cost_usd += self.price.cost(reply.input_tokens, reply.output_tokens)
+            self.usage.input_tokens += used_in
+            self.usage.output_tokens += used_out
+            self.usage.cost_usd += self.price.cost(used_in, used_out)
         return reply

@@ -64,6 +64,51 @@ class ChatClient(Protocol):
         """One answer to `messages`, or ChatError."""
 
 
+DEADLINE_GRACE_S = 30.0   # a whole answer's transfer beyond the SDK's timeout (which bounds each read)
+
+
+class DeadlineClient:
+    """One attempt within `seconds` in all: an SDK's timeout bounds each read of the socket, not
+    the answer, and a server sending a byte every few seconds held one request for 560 s against a
+    10 s timeout, a serial run 735 s past its budget (red-team helper, twenty-ninth session). The
+    attempt runs in a daemon thread; past the deadline it is a TIMEOUT, and the thread is left to
+    its socket (it holds no lock of ours and writes nowhere)."""
+
+    def __init__(self, inner: ChatClient, seconds: float):
+        self.inner, self.seconds = inner, seconds
+        self.provider, self.model = inner.provider, inner.model
+
+    def complete(self, messages: list[Message], max_tokens: int) -> Reply:
+        outcome: dict = {}
+
+        def attempt() -> None:
+            try:
+                outcome["reply"] = self.inner.complete(messages, max_tokens)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
+                outcome["error"] = e
+        worker = threading.Thread(target=attempt, name="llm-request", daemon=True)
+        worker.start()
+        worker.join(self.seconds)
+        if worker.is_alive():
+            raise ChatError(TIMEOUT, f"no whole answer within {self.seconds:.0f}s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["reply"]
+
+
+def shown_url(url: str | None) -> str | None:
+    """`url` as logs and transcripts may show it: without user:password (a key can ride there)."""
+    if not url:
+        return url
+    from urllib.parse import urlsplit, urlunsplit
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def request_hash(messages: list[Message], max_tokens: int) -> str:
     """Identity of a request, so a replay can tell when the run has diverged from the recording."""
     payload = json.dumps({"messages": messages, "max_tokens": max_tokens}, sort_keys=True)

@@ -32,8 +32,8 @@ from agent.archive import Archive
 from agent.plan import ENGINES, Plan
 from agent.providers import prompts
 from agent.providers.budget import Budget, MeteredClient, Usage
-from agent.providers.chat import (AUTH, BUDGET, REPLAY, UNREACHABLE, ChatClient, ChatError, Log,
-                                  RecordingClient, RetryingClient)
+from agent.providers.chat import (AUTH, BUDGET, DEADLINE_GRACE_S, REPLAY, UNREACHABLE, ChatClient, ChatError,
+                                  DeadlineClient, Log, RecordingClient, RetryingClient, shown_url)
 from agent.providers.prices import price_for
 from agent.providers.replay import TimingTape
 from agent.providers.proposals import (DUPLICATE, NO_CODE, TimingRequest, Verdict, check_kernel_answer,
@@ -131,12 +131,13 @@ def build_proposer(options, client: ChatClient, settings: LLMSettings, base_url:
     log = getattr(options, "log", None) or workspace_log(options.workspace)
     budget = budget or Budget.from_env()
     price, price_source = price_for(client.model)
+    base_url = shown_url(base_url)
     inner: ChatClient = client
     where = "no transcript (replay)"
     if record:
         path = transcript_path(options.workspace, client.provider)
-        inner = RecordingClient(client, path, {"base_url": base_url, "settings": asdict(settings),
-                                               "budget": asdict(budget)})
+        inner = RecordingClient(DeadlineClient(client, settings.timeout + DEADLINE_GRACE_S), path,
+                                {"base_url": base_url, "settings": asdict(settings), "budget": asdict(budget)})
         where = f"transcript {path}"
         tape = TimingTape(path=path)
     metered = MeteredClient(inner, budget, price)

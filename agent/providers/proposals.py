@@ -233,6 +233,9 @@ def check_plan_answer(text: str, state: SearchState, llm_variants: dict[tuple[st
     slots = dict(best.slots) if same else {s: "torch" for s in SLOTS}
     values = dict(best.params) if same else {n: p.default for n, p in params.items()}
     errors = []
+    for key in ("slots", "params"):
+        if not isinstance(raw.get(key) or {}, dict):
+            return Verdict(INVALID_PLAN, f'"{key}" must be an object ({{"name": value, ...}}), got {type(raw[key]).__name__}')
     available = {s: [v.name for v in vs if state.device in v.devices] for s, vs in menu().items()}
     for slot, variant in (raw.get("slots") or {}).items():
         names = available.get(slot, []) + [v for s, v in llm_variants if s == slot]
@@ -246,7 +249,7 @@ def check_plan_answer(text: str, state: SearchState, llm_variants: dict[tuple[st
         p = params.get(name)
         if p is None:
             errors.append(f"engine {engine} has no parameter {name!r}; parameters: {', '.join(params)}")
-        elif value not in p.choices:
+        elif not any(value == c and type(value) is type(c) for c in p.choices):   # 16.0 is not 16: a new key
             errors.append(f"{name}: {json.dumps(value)} is not a choice; choices: {', '.join(map(json.dumps, p.choices))}")
         elif state.device not in p.devices:
             errors.append(f"{name} has no effect on {state.device}")

@@ -1,0 +1,92 @@
+"""Answers a hostile or broken model server sends (a red-team helper's, twenty-ninth session): each is
+refused with a reason or counted safely, never the end of the model's part of the run, never a
+budget switched off, never a request held past its deadline, never a key in the log."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from agent.extract import ExtractError, extract_json
+from agent.providers import proposals
+from agent.providers.budget import Budget, MeteredClient, counted
+from agent.providers.chat import TIMEOUT, ChatError, DeadlineClient, Reply, shown_url
+from agent.providers.prices import Price
+from tests.test_providers import paged_state
+
+CODE = "def silu_mul__llm_1(gate_up):\n    return gate_up\n"
+
+
+class Slow:
+    """A chat client whose answer comes only after `seconds` (a server dripping its bytes)."""
+    provider, model = "test", "slow"
+
+    def __init__(self, seconds: float):
+        self.seconds, self.done = seconds, threading.Event()
+
+    def complete(self, messages, max_tokens):
+        self.done.wait(self.seconds)
+        return Reply("late", 1, 1, "slow")
+
+
+def test_a_request_is_bounded_in_all_not_per_read():
+    slow = Slow(60.0)
+    start = time.monotonic()
+    with pytest.raises(ChatError) as e:
+        DeadlineClient(slow, 0.3).complete([{"role": "user", "content": "hi"}], 10)
+    slow.done.set()
+    assert e.value.kind == TIMEOUT and time.monotonic() - start < 5.0
+    assert DeadlineClient(Slow(0.0), 5.0).complete([], 10).text == "late"
+
+
+@pytest.mark.parametrize("reported", [float("nan"), -10**12, None, "12", True, float("inf")])
+def test_usage_numbers_that_cannot_be_counts_are_estimated(reported):
+    assert counted(reported, 77) == 77
+    assert counted(120, 77) == 120
+
+
+def test_nan_usage_cannot_switch_the_token_limit_off():
+    class Lying:
+        provider, model = "test", "liar"
+
+        def complete(self, messages, max_tokens):
+            return Reply("x" * 30_000, float("nan"), -10**12, "liar")
+    metered = MeteredClient(Lying(), Budget(max_calls=100, max_tokens=40_000, max_cost_usd=100.0), Price(0.0, 0.0))
+    calls = 0
+    with pytest.raises(ChatError):
+        for calls in range(1, 100):
+            metered.complete([{"role": "user", "content": "hi"}], 5_000)
+    assert calls < 10 and metered.usage.tokens > 0
+
+
+def test_credentials_in_a_base_url_are_not_shown():
+    assert shown_url("http://user:sk-secret@host:8080/v1") == "http://***@host:8080/v1"
+    assert shown_url("https://api.example.com/v1") == "https://api.example.com/v1"
+
+
+@pytest.mark.parametrize("plan,words", [
+    ({"slots": ["norm"]}, '"slots" must be an object'),
+    ({"params": [["block_size", 32]]}, '"params" must be an object'),
+    ({"params": {"block_size": 16.0}}, "is not a choice"),    # 16.0 would be a new key for the same plan
+])
+def test_plan_answers_of_the_wrong_types_are_refused_with_a_reason(plan, words):
+    verdict = proposals.check_plan_answer(f"```json\n{json.dumps({'plan': plan})}\n```", paged_state(), {})
+    assert verdict.verdict == proposals.INVALID_PLAN and words in verdict.detail
+
+
+def test_json_nested_past_the_parser_is_no_plan():
+    with pytest.raises(ExtractError, match="nested too deeply"):
+        extract_json("```json\n" + "[" * 100_000 + "\n```")
+
+
+@pytest.mark.parametrize("code,verdicts", [
+    (CODE + "x = '\ud800'\n", {proposals.SYNTAX}),                           # a lone surrogate in the text
+    (CODE + "x = " + "+".join(["1"] * 900) + "\n", {proposals.POLICY}),       # deeper than the checker walks
+    (CODE + "x = " + "+".join(["1"] * 50000) + "\n", {proposals.SYNTAX}),     # deeper than the parser goes
+], ids=["surrogate", "deep-for-the-checker", "deep-for-the-parser"])
+def test_code_that_breaks_the_parser_or_the_checker_is_refused(code, verdicts):
+    result = proposals.check_kernel_answer(f"```python\n{code}```", "silu_mul", "llm_1", ("silu_mul",), "cpu",
+                                           {}, 30.0, 0)
+    assert result.verdict in verdicts, result.detail
