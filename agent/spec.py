@@ -180,8 +180,10 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
 
 def check_window_covers(spec: ModelSpec, cases: list[str]) -> None:
     """A model whose sliding window is shorter than a context the judge checks or times (the
-    benchmark `cases`, the stress suite's long prompt) is refused here: the engines attend to
-    every position and refuse contexts past the window, so every candidate would fail."""
+    benchmark `cases`, the full stress suite's long prompt: the self-test README gives for the
+    engine written, and an official check's) is refused here: the engines attend to every
+    position and refuse contexts past the window, so the engine written could not pass them.
+    (The search's own quick stress asks less of the target: this is the stricter bound.)"""
     from evaluator.checkpoint import attention_window
     from evaluator.traces import longest_checked_context
 

@@ -35,7 +35,7 @@ ARCHITECTURES = {
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3"}
 ROPE_TYPES = ("default", "llama3")
-MISTRAL_DEFAULT_WINDOW = 4096           # MistralConfig's sliding_window when a config has no such key
+DEFAULT_WINDOW = 4096                   # Mistral's and Qwen's configs' sliding_window when a config has no such key
 QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")   # a window only with use_sliding_window
 QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28     # their configs' default: layers from this one on slide
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -204,19 +204,23 @@ def conventions(config: dict) -> Conventions:
 
 def attention_window(config: dict) -> int | None:
     """The sliding window transformers applies to a Hugging Face config, or None (every layer
-    attends to every position): Mistral's `sliding_window` (MistralConfig's 4096 where the key is
-    absent, None where it is null); Qwen2's and Qwen3's only with `use_sliding_window` true (it
-    defaults to false), and then only in the layers from `max_window_layers` (default 28) on;
-    never Llama's (LlamaConfig has no window). The engines carry the same rule (engine/hf/weights.py.j2)."""
+    attends to every position): Mistral's `sliding_window` (the config classes' 4096 where the key
+    is absent, None where it is null); Qwen2's and Qwen3's only with `use_sliding_window` true (it
+    defaults to false), and then only where some layer slides: as `layer_types` says, where given
+    (transformers 5 writes it), else the layers from `max_window_layers` (default 28) on; never
+    Llama's (LlamaConfig has no window). The engines carry the same rule (engine/hf/weights.py.j2)."""
     arch = config["architectures"][0]
     if arch == "MistralForCausalLM":
-        return config.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+        return config.get("sliding_window", DEFAULT_WINDOW)
     if arch in QWEN_WINDOWED and config.get("use_sliding_window") is True:
-        layers = config.get("num_hidden_layers")
-        first = config.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
-        if isinstance(layers, int) and isinstance(first, int) and first >= layers:
-            return None
-        return config.get("sliding_window")
+        kinds = config.get("layer_types")
+        if isinstance(kinds, list):        # transformers 5 writes each layer's kind: it decides
+            sliding = any(k != "full_attention" for k in kinds)
+        else:
+            layers = config.get("num_hidden_layers")
+            first = config.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
+            sliding = not (isinstance(layers, int) and isinstance(first, int) and first >= layers)
+        return config.get("sliding_window", DEFAULT_WINDOW) if sliding else None
     return None
 
 

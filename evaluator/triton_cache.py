@@ -157,18 +157,27 @@ def _worker_entries(worker_cache: Path, skip: set[str]) -> Iterator[tuple[str, d
 
 
 def _worker_entry_names(worker_cache: Path) -> list[str]:
-    """The names of the folders in a worker's cache, listed as _worker_entries reads them (no link
-    followed), without reading them."""
+    """The names of the non-empty folders in a worker's cache (Triton makes a key's folder before
+    it compiles: a failed compile leaves it empty), opened as _worker_entries opens them (no link
+    followed), their files not read."""
     top = _open_folder(worker_cache)
     if top is None:
         return []
+    names = []
     try:
-        return [n for n in os.listdir(top) if not n.startswith(".")
-                and stat.S_ISDIR(os.stat(n, dir_fd=top, follow_symlinks=False).st_mode)]
+        for name in os.listdir(top):
+            folder = None if name.startswith(".") else _open_folder(name, top)
+            if folder is not None:
+                try:
+                    if os.listdir(folder):
+                        names.append(name)
+                finally:
+                    os.close(folder)
     except OSError:
-        return []
+        pass
     finally:
         os.close(top)
+    return names
 
 
 def _relocate_group(data: bytes | None, folder: Path) -> bytes | None:

@@ -80,7 +80,10 @@ BROKEN = {
         d, architectures=["MistralForCausalLM"], model_type="mistral", max_position_embeddings=8192),
         "sliding window 4096 shorter than max_position_embeddings 8192"),
     "a Qwen window used from a layer on": ("sharded", lambda d: _edit_config(
-        d, sliding_window=64, use_sliding_window=True, max_window_layers=1), "sliding window 64"),
+        d, sliding_window=64, use_sliding_window=True, max_window_layers=1, layer_types=None), "sliding window 64"),
+    "a Qwen window with no sliding_window key": ("sharded", lambda d: (_edit_config(
+        d, use_sliding_window=True, max_window_layers=1, layer_types=None, max_position_embeddings=8192),
+        _drop_key(d, "sliding_window")), "sliding window 4096 shorter than max_position_embeddings 8192"),
     "model_type not the architecture's": ("llama", lambda d: _edit_config(d, model_type="gemma"), "'model_type'"),
     "two RoPE bases": ("llama", lambda d: _edit_config(d, rope_theta=500000.0, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0}), "'rope_theta' (500000.0) and 'rope_parameters.rope_theta'"),
@@ -102,11 +105,20 @@ BROKEN = {
 
 
 # Windows transformers does not apply: taken as full attention (their sliding_window key is inert).
+def _drop_key(folder, key):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.pop(key, None)
+    path.write_text(json.dumps(config))
+
+
 INERT_WINDOWS = {
     "Llama (no window in LlamaConfig)": ("llama", dict(sliding_window=16)),
     "Qwen2 without use_sliding_window": ("sharded", dict(sliding_window=16)),
     "Qwen2 with every layer below max_window_layers": ("sharded", dict(sliding_window=16, use_sliding_window=True,
-                                                                       max_window_layers=28)),
+                                                                       max_window_layers=28, layer_types=None)),
+    "Qwen2 whose layer_types are all full": ("sharded", dict(sliding_window=16, use_sliding_window=True,
+                                                             max_window_layers=1)),
 }
 
 

@@ -90,3 +90,41 @@ def test_code_that_breaks_the_parser_or_the_checker_is_refused(code, verdicts):
     result = proposals.check_kernel_answer(f"```python\n{code}```", "silu_mul", "llm_1", ("silu_mul",), "cpu",
                                            {}, 30.0, 0)
     assert result.verdict in verdicts, result.detail
+
+
+def test_answers_are_valid_utf8_so_a_repair_round_can_send_them_back():
+    from agent.providers.chat import clean_text
+    text = clean_text("x = '\ud800'")
+    assert text.encode("utf-8") and "\ud800" not in text
+
+
+def test_a_reply_without_usage_is_counted_by_its_text_and_a_timed_out_attempt_by_its_worst_case():
+    class NoUsage:
+        provider, model = "test", "quiet"
+
+        def complete(self, messages, max_tokens):
+            return Reply("y" * 40_000, None, None, "quiet")
+    metered = MeteredClient(NoUsage(), Budget(max_calls=100, max_tokens=50_000, max_cost_usd=100.0), Price(0.0, 0.0))
+    metered.complete([{"role": "user", "content": "hi"}], 1_000)
+    assert metered.usage.output_tokens > 10_000
+
+    class Cut:
+        provider, model = "test", "cut"
+
+        def complete(self, messages, max_tokens):
+            raise ChatError(TIMEOUT, "no whole answer")
+    cut = MeteredClient(Cut(), Budget(max_calls=100, max_tokens=50_000, max_cost_usd=100.0), Price(0.0, 0.0))
+    with pytest.raises(ChatError):
+        cut.complete([{"role": "user", "content": "hi"}], 2_000)
+    assert cut.usage.output_tokens == 2_000
+
+
+@pytest.mark.parametrize("url,shown", [
+    ("user:sk-secret@host:8080/v1", "***@host:8080/v1"),
+    ("sk-secret@host/v1", "***@host/v1"),
+    ("http://u:p@[::1]:8080/v1", "http://***@[::1]:8080/v1"),
+    ("http://u:p@host:abc/v1", "http://***@host:abc/v1"),
+    ("http://host/v1?x=a@b", "http://host/v1?x=a@b"),
+])
+def test_odd_base_urls_are_shown_without_credentials(url, shown):
+    assert shown_url(url) == shown

@@ -242,6 +242,7 @@ def test_merge_and_compiled_read_only_the_entries_the_shared_cache_lacks(tmp_pat
     reads = []
     real = triton_cache.read_regular
     monkeypatch.setattr(triton_cache, "read_regular", lambda path, *a, **k: reads.append(str(path)) or real(path, *a, **k))
+    (worker / "failed").mkdir()   # Triton makes a key's folder first: a failed compile leaves it empty
     assert triton_cache.compiled(worker, shared) == 1 and reads == []
     assert triton_cache.merge(worker, shared) == 1
     assert sorted(reads) == ["kernel.cubin", "kernel.json"]

@@ -9,7 +9,7 @@ import json
 import os
 
 from agent.providers.chat import (SERVER, TIMEOUT, UNREACHABLE, ChatError, Message, Reply,
-                                  retry_after_of, shown_url, status_error)
+                                  clean_text, retry_after_of, shown_url, status_error)
 
 DEFAULT_MODEL = "claude-sonnet-4-5"
 
@@ -46,8 +46,10 @@ class AnthropicChat:
             raise ChatError(SERVER, f"the answer did not parse as JSON: {e}") from e
         except RecursionError as e:        # a body nested past the JSON parser's recursion
             raise ChatError(SERVER, "the answer is JSON nested too deeply to parse") from e
-        text = "".join(getattr(b, "text", "") for b in r.content if getattr(b, "type", "") == "text")
-        return Reply(text=text, input_tokens=r.usage.input_tokens, output_tokens=r.usage.output_tokens,
+        text = clean_text("".join(getattr(b, "text", "") or "" for b in r.content or [] if getattr(b, "type", "") == "text"))
+        usage = r.usage   # estimated where absent (budget.counted)
+        return Reply(text=text, input_tokens=getattr(usage, "input_tokens", None),
+                     output_tokens=getattr(usage, "output_tokens", None),
                      model=r.model or self.model, finish_reason=r.stop_reason or "")
 
 

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from agent.providers.chat import BUDGET, ChatClient, ChatError, Message, Reply
+from agent.providers.chat import BUDGET, TIMEOUT, ChatClient, ChatError, Message, Reply
 from agent.providers.prices import Price
 
 CHARS_PER_TOKEN = 3  # a conservative estimate of prompt tokens before the call (code is dense)
@@ -118,6 +118,13 @@ class MeteredClient:
             self._held_cost += worst_cost
         try:
             reply = self.inner.complete(messages, max_tokens)
+        except ChatError as e:
+            if e.kind == TIMEOUT:   # cut while the server may still be answering (and billing): its worst case
+                with self._lock:
+                    self.usage.input_tokens += estimate_tokens(messages)
+                    self.usage.output_tokens += max_tokens
+                    self.usage.cost_usd += worst_cost
+            raise
         finally:
             with self._lock:
                 self._held_tokens -= worst_tokens

@@ -36,8 +36,8 @@ RETRYABLE = frozenset({RATE_LIMIT, SERVER, TIMEOUT, UNREACHABLE, EMPTY})
 @dataclass(frozen=True)
 class Reply:
     text: str
-    input_tokens: int
-    output_tokens: int
+    input_tokens: int | None     # as the server reported them; None where it did not (budget.counted)
+    output_tokens: int | None
     model: str
     finish_reason: str = ""
 
@@ -64,15 +64,14 @@ class ChatClient(Protocol):
         """One answer to `messages`, or ChatError."""
 
 
-DEADLINE_GRACE_S = 30.0   # a whole answer's transfer beyond the SDK's timeout (which bounds each read)
-
-
 class DeadlineClient:
-    """One attempt within `seconds` in all: an SDK's timeout bounds each read of the socket, not
-    the answer, and a server sending a byte every few seconds held one request for 560 s against a
-    10 s timeout, a serial run 735 s past its budget (red-team helper, twenty-ninth session). The
+    """One attempt within `seconds` in all (LLM_TIMEOUT_S, which the run's deadline checks take
+    a request to last at most): an SDK's timeout bounds each read of the socket, not the answer,
+    and a server sending a byte every few seconds held one request for 560 s against a 10 s
+    timeout, a serial run 735 s past its budget (red-team helper, twenty-ninth session). The
     attempt runs in a daemon thread; past the deadline it is a TIMEOUT, and the thread is left to
-    its socket (it holds no lock of ours and writes nowhere)."""
+    its socket (it holds no lock of ours and writes nowhere; the budget counts the attempt's
+    worst case: agent/providers/budget.py)."""
 
     def __init__(self, inner: ChatClient, seconds: float):
         self.inner, self.seconds = inner, seconds
@@ -97,16 +96,18 @@ class DeadlineClient:
 
 
 def shown_url(url: str | None) -> str | None:
-    """`url` as logs and transcripts may show it: without user:password (a key can ride there)."""
+    """`url` as logs and transcripts may show it: whatever sits before an `@` in its authority
+    (user:password, a key) replaced by ***, with or without a scheme."""
     if not url:
         return url
-    from urllib.parse import urlsplit, urlunsplit
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return re.sub(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)?[^/@]*@", lambda m: (m.group(1) or "") + "***@", url, count=1)
+
+
+def clean_text(text: str) -> str:
+    """An answer's text as valid UTF-8: a lone surrogate (JSON lets a server send one) cannot be
+    sent back in the next request's messages, and the SDK's encoder raised there, ending the
+    model's part of the run (a cold review, twenty-ninth session)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def request_hash(messages: list[Message], max_tokens: int) -> str:

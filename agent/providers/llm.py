@@ -32,7 +32,7 @@ from agent.archive import Archive
 from agent.plan import ENGINES, Plan
 from agent.providers import prompts
 from agent.providers.budget import Budget, MeteredClient, Usage
-from agent.providers.chat import (AUTH, BUDGET, DEADLINE_GRACE_S, REPLAY, UNREACHABLE, ChatClient, ChatError,
+from agent.providers.chat import (AUTH, BUDGET, REPLAY, UNREACHABLE, ChatClient, ChatError,
                                   DeadlineClient, Log, RecordingClient, RetryingClient, shown_url)
 from agent.providers.prices import price_for
 from agent.providers.replay import TimingTape
@@ -136,7 +136,7 @@ def build_proposer(options, client: ChatClient, settings: LLMSettings, base_url:
     where = "no transcript (replay)"
     if record:
         path = transcript_path(options.workspace, client.provider)
-        inner = RecordingClient(DeadlineClient(client, settings.timeout + DEADLINE_GRACE_S), path,
+        inner = RecordingClient(DeadlineClient(client, settings.timeout), path,
                                 {"base_url": base_url, "settings": asdict(settings), "budget": asdict(budget)})
         where = f"transcript {path}"
         tape = TimingTape(path=path)

@@ -11,7 +11,7 @@ import json
 import os
 
 from agent.providers.chat import (SERVER, TIMEOUT, UNREACHABLE, ChatError, Message, Reply,
-                                  retry_after_of, shown_url, status_error)
+                                  clean_text, retry_after_of, shown_url, status_error)
 
 DEFAULT_MODEL = "gpt-5"
 OFFICIAL_HOST = "api.openai.com"
@@ -53,10 +53,10 @@ class OpenAIChat:
         except RecursionError as e:        # a body nested past the JSON parser's recursion
             raise ChatError(SERVER, "the answer is JSON nested too deeply to parse") from e
         choice = r.choices[0] if r.choices else None
-        text = (choice.message.content or "") if choice is not None else ""
-        usage = r.usage
-        return Reply(text=text, input_tokens=usage.prompt_tokens if usage else 0,
-                     output_tokens=usage.completion_tokens if usage else 0,
+        text = clean_text((choice.message.content or "") if choice is not None else "")
+        usage = r.usage   # absent or partial on some compatible servers: None, estimated (budget.counted)
+        return Reply(text=text, input_tokens=getattr(usage, "prompt_tokens", None),
+                     output_tokens=getattr(usage, "completion_tokens", None),
                      model=r.model or self.model, finish_reason=(choice.finish_reason or "") if choice else "")
 
 
