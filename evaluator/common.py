@@ -87,7 +87,7 @@ class ModelDims:
             layers=int(config["num_hidden_layers"]),
             heads=heads,
             kv_heads=int(config.get("num_key_value_heads", heads)),
-            head_dim=int(config.get("head_dim", hidden // heads)),
+            head_dim=int(config.get("head_dim") or hidden // heads),   # null: as absent (transformers)
             vocab=int(config["vocab_size"]),
             eps=float(config.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS)),
             theta=rope_theta(config),

@@ -160,3 +160,13 @@ def test_a_window_shorter_than_what_the_judge_checks_is_one_line_and_exit_2(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sliding window 512 is shorter than the" in err[0]
     assert not (tmp_path / "ws").exists()
+
+
+def test_a_null_head_dim_reads_as_absent_as_in_transformers(tmp_path):
+    """transformers' configs take head_dim null as hidden / heads; so does the agent (it refused it)."""
+    model = build(tmp_path / "m", head_dim=16)        # TINY: hidden 64, 4 heads
+    _edit_config(model.folder, head_dim=None)
+    assert load_spec(model.folder / "config.json", model.folder).head_dim == 16
+    _edit_config(model.folder, head_dim=0)
+    with pytest.raises(SpecError, match="'head_dim' must be a positive integer"):
+        load_spec(model.folder / "config.json", model.folder)
