@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from evaluator.checkpoint import HF_PREFIX, CheckpointError, TensorInfo, list_tensors
+from evaluator.checkpoint import HF_PREFIX, CheckpointError, TensorInfo, list_tensors, read_tensor
 
 # Stored dtypes an engine casts from: safetensors' names and torch's.
 FLOAT_DTYPES = ("F32", "F16", "BF16", "torch.float32", "torch.float16", "torch.bfloat16")
@@ -60,18 +60,9 @@ def _check_tied_head(head: TensorInfo, embed: TensorInfo, error: type[Exception]
     """A tied model that stores an lm_head anyway: fine where it is the embedding. Where it is not,
     transformers 5 uses the stored head and older versions tie it away, so which model the
     folder is depends on the reader: refused, naming both tensors."""
-    if head.shape != embed.shape or not torch.equal(_read(head), _read(embed)):
+    if head.shape != embed.shape or not torch.equal(read_tensor(head), read_tensor(embed)):
         raise error(f"tie_word_embeddings is true, but '{head.name}' in {head.file} is not '{embed.name}': "
                     "transformers versions disagree on which is the output head")
-
-
-def _read(info: TensorInfo) -> torch.Tensor:
-    if info.file.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(info.file), framework="pt") as f:
-            return f.get_tensor(info.name)
-    return torch.load(info.file, map_location="cpu", weights_only=True, mmap=True)[info.name]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

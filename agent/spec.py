@@ -150,11 +150,11 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
         raise SpecError(f"unsupported feature: activation {_shown(act)} (model config key 'hidden_act'; only SwiGLU/silu)")
     sizes = {k: _positive_int(config, k) for k in REQUIRED_INTS}
     heads = sizes["num_attention_heads"]
-    if config.get("head_dim") is None and sizes["hidden_size"] % heads:   # null reads as absent, as in transformers
+    given = config.get("head_dim")   # null reads as absent, as in transformers
+    if given is None and sizes["hidden_size"] % heads:
         raise SpecError(f"model config has no 'head_dim' and hidden_size {sizes['hidden_size']} "
                         f"is not divisible by num_attention_heads {heads}")
-    head_dim = _positive_int(config if config.get("head_dim") is not None else
-                             {**config, "head_dim": sizes["hidden_size"] // heads}, "head_dim")
+    head_dim = sizes["hidden_size"] // heads if given is None else _positive_int(config, "head_dim")
     kv_heads = _positive_int(config, "num_key_value_heads", heads)
     if heads % kv_heads:
         raise SpecError(f"unsupported feature: num_attention_heads {heads} is not a multiple of "

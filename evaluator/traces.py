@@ -177,10 +177,13 @@ FULL = StressSize(long_prompt=2100, long_decode_steps=8, wide_batch=64, wide_max
                   wide_steps=10, churn_max_prompt=300, mixed_rounds=8, mixed_max_prompt=512)
 
 
+LONG_PROMPT_EXTRA = 8   # the long prompt is long_prompt plus fewer tokens than this, drawn
+
+
 def longest_checked_context(cases: list[str] | tuple[str, ...]) -> int:
     """The longest context a judge asks of an engine: the benchmark `cases` it times and the full
-    stress suite's long prompt (at most 7 tokens over long_prompt, then its decode steps)."""
-    stress = FULL.long_prompt + 7 + FULL.long_decode_steps
+    stress suite's long prompt (long_prompt_scenario: its prompt, then its decode steps)."""
+    stress = FULL.long_prompt + LONG_PROMPT_EXTRA - 1 + FULL.long_decode_steps
     return max([stress, *(longest_context(benchmark_trace(c)) for c in cases)])
 
 
@@ -210,7 +213,7 @@ def _subset(rng: random.Random, live: list[int], at_least: int = 1) -> list[int]
 def long_prompt_scenario(rng: random.Random, size: StressSize) -> list[Op]:
     """One prompt of >= 1024 tokens next to a one-token prompt in the same call, then decodes."""
     long_id, short_id = _ids(rng, 2)
-    trace = [prefill([long_id, short_id], [size.long_prompt + rng.randrange(8), 1])]
+    trace = [prefill([long_id, short_id], [size.long_prompt + rng.randrange(LONG_PROMPT_EXTRA), 1])]
     trace += [decode(_unsorted(rng, [long_id, short_id])) for _ in range(size.long_decode_steps)]
     return trace + [remove([short_id, long_id])]
 

@@ -125,59 +125,56 @@ def _open_folder(path: Path | str, dir_fd: int | None = None) -> int | None:
         return None
 
 
-def _worker_entries(worker_cache: Path, skip: set[str]) -> Iterator[tuple[str, dict[str, bytes] | None]]:
-    """A worker's cache, read as the judge (root) may read it: (entry name, its files, or None for
-    an entry that is not a folder of regular files), one entry at a time, those named in `skip`
-    (the shared layers hold them) not opened. The worker owns its home and everything in it: it
-    can make its cache folder, or an entry, a link to a folder only root may read, and a judge
-    following it would copy that folder into the shared cache for later workers (a red-team
-    helper did, twenty-ninth session). So every level is opened by name in the one above it,
-    never following a link (the home itself lies in the judge's folder)."""
+def _worker_folders(worker_cache: Path, skip: frozenset[str] | set[str] = frozenset()
+                    ) -> Iterator[tuple[str, int | None]]:
+    """(name, a descriptor of that folder, or None for a link or no folder) of each entry of a
+    worker's cache but those in `skip`; a descriptor is closed when the next entry comes. The
+    worker owns its home and everything in it: it can make its cache folder, or an entry, a link
+    to a folder only root may read, and a judge (root) following it would copy that folder into
+    the shared cache for later workers (a red-team helper did, twenty-ninth session). So every
+    level is opened by name in the one above it, never following a link (the home itself lies
+    in the judge's folder)."""
     top = _open_folder(worker_cache)
     if top is None:
         return
     try:
-        names = sorted(n for n in os.listdir(top) if not n.startswith(".") and n not in skip)
-        for name in names:
-            folder = _open_folder(name, top)
-            if folder is None:
-                yield name, None
+        for name in sorted(os.listdir(top)):
+            if name.startswith(".") or name in skip:
                 continue
+            folder = _open_folder(name, top)
             try:
-                files = {item: read_regular(item, MAX_ENTRY_BYTES, folder) for item in os.listdir(folder)}
-            except OSError:
-                files = {}
+                yield name, folder
             finally:
-                os.close(folder)
-            yield name, (files if files and all(data is not None for data in files.values()) else None)
+                if folder is not None:
+                    os.close(folder)
     except OSError:
         return
     finally:
         os.close(top)
+
+
+def _worker_entries(worker_cache: Path, skip: set[str]) -> Iterator[tuple[str, dict[str, bytes] | None]]:
+    """(entry name, its files, or None for an entry that is not a folder of regular files) of a
+    worker's cache, one entry at a time, those named in `skip` (the shared layers hold them) not
+    opened (_worker_folders)."""
+    for name, folder in _worker_folders(worker_cache, skip):
+        try:
+            files = {item: read_regular(item, MAX_ENTRY_BYTES, folder) for item in os.listdir(folder)} \
+                if folder is not None else {}
+        except OSError:
+            files = {}
+        yield name, (files if files and all(data is not None for data in files.values()) else None)
 
 
 def _worker_entry_names(worker_cache: Path) -> list[str]:
     """The names of the non-empty folders in a worker's cache (Triton makes a key's folder before
-    it compiles: a failed compile leaves it empty), opened as _worker_entries opens them (no link
-    followed), their files not read."""
-    top = _open_folder(worker_cache)
-    if top is None:
-        return []
-    names = []
-    try:
-        for name in os.listdir(top):
-            folder = None if name.startswith(".") else _open_folder(name, top)
-            if folder is not None:
-                try:
-                    if os.listdir(folder):
-                        names.append(name)
-                finally:
-                    os.close(folder)
-    except OSError:
-        pass
-    finally:
-        os.close(top)
-    return names
+    it compiles: a failed compile leaves it empty), their files not read."""
+    def non_empty(folder: int) -> bool:
+        try:
+            return bool(os.listdir(folder))
+        except OSError:
+            return False
+    return [name for name, folder in _worker_folders(worker_cache) if folder is not None and non_empty(folder)]
 
 
 def _relocate_group(data: bytes | None, folder: Path) -> bytes | None:

@@ -135,16 +135,34 @@ class Heard(ListProposer):
         self.heard.append((candidate.plan.params, result.stage))
 
 
-def deferred_run(tmp_path, monkeypatch, judge, plans=PLANS, proposer=None) -> tuple[Workspace, SearchState, list[str]]:
+def deferred_run(tmp_path, monkeypatch, judge, plans=PLANS, proposer=None,
+                 capture: bool = True) -> tuple[Workspace, SearchState, list[str]]:
+    """A fresh loop run in tmp_path/ws with `judge`; its log lines in the list returned (`capture`),
+    or written to results.log as a real run writes them. The report is finished on the way out of
+    an interrupt too, as cli.run_search finishes it."""
     monkeypatch.setattr(loop, "render_engine", fake_render)
     ws = Workspace(tmp_path / "ws")
     ws.reset()
     report, state, lines = Reporter(ws.root, live=False), SearchState(spec=None, device="cpu", hardware={}), []
-    monkeypatch.setattr(report, "line", lambda text="": lines.append(text))
+    if capture:
+        monkeypatch.setattr(report, "line", lambda text="": lines.append(text))
     report.start({"run": RUN}, [])
-    loop.run(state, proposer or ListProposer(plans), judge, ws, report, 600.0)
-    report.finish([])
+    try:
+        loop.run(state, proposer or ListProposer(plans), judge, ws, report, 600.0)
+    finally:
+        report.finish([])
     return ws, state, lines
+
+
+def resumed_run(ws: Workspace, state: SearchState, previous: resume.Previous, judge) -> None:
+    """The resumed run cli.run_search makes of `previous` with `judge`: it builds on search_best
+    (a winner whose deferred final was due, where there is one) and proposes nothing new."""
+    state.best, state.best_result = previous.search_best.candidate, previous.search_best.result
+    report = Reporter(ws.root, live=False)
+    report.entries = list(previous.entries)
+    report.start({"run": RUN}, [])
+    loop.run(state, ListProposer([]), judge, ws, report, 600.0)
+    report.finish([])
 
 
 def test_a_winner_replaced_before_its_final_never_needs_one(tmp_path, monkeypatch):
@@ -187,15 +205,9 @@ def test_a_final_interrupted_or_cut_by_the_budget_stays_due(tmp_path, monkeypatc
             if phase == loop.FINAL and engine.read_text() == fake_render(PLANS[3]):
                 raise KeyboardInterrupt
             return super().__call__(engine, out_dir, timeout, phase)
-    monkeypatch.setattr(loop, "render_engine", fake_render)
-    ws = Workspace(tmp_path / "ws")
-    ws.reset()
-    report = Reporter(ws.root, live=False)
-    report.start({"run": RUN}, [])
     with pytest.raises(KeyboardInterrupt):
-        loop.run(SearchState(spec=None, device="cpu", hardware={}), ListProposer(PLANS), Interrupted(), ws, report,
-                 600.0)
-    report.finish([])   # as cli.run_search does on the way out of an interrupt
+        deferred_run(tmp_path, monkeypatch, Interrupted())
+    ws = Workspace(tmp_path / "ws")
     record = json.loads((ws.root / "results.json").read_text())["candidates"]
     assert record[-1]["index"] == 5 and record[-1]["final_due"] and not record[-1]["accepted"]
     _, previous = resumed_state(ws)
@@ -213,13 +225,8 @@ def test_a_winner_the_run_stopped_before_its_final_gets_it_on_resume(tmp_path, m
     (ws.root / "engine.json").unlink()
     state, previous = resumed_state(ws)
     assert previous.best.index == 2 and previous.search_best.index == 3
-    state.best, state.best_result = previous.search_best.candidate, previous.search_best.result
-    report = Reporter(ws.root, live=False)
-    report.entries = list(previous.entries)
-    report.start({"run": RUN}, [])
     judge = PhaseJudge()
-    loop.run(state, ListProposer([]), judge, ws, report, 600.0)
-    report.finish([])
+    resumed_run(ws, state, previous, judge)
     assert judge.calls == [(fake_render(PLANS[1]), loop.FINAL)]
     assert ws.installed_verdict()["index"] == 3
 
@@ -264,13 +271,8 @@ def test_a_final_installed_before_the_record_was_written_is_not_run_again(tmp_pa
     state, previous = resumed_state(ws)
     assert previous.best.index == 3 and previous.search_best.index == 3 and previous.best.final_due is None
     assert previous.best.result.to_dict() == ws.installed_verdict()["result"]
-    state.best, state.best_result = previous.search_best.candidate, previous.search_best.result
-    report = Reporter(ws.root, live=False)
-    report.entries = list(previous.entries)
-    report.start({"run": RUN}, [])
     judge = PhaseJudge()
-    loop.run(state, ListProposer([]), judge, ws, report, 600.0)
-    report.finish([])
+    resumed_run(ws, state, previous, judge)
     assert judge.calls == []
     assert json.loads((ws.root / "results.json").read_text())["best"] == 3
 
@@ -286,13 +288,7 @@ def test_a_verdict_holding_text_utf8_cannot_write_goes_into_the_log_escaped(tmp_
                 atomic_write(out_dir / "result.json", json.dumps(result.to_dict()))
                 return result
             return super().__call__(engine, out_dir, timeout, phase)
-    monkeypatch.setattr(loop, "render_engine", fake_render)
-    ws = Workspace(tmp_path / "ws")
-    ws.reset()
-    report = Reporter(ws.root, live=False)
-    report.start({"run": RUN}, [])
-    loop.run(SearchState(spec=None, device="cpu", hardware={}), ListProposer(PLANS[:2]), Surrogate(), ws, report, 600.0)
-    report.finish([])
+    ws, _, _ = deferred_run(tmp_path, monkeypatch, Surrogate(), PLANS[:2], capture=False)
     assert "bad \\udc80 byte" in (ws.root / "results.log").read_text()
     assert json.loads((ws.root / "results.json").read_text())["finished"]
 
