@@ -53,6 +53,7 @@ STARTED = time.perf_counter()   # before torch is imported: the judge's start co
 
 quiet_threads()   # before torch is imported: see QUIET_THREADS
 
+from evaluator import compile_ahead  # noqa: E402
 from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
 from evaluator.common import (CRASH, ConfigError, EvalFailure, Tolerance, compute_dtype,  # noqa: E402
                               harness_parser, load_config, parse_cases, resolve_device)
@@ -195,6 +196,11 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             result["isolation"] = worker.layers
             if reuse is None:
                 worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
+            stress_seed = secrets.randbits(31) if seed is None else seed
+            if device == "cuda" and (public or stress != "off"):   # what the untimed stages will compile
+                models = compile_ahead.plan(config, worker.readable(weight_dir), public, list(cases) if benchmark else [],
+                                            stress, stress_seed, device)
+                worker.request({"op": "ahead", "models": models}, what="compile ahead")
             module = RemoteModule(worker)
             clock.lap("worker")
             if bf16_criterion:   # also where `public` is off: it sets the tolerance the benchmark checks at
@@ -216,7 +222,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                 log("public sequence: not run (a repeated timing: the screen ran it on this engine)")
             if stress != "off":
                 result["stage"] = "stress"
-                report = run_stress(module, device, seed, quick=stress == "quick", target=(config, weight_dir),
+                report = run_stress(module, device, stress_seed, quick=stress == "quick", target=(config, weight_dir),
                                     fail_fast=True, tol=tol, log=log, target_tol=target_tol)
                 result["stress"] = report.to_dict()
                 clock.lap("stress")
@@ -226,6 +232,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                     result["error"] = f"stress case {failure.name} (seed {report.seed}): {failure.error}"
                     return result
             if benchmark:
+                worker.request({"op": "stop_ahead"}, what="compile ahead")
                 before_timing()
                 result["stage"] = "benchmark"
                 # A fresh seed the worker never sees: it gets each trace's tokens when the clock starts.
@@ -235,6 +242,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                 clock.lap("benchmark")
             result["stage"], result["status"] = "done", "passed"
             if profile:
+                worker.request({"op": "stop_ahead"}, what="compile ahead")
                 before_timing()
                 try:
                     result["slot_ms"] = profiled_pass(module, config, weight_dir, list(cases))

@@ -44,7 +44,7 @@ from evaluator.guards import FunctionIdentities, ThreadWatch  # noqa: E402
 from evaluator.noise import judge_margin  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
 from evaluator.session import CheckedSession  # noqa: E402
-from evaluator.traces import FULL, LONG_PROMPT, QUICK, STRESS_SCENARIOS, StressSize  # noqa: E402
+from evaluator.traces import FULL, LONG_PROMPT, QUICK, STRESS_SCENARIOS, Op, StressSize  # noqa: E402
 from evaluator.weights import TOY_SCALE, random_weights, save_weights  # noqa: E402
 
 # Weight scale per compute dtype: s = max(TOY_SCALE * f, sqrt(k / hidden)). k = hidden * s^2
@@ -202,6 +202,25 @@ def stress_models(rng: random.Random, quick: bool, device: str,
     return out
 
 
+def draw(seed: int, quick: bool, device: str, target_config: dict | None = None) -> tuple[list[StressModel], int]:
+    """What a run of `seed` checks: its random models and the real model's trace seed."""
+    rng = random.Random(seed)
+    models = stress_models(rng, quick, device, target_config)
+    return models, rng.randrange(2**31)
+
+
+def target_scenarios(quick: bool) -> list[str]:
+    """The real model's scenarios: its churn in quick mode, every scenario in full mode."""
+    return ["churn"] if quick else list(STRESS_SCENARIOS)
+
+
+def scenario_traces(trace_seed: int, scenarios, size: StressSize) -> tuple[int, list[list[Op]]]:
+    """A model's token seed and each scenario's trace, as its run draws them."""
+    rng = random.Random(trace_seed)
+    gen_seed = rng.randrange(2**31)
+    return gen_seed, [STRESS_SCENARIOS[scenario](rng, size) for scenario in scenarios]
+
+
 def judge_safe_weights(model: StressModel, device: str, tol: Tolerance,
                        log: Callable[[str], None] = lambda line: None,
                        margin_of: Callable[..., float] = judge_margin) -> dict[str, torch.Tensor]:
@@ -240,10 +259,10 @@ class _Runner:
         leaves its state suspect, so the next scenario gets a fresh one). False: stop.
         tol: this model's, if not the run's (the target's under the bf16 criterion)."""
         tol = tol or self.tol
-        rng = random.Random(trace_seed)
-        gen = make_generator(rng.randrange(2**31), self.device)
+        gen_seed, traces = scenario_traces(trace_seed, scenarios, self.size)
+        gen = make_generator(gen_seed, self.device)
         engine = reference = None
-        for scenario in scenarios:
+        for scenario, trace in zip(scenarios, traces):
             case = CaseResult(f"{name}/{scenario}", passed=False)
             t0 = time.perf_counter()
             session = None
@@ -254,7 +273,7 @@ class _Runner:
                     reference = ReferenceModel(config, weights, self.device, dtype=tol.reference_dtype)
                 session = CheckedSession(engine, reference, gen, tol, label=f"{scenario}: ",
                                          threads=self.threads)
-                session.run(STRESS_SCENARIOS[scenario](rng, self.size))
+                session.run(trace)
                 case.passed = True
             except EvalFailure as e:
                 case.error, case.error_kind = str(e), e.kind
@@ -282,11 +301,9 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
     module cannot be imported). The same seed draws the same models and traces."""
     identities = FunctionIdentities()
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
-    rng = random.Random(seed)
     device = resolve_device(device)
     target_config = load_config(target[0]) if target is not None else None
-    models = stress_models(rng, quick, device, target_config)
-    target_trace_seed = rng.randrange(2**31)
+    models, target_trace_seed = draw(seed, quick, device, target_config)
     report = StressReport(seed, "quick" if quick else "full")
     module = load_engine_module(engine)
     run = _Runner(module, device, QUICK if quick else FULL, tol, report, log, fail_fast, identities.threads)
@@ -294,7 +311,7 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
     go_on = True
     if target is not None:
         weight_dir = str(target[1])
-        scenarios = ["churn"] if quick else list(STRESS_SCENARIOS)
+        scenarios = target_scenarios(quick)
         go_on = run.model(TARGET, target_config, weight_dir, load_weights(weight_dir, target_config), scenarios,
                           target_trace_seed, target_tol)
     for model in models if go_on else []:

@@ -6,7 +6,8 @@ First it confines itself (evaluator/isolation.py: own uid, no network, limits, d
 judge), then it imports torch (and on a GPU makes its context and imports Triton), says hello
 with the layers it holds, and serves the judge's
 requests one at a time: load the candidate, create an engine, run one call, run a whole timed
-trace, run a profiled pass (evaluator/slot_profile.py), release an engine. Token ids arrive with each request; logits go into the output buffer
+trace, run a profiled pass (evaluator/slot_profile.py), release an engine, start and stop the
+compile-ahead process beside it (evaluator/compile_ahead.py). Token ids arrive with each request; logits go into the output buffer
 the judge lent it. Nothing here is trusted by the judge: a candidate can rewrite any of it in
 this process, and all it gains is a worker that answers wrongly, which the judge checks.
 """
@@ -15,9 +16,12 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import json
 import secrets
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -81,6 +85,8 @@ class Worker:
         self.torch, self.channel, self.common, self.guards = torch, channel, common, guards
         self.sock = sock
         self.module = None
+        self.engine_path = None
+        self.ahead_proc = None    # evaluator/compile_ahead.py, while it runs
         self.engines: dict[int, object] = {}
         self.next_id = 0
         self.buffer = None
@@ -94,6 +100,31 @@ class Worker:
 
     def load(self, req: dict, _: bytes) -> dict:
         self.module = self.common.load_engine_module(req["engine"])
+        self.engine_path = req["engine"]
+        return {}
+
+    def ahead(self, req: dict, _: bytes) -> dict:
+        """Start evaluator/compile_ahead.py beside this worker on the loaded engine and the
+        judge's plan (its models and calls): it compiles their Triton kernels on a thread pool,
+        into this worker's cache, while the judge's untimed stages run here. Stopped before
+        anything is timed (`stop_ahead`)."""
+        if self.engine_path is None:
+            raise Refusal(self.common.CRASH, "compile ahead before load")
+        self.stop_ahead()
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compile-ahead-", delete=False) as f:
+            json.dump({"engine": self.engine_path, "models": req["models"]}, f)
+        self.ahead_proc = subprocess.Popen([sys.executable, "-I", str(Path(__file__).with_name("compile_ahead.py")),
+                                            f.name], stdin=subprocess.DEVNULL)
+        self.ahead_request = Path(f.name)
+        return {"pid": self.ahead_proc.pid}
+
+    def stop_ahead(self, *_) -> dict:
+        """Kill the compile-ahead process, if any, and wait for it: nothing of it runs beside a timing."""
+        if self.ahead_proc is not None:
+            self.ahead_proc.kill()
+            self.ahead_proc.wait()
+            self.ahead_proc = None
+            self.ahead_request.unlink(missing_ok=True)
         return {}
 
     def set_buffer(self, req: dict, _: bytes, fds: list[int]) -> dict:
@@ -168,6 +199,7 @@ class Worker:
         """Before a timed trace, outside the judge's clock: its shape (engine, ops), the outputs'
         staging rows and the digest key (payload) on the device, peak memory reset, the device
         idle; the timed request (the tokens) is then awaited spinning, not asleep."""
+        self.stop_ahead()
         torch, device = self.torch, req["device"]
         vocab = int(req["vocab"])
         self.staging = torch.empty(int(req["rows"]), vocab, dtype=torch.float32, device=device)
@@ -219,6 +251,7 @@ class Worker:
         the creation and the untimed pass watched for the kernel names its graphs replay:
         evaluator/slot_profile.py). Its slot_ms is this worker's claim, reported, never scored."""
         from evaluator import slot_profile
+        self.stop_ahead()
         torch, device = self.torch, req["device"]
         if self.module is None:
             raise Refusal(self.common.CRASH, "profile before load")
@@ -259,7 +292,8 @@ class Worker:
 
     def serve(self) -> None:
         handlers = {"load": self.load, "create": self.create, "call": self.call, "arm": self.arm,
-                    "trace": self.trace, "flush": self.flush, "profile": self.profile}
+                    "trace": self.trace, "flush": self.flush, "profile": self.profile, "ahead": self.ahead,
+                    "stop_ahead": self.stop_ahead}
         while True:
             if self.armed:
                 self.armed = False
@@ -267,6 +301,7 @@ class Worker:
             req, payload, fds = self.channel.receive(self.sock, want_fds=True)
             op = req.get("op")
             if op == "exit":
+                self.stop_ahead()
                 return
             try:
                 self.release(req.get("release", []))

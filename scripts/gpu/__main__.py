@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "linear-sweep": "linear_sweep", "slot-session": "slot_session", "judge-split": "judge_split",
     "hf": "hf_models", "scripted-search": "scripted_search", "engine-cost": "engine_cost",
     "persistent-probe": "persistent_probe", "bf16-probe": "bf16_probe",
-    "first-run": "first_run", "megakernel-probe": "megakernel_probe",
+    "first-run": "first_run", "megakernel-probe": "megakernel_probe", "compile-probe": "compile_probe",
 }
 
 

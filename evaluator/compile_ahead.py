@@ -1,0 +1,226 @@
+"""Compile a candidate's Triton kernels ahead of the calls that need them, on a pool of threads.
+
+    python3 -I evaluator/compile_ahead.py REQUEST.json    (started by evaluator/worker.py, in its jail)
+
+Why: a worker compiles each kernel at its first launch, one after another, and compiling was
+most of what a verdict waited for: a screen's public phase 2-17 s of it, a final's stress suite
+27-40 s (63-97 kernels, every random model's shapes anew; docs/benchmarks.md, twenty-eighth
+and twenty-ninth sessions). On an H200, 182 of an engine's kernels took 66.5 s one after
+another and 15.5 s on 8 threads under Triton's AsyncCompileMode (thirtieth session,
+`python3 -m scripts.gpu compile-probe`): Triton's passes and ptxas release the GIL.
+
+How: the judge sends, as the verdict starts, every model it will run and the calls it will make
+on each (`plan`: the public sequence and the benchmark's traces on the real model, each stress
+scenario on its model); the worker starts this process beside itself. Here the engine makes
+those calls with no Triton kernel run: every launch becomes Triton's `warmup` (compile, do not
+run) under AsyncCompileMode, so each new kernel is compiled on a pool thread while the pass goes
+on, into the worker's Triton cache, where the worker's own launches then find it. torch.empty
+gives zeros here, so what a skipped kernel would have written (token ids, slots) reads as 0, a
+valid index, and no torch op asserts on it. Nothing computed here is right or read: the process
+is thrown away, killed by the worker before anything is timed (evaluator/worker.py). It is best
+effort: a model whose pass fails here costs nothing but the kernels it did not reach, which the
+worker compiles itself as it always did. It runs the candidate's code in the worker's jail (its
+uid, limits and memory cap), so it can do nothing the worker could not.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script (isolated mode adds no path)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MAX_THREADS = 8   # 8 compiled 4.3x faster than one, 16 no faster (an H200 host's 16 cores, thirtieth session)
+
+
+def plan(config: dict, weight_dir: str, public: bool, cases: list[str], stress: str, seed: int | None,
+         device: str) -> list[dict]:
+    """Every model a verdict runs and the calls it makes on each, in the order the verdict needs
+    them: the real model first (`weight_dir`, the worker-readable form), then each random model
+    of the stress suite (no weights: this process draws its own, their values do not matter).
+    Calls are the worker's op dicts (kind, ids, lengths)."""
+    from evaluator.stress import draw, scenario_traces, target_scenarios
+    from evaluator.traces import FULL, QUICK, benchmark_trace, public_sequence
+    calls = public_sequence() if public else []
+    for case in cases:
+        calls += benchmark_trace(case)   # each ends with nothing live: one engine runs them all
+    models = [{"name": "target", "config": config, "weight_dir": weight_dir}]
+    if stress != "off" and seed is not None:
+        quick, size = stress == "quick", QUICK if stress == "quick" else FULL
+        randoms, target_seed = draw(seed, quick, device, config)
+        for trace in scenario_traces(target_seed, target_scenarios(quick), size)[1]:
+            calls += trace
+        for model in randoms:
+            models.append({"name": model.name, "config": model.config, "weight_dir": None,
+                           "calls": [op for trace in scenario_traces(model.trace_seed, model.scenarios, size)[1]
+                                     for op in trace]})
+    models[0]["calls"] = calls
+    for model in models:
+        model["calls"] = [{"kind": op.kind, "ids": list(op.request_ids), "lengths": list(op.lengths)}
+                          for op in model["calls"]]
+    return models
+
+
+# ---- this process ----
+
+class Deferred(Executor):
+    """AsyncCompileMode's executor: a pass's compiles are held until the pass has asked for them
+    all (`start`), then run on a pool. Compiling beside the pass starved it: Triton's code
+    generation holds the GIL, and the pass's own Python (an engine polling a mailbox no skipped
+    kernel will ever acknowledge) waited for it, ~40 s of a create_engine that takes ~1 s alone
+    (thirtieth session, an H200). A compile whose result is asked for early runs right there."""
+
+    def __init__(self, threads: int):
+        self.pool = ThreadPoolExecutor(threads)
+        self.held: list[_Compile] = []
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future = _Compile(lambda: _loaded(fn(*args, **kwargs)))
+        self.held.append(future)
+        return future
+
+    def start(self) -> None:
+        for future in self.held:
+            self.pool.submit(future.run)
+        self.held = []
+
+    def shutdown(self, wait: bool = True, **_) -> None:
+        self.start()
+        self.pool.shutdown(wait)
+
+
+def _loaded(kernel):
+    """`kernel`, loaded: Triton builds a kernel's launcher (a C module a signature, by the host's C
+    compiler, cached beside the kernels) only when it is first loaded for a launch, and a worker
+    whose kernels were compiled ahead still built 17 of them on the public config, one by one."""
+    try:
+        kernel._init_handles()
+    except Exception:  # noqa: BLE001 - best effort: a kernel that does not load is the worker's to report
+        pass
+    return kernel
+
+
+class _Compile(Future):
+    """A held compile: run once, by a pool thread or by whoever asks for its result first."""
+
+    def __init__(self, job):
+        super().__init__()
+        self.job = job
+        self.claimed = threading.Lock()
+
+    def run(self) -> None:
+        if not self.claimed.acquire(blocking=False):
+            return
+        self.set_running_or_notify_cancel()
+        try:
+            self.set_result(self.job())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+            self.set_exception(e)
+
+    def result(self, timeout=None):
+        self.run()
+        return super().result(timeout)
+
+
+def dry(torch):
+    """Triton launches compile only, held by a Deferred executor; torch's empty tensors are zeros.
+    (AsyncCompileMode, Deferred), or None where this Triton has no AsyncCompileMode (before 3.4)."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return None
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid=None, warmup=False, **kwargs):
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = compile_only
+    for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch, "empty_strided"),
+                        (torch.Tensor, "new_empty")):
+        original = getattr(owner, name)
+        setattr(owner, name, lambda *a, _original=original, **k: _original(*a, **k).zero_())
+    executor = Deferred(max(1, min(MAX_THREADS, (os.cpu_count() or 2) // 2)))
+    try:   # a kernel that fails to compile stops nothing else (the worker's own launch reports it)
+        return AsyncCompileMode(executor, ignore_errors=True), executor
+    except TypeError:   # Triton before ignore_errors
+        return AsyncCompileMode(executor), executor
+
+
+def weights_for(model: dict, folder: str) -> str:
+    """The model's weight folder: the real model's, or random weights of its config saved here."""
+    if model["weight_dir"] is not None:
+        return model["weight_dir"]
+    from evaluator.checkpoint import is_hf, save_hf_weights
+    from evaluator.common import WEIGHT_FILE
+    from evaluator.weights import random_weights, save_weights
+    path = Path(folder) / model["name"]
+    path.mkdir()
+    weights = random_weights(model["config"])
+    if is_hf(model["config"]):
+        save_hf_weights(weights, str(path), model["config"])
+    else:
+        save_weights(weights, path / WEIGHT_FILE)
+    return str(path)
+
+
+def run_calls(torch, engine, calls: list[dict]) -> None:
+    for call in calls:
+        ids = list(call["ids"])
+        if call["kind"] == "prefill":
+            engine.prefill(ids, [torch.zeros(n, dtype=torch.long, device="cuda") for n in call["lengths"]])
+        elif call["kind"] == "decode":
+            engine.decode(ids, torch.zeros(len(ids), dtype=torch.long, device="cuda"))
+        else:
+            engine.remove(ids)
+
+
+def main() -> int:
+    try:   # die with the worker, as the worker dies with the judge
+        import ctypes
+        import signal
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    request = json.loads(Path(sys.argv[1]).read_text())
+    import torch
+    from evaluator.common import load_engine_module
+    dried = dry(torch)
+    if dried is None or not torch.cuda.is_available():
+        print("compile ahead: nothing to do here (no CUDA, or a Triton without AsyncCompileMode)", flush=True)
+        return 0
+    mode, executor = dried
+    start = time.perf_counter()
+    module = load_engine_module(request["engine"])
+    with tempfile.TemporaryDirectory(prefix="compile-ahead-") as folder, torch.no_grad():
+        try:
+            with mode:   # leaving it waits for every compile
+                for model in request["models"]:
+                    try:
+                        engine = module.create_engine(model["config"], weights_for(model, folder), "cuda")
+                        print(f"compile ahead: {model['name']}: engine created, {len(mode.raw_futures)} compiles "
+                              f"asked ({time.perf_counter() - start:.1f} s)", flush=True)
+                        run_calls(torch, engine, model["calls"])
+                        print(f"compile ahead: {model['name']}: {len(model['calls'])} calls gone through, "
+                              f"{len(mode.raw_futures)} compiles asked ({time.perf_counter() - start:.1f} s)",
+                              flush=True)
+                    except Exception as e:  # noqa: BLE001 - best effort: the worker compiles what was missed
+                        print(f"compile ahead: {model['name']}: stopped at {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
+                    executor.start()   # this model's compiles, while the next model's pass goes on
+                    engine = None
+                    torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - a kernel that does not compile: the worker's launch says so
+            print(f"compile ahead: a compile failed: {type(e).__name__}", flush=True)
+    print(f"compile ahead: done in {time.perf_counter() - start:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Compiling ahead (evaluator/compile_ahead.py, issue 24's throughput): the plan names every model
+and call the verdict makes, as the stress suite draws them; the worker starts the process beside
+itself and kills it before anything is timed. On CUDA (skipped here) the kernels it compiles are
+the ones the verdict's own calls then find in the worker's cache."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from evaluator import compile_ahead, remote, stress
+from evaluator.common import load_config
+from evaluator.traces import QUICK, Contexts, benchmark_trace, public_sequence
+
+REPO = Path(__file__).resolve().parent.parent
+CASES = ["prefill", "mixed"]
+
+
+def calls_of(trace) -> list[dict]:
+    return [{"kind": op.kind, "ids": list(op.request_ids), "lengths": list(op.lengths)} for op in trace]
+
+
+def test_the_plan_is_the_verdicts_models_and_calls_as_the_stress_suite_draws_them(tiny_model):
+    config = load_config(tiny_model.config_path)
+    seed = random.randrange(2**31)
+    models = compile_ahead.plan(config, "/weights", True, CASES, "quick", seed, "cuda")
+    randoms, target_seed = stress.draw(seed, True, "cuda", config)
+    assert [m["name"] for m in models] == ["target", *(m.name for m in randoms)]
+    assert [m["config"] for m in models[1:]] == [m.config for m in randoms]
+    assert models[0]["weight_dir"] == "/weights" and all(m["weight_dir"] is None for m in models[1:])
+    target_calls = public_sequence() + [op for case in CASES for op in benchmark_trace(case)]
+    target_calls += stress.scenario_traces(target_seed, stress.target_scenarios(True), QUICK)[1][0]
+    assert models[0]["calls"] == calls_of(target_calls)
+    for planned, model in zip(models[1:], randoms):
+        traces = stress.scenario_traces(model.trace_seed, model.scenarios, QUICK)[1]
+        assert planned["calls"] == calls_of([op for trace in traces for op in trace])
+    json.dumps(models)   # it travels to the worker as JSON
+
+
+def test_the_stress_suite_runs_the_traces_the_plan_names(tiny_model, recompute_engine_path, monkeypatch):
+    """The plan and the suite draw from one function: what the suite ran is what was planned."""
+    seen = []
+    original = stress.CheckedSession.run
+    monkeypatch.setattr(stress.CheckedSession, "run", lambda self, trace: (seen.append(trace), original(self, trace))[1])
+    seed = random.randrange(2**31)
+    stress.run_stress(recompute_engine_path, "cpu", seed, quick=True, target=(tiny_model.config_path, tiny_model.weight_dir))
+    planned = compile_ahead.plan(load_config(tiny_model.config_path), "/w", False, [], "quick", seed, "cpu")
+    assert [op for trace in seen for op in calls_of(trace)] == [c for m in planned for c in m["calls"]]
+
+
+def test_every_planned_model_ends_with_nothing_live(tiny_model):
+    """One engine runs a model's traces back to back: what one left live would be in the next one's KV pool."""
+    for model in compile_ahead.plan(load_config(tiny_model.config_path), "/w", True,
+                                    ["prefill", "decode", "mixed", "decode128", "mixed128"], "full",
+                                    random.randrange(2**31), "cuda"):
+        live = Contexts()
+        for call in model["calls"]:
+            ids, lengths = call["ids"], call["lengths"]
+            if call["kind"] == "prefill":
+                live.lengths.update(zip(ids, lengths))
+            elif call["kind"] == "remove":
+                for i in ids:
+                    live.lengths.pop(i, None)
+        assert not live.lengths, model["name"]
+
+
+def test_no_stress_plans_the_real_model_alone(tiny_model):
+    models = compile_ahead.plan(load_config(tiny_model.config_path), "/w", True, ["prefill"], "off", 1, "cuda")
+    assert [m["name"] for m in models] == ["target"]
+    assert models[0]["calls"] == calls_of(public_sequence() + benchmark_trace("prefill"))
+
+
+def test_held_compiles_run_on_the_pool_once_started_and_at_once_when_waited_for():
+    from concurrent.futures import as_completed
+    threads: dict[str, str] = {}
+
+    def job(name):
+        threads[name] = threading.current_thread().name
+        return name.upper()
+
+    executor = compile_ahead.Deferred(2)
+    futures = [executor.submit(job, name) for name in ("a", "b", "c")]
+    assert not threads   # held: nothing runs during the pass
+    assert futures[1].result(timeout=5) == "B" and threads["b"] == threading.current_thread().name
+    executor.start()
+    assert sorted(f.result() for f in as_completed(futures, timeout=30)) == ["A", "B", "C"]
+    assert threads["a"] != threading.current_thread().name and len(threads) == 3   # b ran once, inline
+    failing = executor.submit(lambda: 1 / 0)
+    executor.shutdown()
+    with pytest.raises(ZeroDivisionError):
+        failing.result()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another uid's (the worker's own, when the judge runs as root)
+        return True
+    return Path(f"/proc/{pid}").is_dir() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_the_worker_starts_the_process_and_kills_it_when_asked(recompute_engine_path, tiny_model):
+    with remote.Worker("cpu", memory_bytes=4 * 2**30) as worker:
+        worker.request({"op": "load", "engine": worker.readable(recompute_engine_path)}, what="import")
+        models = compile_ahead.plan(load_config(tiny_model.config_path), worker.readable(tiny_model.weight_dir),
+                                    True, ["prefill"], "off", 1, "cpu")
+        pid = int(worker.request({"op": "ahead", "models": models}, what="compile ahead")["pid"])
+        assert _alive(pid)   # still importing torch
+        worker.request({"op": "stop_ahead"}, what="compile ahead")
+        assert not _alive(pid)
+
+
+def test_the_worker_refuses_to_compile_ahead_before_a_load():
+    with remote.Worker("cpu", memory_bytes=4 * 2**30) as worker:
+        with pytest.raises(Exception, match="compile ahead before load"):
+            worker.request({"op": "ahead", "models": []}, what="compile ahead")
+
+
+def test_without_cuda_the_process_says_so_and_exits_cleanly(recompute_engine_path, tiny_model, tmp_path):
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"engine": str(recompute_engine_path), "models": compile_ahead.plan(
+        load_config(tiny_model.config_path), str(tiny_model.weight_dir), True, [], "off", 1, "cpu")}))
+    done = subprocess.run([sys.executable, "-I", str(REPO / "evaluator" / "compile_ahead.py"), str(request)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0 and "nothing to do here" in done.stdout
+
+
+# ---- on CUDA ----
+
+PROBE = """
+import os, sys, torch
+sys.path.insert(0, {repo!r})
+from evaluator.common import load_config, load_engine_module
+from evaluator.test_correctness import run_public_sequence
+module = load_engine_module({engine!r})
+config = load_config({config!r})
+run_public_sequence(module, config, {weights!r}, "cuda")
+"""
+
+
+def _entries(cache: Path) -> set[str]:
+    return {p.name for p in cache.iterdir()} if cache.is_dir() else set()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernels_compiled_ahead_are_the_ones_the_public_sequence_then_finds(tmp_path):
+    """The library's engine on the public config: the process compiles its kernels into a cache,
+    then the real public sequence (a fresh process on that cache, results checked against the
+    reference) compiles almost nothing of its own."""
+    from agent.plan import Plan
+    from agent.render import render_engine
+    from agent.search import PREFERRED
+    from evaluator.slots import SLOTS
+    engine = tmp_path / "engine.py"
+    engine.write_text(render_engine(Plan("paged", {**{s: "torch" for s in SLOTS}, **PREFERRED, "linear": "triton"}), {}))
+    config_path, weights = REPO / "target" / "model_config.json", REPO / "target" / "weights"
+    if not (weights / "model.pt").is_file():
+        pytest.skip("the public weights are generated by run.sh")
+    cache = tmp_path / "cache"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"engine": str(engine), "models": compile_ahead.plan(
+        load_config(config_path), str(weights), True, [], "off", 1, "cuda")}))
+    start = time.perf_counter()
+    ahead = subprocess.run([sys.executable, "-I", str(REPO / "evaluator" / "compile_ahead.py"), str(request)],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert ahead.returncode == 0 and "done in" in ahead.stdout, ahead.stdout + ahead.stderr
+    compiled_ahead = _entries(cache)
+    print(f"compiled ahead: {len(compiled_ahead)} entries in {time.perf_counter() - start:.1f} s")
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE.format(repo=str(REPO), engine=str(engine), config=str(config_path), weights=str(weights)))
+    real = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=300, env=env)
+    assert real.returncode == 0, real.stdout + real.stderr
+    new = _entries(cache) - compiled_ahead
+    names = sorted(f.name for entry in new for f in (cache / entry).iterdir() if not f.name.startswith("__grp__"))
+    assert len(compiled_ahead) >= 20 and len(new) <= len(compiled_ahead) // 10, \
+        f"{len(compiled_ahead)} ahead, {len(new)} after: {names}\n{ahead.stdout}"
