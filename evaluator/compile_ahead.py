@@ -37,6 +37,9 @@ if __package__ in (None, ""):  # run as a script (isolated mode adds no path)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MAX_THREADS = 8   # 8 compiled 4.3x faster than one, 16 no faster (an H200 host's 16 cores, thirtieth session)
+# The most of the GPU's memory this process may take: the worker creates its engines beside it, and
+# an engine that sizes its KV pool from the free memory must still find most of it free.
+MEMORY_FRACTION = 0.25
 
 
 def plan(config: dict, weight_dir: str, public: bool, cases: list[str], stress: str, seed: int | None,
@@ -196,6 +199,7 @@ def main() -> int:
         print("compile ahead: nothing to do here (no CUDA, or a Triton without AsyncCompileMode)", flush=True)
         return 0
     mode, executor = dried
+    torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION)
     start = time.perf_counter()
     module = load_engine_module(request["engine"])
     with tempfile.TemporaryDirectory(prefix="compile-ahead-") as folder, torch.no_grad():

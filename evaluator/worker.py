@@ -18,6 +18,7 @@ import itertools
 import os
 import json
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -114,14 +115,18 @@ class Worker:
         with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compile-ahead-", delete=False) as f:
             json.dump({"engine": self.engine_path, "models": req["models"]}, f)
         self.ahead_proc = subprocess.Popen([sys.executable, "-I", str(Path(__file__).with_name("compile_ahead.py")),
-                                            f.name], stdin=subprocess.DEVNULL)
+                                            f.name], stdin=subprocess.DEVNULL, start_new_session=True)
         self.ahead_request = Path(f.name)
         return {"pid": self.ahead_proc.pid}
 
     def stop_ahead(self, *_) -> dict:
-        """Kill the compile-ahead process, if any, and wait for it: nothing of it runs beside a timing."""
+        """Kill the compile-ahead process and its group (the assembler and C compiler runs its
+        threads started), and wait for it: nothing of it runs beside a timing."""
         if self.ahead_proc is not None:
-            self.ahead_proc.kill()
+            try:
+                os.killpg(self.ahead_proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.ahead_proc.wait()
             self.ahead_proc = None
             self.ahead_request.unlink(missing_ok=True)
