@@ -43,11 +43,14 @@ MEMORY_FRACTION = 0.25
 
 
 def plan(config: dict, weight_dir: str, public: bool, cases: list[str], stress: str, seed: int | None,
-         device: str) -> list[dict]:
+         device: str, weight_limit: int | None = None) -> list[dict]:
     """Every model a verdict runs and the calls it makes on each, in the order the verdict needs
     them: the real model first (`weight_dir`, the worker-readable form), then each random model
     of the stress suite (no weights: this process draws its own, their values do not matter).
-    Calls are the worker's op dicts (kind, ids, lengths)."""
+    Calls are the worker's op dicts (kind, ids, lengths). The real model is left out where its
+    weight files pass `weight_limit` bytes: this process would hold a second copy of them, on the
+    host beside the worker's under one memory cap and on the GPU beside the judge's and the
+    worker's (`limit`)."""
     from evaluator.stress import draw, scenario_traces, target_scenarios
     from evaluator.traces import FULL, QUICK, benchmark_trace, public_sequence
     calls = public_sequence() if public else []
@@ -64,10 +67,23 @@ def plan(config: dict, weight_dir: str, public: bool, cases: list[str], stress: 
                            "calls": [op for trace in scenario_traces(model.trace_seed, model.scenarios, size)[1]
                                      for op in trace]})
     models[0]["calls"] = calls
+    if weight_limit is not None and folder_bytes(weight_dir) > weight_limit:
+        models = models[1:]
     for model in models:
         model["calls"] = [{"kind": op.kind, "ids": list(op.request_ids), "lengths": list(op.lengths)}
                           for op in model["calls"]]
     return models
+
+
+def limit(memory_cap: int, device_bytes: int) -> int:
+    """The largest real model compiled ahead: a quarter of the worker's memory cap, and no more
+    than the share of the GPU this process may take (MEMORY_FRACTION), half of it for the
+    engine's own buffers."""
+    return min(memory_cap // 4, int(device_bytes * MEMORY_FRACTION / 2))
+
+
+def folder_bytes(folder: str) -> int:
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
 
 
 # ---- this process ----
@@ -184,6 +200,29 @@ def run_calls(torch, engine, calls: list[dict]) -> None:
             engine.remove(ids)
 
 
+def go_through(torch, module, models: list[dict], mode, executor: Deferred, folder: str,
+               log=lambda line: print(line, flush=True)) -> None:
+    """Each model's engine created and its calls made, its compiles then started on the pool while
+    the next model's pass goes on. A model whose pass fails costs only the kernels it did not
+    reach; its compiles asked so far start whatever ended the pass (else leaving `mode` waits for
+    compiles that were never started)."""
+    start = time.perf_counter()
+    for model in models:
+        engine = None
+        try:
+            engine = module.create_engine(model["config"], weights_for(model, folder), "cuda")
+            run_calls(torch, engine, model["calls"])
+            log(f"compile ahead: {model['name']}: {len(model['calls'])} calls gone through, "
+                f"{len(mode.raw_futures)} compiles asked ({time.perf_counter() - start:.1f} s)")
+        except Exception as e:  # noqa: BLE001 - best effort: the worker compiles what was missed
+            log(f"compile ahead: {model['name']}: stopped at {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}")
+        finally:
+            executor.start()
+            engine = None
+            torch.cuda.empty_cache()
+
+
 def main() -> int:
     try:   # die with the worker, as the worker dies with the judge
         import ctypes
@@ -202,24 +241,16 @@ def main() -> int:
     torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION)
     start = time.perf_counter()
     module = load_engine_module(request["engine"])
+    from triton.runtime.jit import KernelInterface
+    if not any(isinstance(value, KernelInterface) for value in vars(module).values()):
+        print("compile ahead: nothing to do here (the engine defines no Triton kernel)", flush=True)
+        return 0
+    if isinstance(getattr(module, "MAILBOX_SPINS", None), int):
+        module.MAILBOX_SPINS = 0   # the paged engine's mailbox: no skipped kernel will acknowledge a post
     with tempfile.TemporaryDirectory(prefix="compile-ahead-") as folder, torch.no_grad():
         try:
             with mode:   # leaving it waits for every compile
-                for model in request["models"]:
-                    try:
-                        engine = module.create_engine(model["config"], weights_for(model, folder), "cuda")
-                        print(f"compile ahead: {model['name']}: engine created, {len(mode.raw_futures)} compiles "
-                              f"asked ({time.perf_counter() - start:.1f} s)", flush=True)
-                        run_calls(torch, engine, model["calls"])
-                        print(f"compile ahead: {model['name']}: {len(model['calls'])} calls gone through, "
-                              f"{len(mode.raw_futures)} compiles asked ({time.perf_counter() - start:.1f} s)",
-                              flush=True)
-                    except Exception as e:  # noqa: BLE001 - best effort: the worker compiles what was missed
-                        print(f"compile ahead: {model['name']}: stopped at {type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
-                    executor.start()   # this model's compiles, while the next model's pass goes on
-                    engine = None
-                    torch.cuda.empty_cache()
+                go_through(torch, module, request["models"], mode, executor, folder)
         except Exception as e:  # noqa: BLE001 - a kernel that does not compile: the worker's launch says so
             print(f"compile ahead: a compile failed: {type(e).__name__}", flush=True)
     print(f"compile ahead: done in {time.perf_counter() - start:.1f} s", flush=True)

@@ -74,10 +74,20 @@ MEMORY_FRACTION = 0.8   # of physical memory: the worker's default cap (the judg
 # engine each case, run twice under the profiler's overhead, took ~12 s on an H200, and the
 # all-torch engines of a model's lineage spent ~60 s of every final on it (twenty-sixth session).
 PROFILE_BUDGET_S = 20.0
+# Where the worker compiles a verdict's Triton kernels ahead, beside itself (evaluator/compile_ahead.py).
+AHEAD_DEVICES = ("cuda",)
 
 
 def default_memory_cap() -> int:
     return int(MEMORY_FRACTION * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def device_memory(device: str) -> int:
+    """The device's memory in bytes (the machine's on CPU)."""
+    if device == "cuda":
+        import torch
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -197,10 +207,14 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             if reuse is None:
                 worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
             stress_seed = secrets.randbits(31) if seed is None else seed
-            if device == "cuda" and (public or stress != "off"):   # what the untimed stages will compile
+            ahead = device in AHEAD_DEVICES and (public or stress != "off")   # the untimed stages compile
+            if ahead:
                 models = compile_ahead.plan(config, worker.readable(weight_dir), public, list(cases) if benchmark else [],
-                                            stress, stress_seed, device)
-                worker.request({"op": "ahead", "models": models}, what="compile ahead")
+                                            stress, stress_seed, device, compile_ahead.limit(
+                                                memory_bytes or default_memory_cap(), device_memory(device)))
+                started_ahead = worker.request({"op": "ahead", "models": models}, what="compile ahead")
+                if started_ahead.get("error"):
+                    log(f"compile ahead: not started ({started_ahead['error']})")
             module = RemoteModule(worker)
             clock.lap("worker")
             if bf16_criterion:   # also where `public` is off: it sets the tolerance the benchmark checks at
@@ -231,8 +245,9 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                     result["error_kind"] = failure.error_kind
                     result["error"] = f"stress case {failure.name} (seed {report.seed}): {failure.error}"
                     return result
-            if benchmark:
+            if ahead:   # before anything is timed, and before the worker's cache is counted and merged
                 worker.request({"op": "stop_ahead"}, what="compile ahead")
+            if benchmark:
                 before_timing()
                 result["stage"] = "benchmark"
                 # A fresh seed the worker never sees: it gets each trace's tokens when the clock starts.
@@ -242,7 +257,6 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                 clock.lap("benchmark")
             result["stage"], result["status"] = "done", "passed"
             if profile:
-                worker.request({"op": "stop_ahead"}, what="compile ahead")
                 before_timing()
                 try:
                     result["slot_ms"] = profiled_pass(module, config, weight_dir, list(cases))

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # isolated mode
 from evaluator.isolation import JailSpec, enter  # noqa: E402  (the standard library only)
 
 PREFILL, DECODE, REMOVE = "prefill", "decode", "remove"   # evaluator/traces.py's kinds
+AHEAD_SCRIPT = str(Path(__file__).with_name("compile_ahead.py"))   # started by `ahead`
 WARM_OUTPUT_DTYPES = ("float16", "bfloat16", "float32")   # an engine's logits, copied into the fp32 staging rows
 
 
@@ -114,9 +115,13 @@ class Worker:
         self.stop_ahead()
         with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compile-ahead-", delete=False) as f:
             json.dump({"engine": self.engine_path, "models": req["models"]}, f)
-        self.ahead_proc = subprocess.Popen([sys.executable, "-I", str(Path(__file__).with_name("compile_ahead.py")),
-                                            f.name], stdin=subprocess.DEVNULL, start_new_session=True)
         self.ahead_request = Path(f.name)
+        try:   # its own process group (stop_ahead kills the group), in this worker's session (the memory watch's)
+            self.ahead_proc = subprocess.Popen([sys.executable, "-I", AHEAD_SCRIPT, f.name],
+                                               stdin=subprocess.DEVNULL, process_group=0)
+        except OSError as e:   # best effort: the verdict goes on, compiling as it always did
+            self.ahead_request.unlink(missing_ok=True)
+            return {"pid": None, "error": f"{type(e).__name__}: {e}"}
         return {"pid": self.ahead_proc.pid}
 
     def stop_ahead(self, *_) -> dict:

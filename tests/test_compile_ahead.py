@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -118,6 +119,132 @@ def test_the_worker_starts_the_process_and_kills_it_when_asked(recompute_engine_
         assert _alive(pid)   # still importing torch
         worker.request({"op": "stop_ahead"}, what="compile ahead")
         assert not _alive(pid)
+
+
+STAND_IN = """
+import subprocess, sys, time
+from pathlib import Path
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+Path(sys.argv[1] + ".pids").write_text(f"{child.pid}")
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def in_process_worker(tmp_path, monkeypatch):
+    """evaluator.worker.Worker in this process (no jail), its compile-ahead process a stand-in that
+    starts a child of its own (as Triton's threads start ptxas) and sleeps."""
+    import socket
+    from evaluator import worker as worker_mod
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    monkeypatch.setattr(worker_mod, "AHEAD_SCRIPT", str(script))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # where the worker writes the process's request
+    ours, theirs = socket.socketpair()
+    worker = worker_mod.Worker(ours)
+    worker.engine_path = "engine.py"
+    yield worker, theirs
+    worker.stop_ahead()
+
+
+def _started(worker, tmp_path) -> tuple[int, int]:
+    """The stand-in's pid and its child's, once it has started one."""
+    pid = int(worker.ahead({"models": []}, b"")["pid"])
+    for _ in range(600):
+        found = list(tmp_path.glob("compile-ahead-*.json.pids"))
+        if found and found[0].read_text():
+            return pid, int(found[0].read_text())
+        time.sleep(0.05)
+    raise AssertionError("the stand-in never started its child")
+
+
+@pytest.mark.parametrize("stop", ["stop_ahead", "arm", "exit"])
+def test_the_process_and_what_it_started_are_killed_before_a_timing(in_process_worker, tmp_path, stop):
+    from evaluator import channel
+    worker, judge_end = in_process_worker
+    pid, grandchild = _started(worker, tmp_path)
+    assert _alive(pid) and _alive(grandchild)
+    if stop == "stop_ahead":
+        worker.stop_ahead()
+    elif stop == "arm":   # a timed trace's arm request (on CPU), as the judge sends it
+        vocab = 8
+        worker.arm({"device": "cpu", "vocab": vocab, "rows": 1},
+                   torch.zeros(2, vocab, dtype=torch.int64).numpy().tobytes())
+    else:
+        channel.send(judge_end, {"op": "exit"})
+        worker.serve()
+    for _ in range(100):   # the grandchild is reparented when its parent dies: give init a moment to reap it
+        if not _alive(grandchild):
+            break
+        time.sleep(0.05)
+    assert not _alive(pid) and not _alive(grandchild)
+
+
+def test_a_process_that_cannot_start_costs_the_verdict_nothing(in_process_worker, monkeypatch):
+    worker, _ = in_process_worker
+
+    def refuse(*args, **kwargs):
+        raise OSError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    answer = worker.ahead({"models": []}, b"")
+    assert answer["pid"] is None and "Resource temporarily unavailable" in answer["error"]
+    assert worker.stop_ahead() == {}
+
+
+def test_a_pass_ended_by_any_exception_still_starts_the_compiles_it_asked_for():
+    """Leaving AsyncCompileMode waits for every compile asked: one held, never started, would hang it."""
+    executor = compile_ahead.Deferred(1)
+    held = executor.submit(lambda: "compiled")
+
+    class Engineless:
+        @staticmethod
+        def create_engine(*_):
+            raise SystemExit("the engine's code exited")
+
+    class Mode:
+        raw_futures = [held]
+
+    with pytest.raises(SystemExit):
+        compile_ahead.go_through(torch, Engineless, [{"name": "m", "config": {}, "weight_dir": "/w", "calls": []}],
+                                 Mode, executor, "/tmp", log=lambda line: None)
+    assert held.result(timeout=30) == "compiled" and not executor.held
+    executor.shutdown()
+
+
+def test_a_real_model_too_large_for_a_second_copy_is_left_out(tiny_model):
+    config = load_config(tiny_model.config_path)
+    weights = compile_ahead.folder_bytes(str(tiny_model.weight_dir))
+    kept = compile_ahead.plan(config, str(tiny_model.weight_dir), True, [], "quick", 1, "cuda", weight_limit=weights)
+    dropped = compile_ahead.plan(config, str(tiny_model.weight_dir), True, [], "quick", 1, "cuda",
+                                 weight_limit=weights - 1)
+    assert kept[0]["name"] == "target" and [m["name"] for m in dropped] == [m["name"] for m in kept[1:]]
+    assert compile_ahead.limit(8 * 2**30, 80 * 2**30) == 2 * 2**30
+    assert compile_ahead.limit(100 * 2**30, 80 * 2**30) == int(80 * 2**30 * compile_ahead.MEMORY_FRACTION / 2)
+
+
+def test_the_judge_stops_the_process_after_the_checks_and_before_any_timing(tiny_model, recompute_engine_path,
+                                                                            monkeypatch):
+    """The judge's requests in order, with compiling ahead on for the CPU: ahead once the engine is
+    loaded, stop_ahead after the stress suite, before the first timed trace is armed; and also in a
+    verdict with no benchmark, whose worker cache is then counted and merged."""
+    from evaluator import evaluate
+    monkeypatch.setattr(evaluate, "AHEAD_DEVICES", ("cuda", "cpu"))
+    sent: list[str] = []
+    original = remote.Worker.exchange
+    monkeypatch.setattr(remote.Worker, "exchange",
+                        lambda self, header, *a, **k: (sent.append(header["op"]), original(self, header, *a, **k))[1])
+    for benchmark in (True, False):
+        sent.clear()
+        result = evaluate.evaluate(recompute_engine_path, tiny_model.config_path, tiny_model.weight_dir, "cpu",
+                                   stress="quick", cases=["prefill"], warmup=0, repeat=1, benchmark=benchmark,
+                                   bandwidth_gbs=100.0, peak_tflops=1.0)
+        assert result["status"] == "passed", result["error"]
+        assert sent.count("ahead") == 1 and sent.count("stop_ahead") == 1
+        assert sent.index("load") < sent.index("ahead") < sent.index("call")
+        if benchmark:   # (the worker's round trip, measured before the load, arms empty traces)
+            assert sent.index("stop_ahead") < sent.index("arm", sent.index("load"))
+        else:   # the stress suite's checked calls were the verdict's last
+            assert sent.index("stop_ahead") > len(sent) - 1 - sent[::-1].index("call")
 
 
 def test_the_worker_refuses_to_compile_ahead_before_a_load():
