@@ -109,6 +109,15 @@ def recompile(log: CompileLog, threads: int) -> float:
     return time.perf_counter() - start
 
 
+def _specialised(spec: str | None) -> str:
+    """What tells one specialisation from another: the specialization_data minus the function's
+    name and options (the same for every launch of it)."""
+    if not spec:
+        return "-"
+    data = json.loads(spec)
+    return json.dumps({k: v for k, v in data.items() if k not in ("name", "options", "key")})[:400]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plan", default=FINAL_PLAN, help="a name from scripts.gpu.common.library_plans")
@@ -142,11 +151,11 @@ def main(argv: list[str] | None = None) -> None:
         for fn, n in Counter(r["fn"] for r in rows).most_common():
             secs = [r["seconds"] or 0 for r in rows if r["fn"] == fn]
             print(f"    {n:3d} x {fn:<48} {sum(secs):6.2f} s (each {min(secs):.2f}-{max(secs):.2f})")
-    report["kernels"] = [{k: r[k] for k in ("model", "fn", "repr", "seconds")} for r in log.rows]
-    print("\nspecialisations of the public model:")
+    report["kernels"] = [{k: r[k] for k in ("model", "fn", "repr", "seconds", "spec")} for r in log.rows]
+    print("\nspecialisations of the public model (Triton's specialization_data: constexprs and argument attributes):")
     for r in log.rows:
         if r["model"] == "public":
-            print(f"  {r['seconds'] or 0:5.2f} s  {r['repr'][:230]}")
+            print(f"  {r['seconds'] or 0:5.2f} s  {r['fn']}  {_specialised(r['spec'])}")
     with_spec = sum(1 for r in log.rows if r["spec"])
     print(f"\n{with_spec} of {len(log.rows)} compiles carry specialization_data", flush=True)
     report["recompile"] = {}
