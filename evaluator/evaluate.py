@@ -212,7 +212,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                 models = compile_ahead.plan(config, worker.readable(weight_dir), public, list(cases) if benchmark else [],
                                             stress, stress_seed, device, compile_ahead.limit(
                                                 memory_bytes or default_memory_cap(), device_memory(device)))
-                started_ahead = worker.request({"op": "ahead", "models": models}, what="compile ahead")
+                started_ahead = worker.request({"op": "ahead"}, json.dumps(models).encode(), what="compile ahead")
                 if started_ahead.get("error"):
                     log(f"compile ahead: not started ({started_ahead['error']})")
             module = RemoteModule(worker)

@@ -105,16 +105,17 @@ class Worker:
         self.engine_path = req["engine"]
         return {}
 
-    def ahead(self, req: dict, _: bytes) -> dict:
+    def ahead(self, req: dict, payload: bytes) -> dict:
         """Start evaluator/compile_ahead.py beside this worker on the loaded engine and the
-        judge's plan (its models and calls): it compiles their Triton kernels on a thread pool,
+        judge's plan (the payload, JSON: its models and calls; a full stress suite's is ~100 KB,
+        a tenth of a header's cap): it compiles their Triton kernels on a thread pool,
         into this worker's cache, while the judge's untimed stages run here. Stopped before
         anything is timed (`stop_ahead`)."""
         if self.engine_path is None:
             raise Refusal(self.common.CRASH, "compile ahead before load")
         self.stop_ahead()
         with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compile-ahead-", delete=False) as f:
-            json.dump({"engine": self.engine_path, "models": req["models"]}, f)
+            json.dump({"engine": self.engine_path, "models": json.loads(payload)}, f)
         self.ahead_request = Path(f.name)
         try:   # its own process group (stop_ahead kills the group), in this worker's session (the memory watch's)
             self.ahead_proc = subprocess.Popen([sys.executable, "-I", AHEAD_SCRIPT, f.name],

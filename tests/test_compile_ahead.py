@@ -115,7 +115,7 @@ def test_the_worker_starts_the_process_and_kills_it_when_asked(recompute_engine_
         worker.request({"op": "load", "engine": worker.readable(recompute_engine_path)}, what="import")
         models = compile_ahead.plan(load_config(tiny_model.config_path), worker.readable(tiny_model.weight_dir),
                                     True, ["prefill"], "off", 1, "cpu")
-        pid = int(worker.request({"op": "ahead", "models": models}, what="compile ahead")["pid"])
+        pid = int(worker.request({"op": "ahead"}, json.dumps(models).encode(), what="compile ahead")["pid"])
         assert _alive(pid)   # still importing torch
         worker.request({"op": "stop_ahead"}, what="compile ahead")
         assert not _alive(pid)
@@ -149,7 +149,7 @@ def in_process_worker(tmp_path, monkeypatch):
 
 def _started(worker, tmp_path) -> tuple[int, int]:
     """The stand-in's pid and its child's, once it has started one."""
-    pid = int(worker.ahead({"models": []}, b"")["pid"])
+    pid = int(worker.ahead({}, b"[]")["pid"])
     for _ in range(600):
         found = list(tmp_path.glob("compile-ahead-*.json.pids"))
         if found and found[0].read_text():
@@ -186,7 +186,7 @@ def test_a_process_that_cannot_start_costs_the_verdict_nothing(in_process_worker
     def refuse(*args, **kwargs):
         raise OSError(11, "Resource temporarily unavailable")
     monkeypatch.setattr(subprocess, "Popen", refuse)
-    answer = worker.ahead({"models": []}, b"")
+    answer = worker.ahead({}, b"[]")
     assert answer["pid"] is None and "Resource temporarily unavailable" in answer["error"]
     assert worker.stop_ahead() == {}
 
@@ -250,7 +250,7 @@ def test_the_judge_stops_the_process_after_the_checks_and_before_any_timing(tiny
 def test_the_worker_refuses_to_compile_ahead_before_a_load():
     with remote.Worker("cpu", memory_bytes=4 * 2**30) as worker:
         with pytest.raises(Exception, match="compile ahead before load"):
-            worker.request({"op": "ahead", "models": []}, what="compile ahead")
+            worker.request({"op": "ahead"}, b"[]", what="compile ahead")
 
 
 def test_without_cuda_the_process_says_so_and_exits_cleanly(recompute_engine_path, tiny_model, tmp_path):
