@@ -99,6 +99,7 @@ class JudgeSettings:
     # an H100 (docs/benchmarks.md, twenty-first session); the installed engine's score is timed in full.
     screen_repeat: int | None = None
     spare_worker: str = "auto"   # evaluator/resident.py --spare-worker: the next verdict's worker started ahead
+    compile_ahead: str = "auto"  # evaluator/evaluate.py --compile-ahead: a verdict's kernels compiled beside its worker
     phase_repeat: int | None = None      # this phase's repeats (set by for_phase); None: `repeat`
 
     def for_phase(self, phase: str) -> "JudgeSettings":
@@ -138,7 +139,7 @@ class JudgeSettings:
             flags += ["--bandwidth-gbs", str(self.bandwidth_gbs), "--peak-tflops", str(self.peak_tflops)]
         if self.triton_cache is not None:
             flags += ["--triton-cache", str(self.triton_cache)]
-        return flags
+        return flags + ["--compile-ahead", self.compile_ahead]
 
     def command(self) -> list[str]:
         """The resident judge's command line."""

@@ -3,7 +3,7 @@
     python3 -m evaluator.evaluate --engine PATH --model-config CFG --weight-dir DIR \
         --device cpu|cuda|auto [--stress off|quick|full] [--cases prefill,decode,mixed,...] \
         [--no-benchmark] [--warmup 1] [--repeat 3] [--seed N] [--memory-gb G] [--triton-cache DIR [--triton-cache-update]]
-        [--profile] [--criterion auto|course|bf16] --out RESULT.json
+        [--profile] [--criterion auto|course|bf16] [--compile-ahead auto|off] --out RESULT.json
 
 This process is the judge: it holds the inputs, the reference, the comparison, the clock and
 the verdict, and never imports the candidate. The candidate runs in a worker process inside
@@ -53,8 +53,8 @@ STARTED = time.perf_counter()   # before torch is imported: the judge's start co
 
 quiet_threads()   # before torch is imported: see QUIET_THREADS
 
-from evaluator import compile_ahead  # noqa: E402
 from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
+from evaluator.compile_ahead import limit as ahead_limit, plan as plan_ahead  # noqa: E402
 from evaluator.common import (CRASH, ConfigError, EvalFailure, Tolerance, compute_dtype,  # noqa: E402
                               harness_parser, load_config, parse_cases, resolve_device)
 from evaluator.floor import Hardware, detect_hardware  # noqa: E402
@@ -148,7 +148,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              benchmark: bool = True, started: float | None = None, setup: JudgeSetup | None = None,
              reuse: Worker | None = None, public: bool = True, fresh: Worker | None = None,
              worker_ready: Callable[[], None] = lambda: None,
-             before_timing: Callable[[], None] = lambda: None) -> dict:
+             before_timing: Callable[[], None] = lambda: None, compile_ahead: bool = True) -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
     `triton_cache` the worker starts from a copy of that (judge-owned) cache, and with
@@ -168,7 +168,9 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     started ahead and has run nothing yet (evaluator/resident.py's spare), else a new one.
     `worker_ready` is called once the worker has measured its channel's round trip (the resident
     judge starts the next verdict's worker then, beside the untimed stages), `before_timing`
-    before the benchmark and the profiled pass (it waits there for that start). `public` False: no
+    before the benchmark and the profiled pass (it waits there for that start). `compile_ahead`:
+    on a GPU the worker compiles the verdict's kernels ahead, beside itself (evaluator/compile_ahead.py,
+    stopped after the stress suite). `public` False: no
     public sequence before the benchmark (the bf16 criterion still runs: its tolerance is the one
     the benchmark's outputs are checked at), only for a repeated timing of an
     engine whose screen passed them in this run (evaluator/resident.py series): what it is for is
@@ -207,11 +209,11 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             if reuse is None:
                 worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
             stress_seed = secrets.randbits(31) if seed is None else seed
-            ahead = device in AHEAD_DEVICES and (public or stress != "off")   # the untimed stages compile
+            ahead = compile_ahead and device in AHEAD_DEVICES and (public or stress != "off")   # they compile
             if ahead:
-                models = compile_ahead.plan(config, worker.readable(weight_dir), public, list(cases) if benchmark else [],
-                                            stress, stress_seed, device, compile_ahead.limit(
-                                                memory_bytes or default_memory_cap(), device_memory(device)))
+                models = plan_ahead(config, worker.readable(weight_dir), public, list(cases) if benchmark else [],
+                                    stress, stress_seed, device,
+                                    ahead_limit(memory_bytes or default_memory_cap(), device_memory(device)))
                 started_ahead = worker.request({"op": "ahead"}, json.dumps(models).encode(), what="compile ahead")
                 if started_ahead.get("error"):
                     log(f"compile ahead: not started ({started_ahead['error']})")
@@ -330,6 +332,9 @@ def add_timing_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-gb", type=float,
                    help=f"each worker's memory cap (default {100 * MEMORY_FRACTION:.0f}%% of this machine's memory)")
     p.add_argument("--triton-cache", type=Path, help="the judge's shared Triton cache: each worker starts from a copy")
+    p.add_argument("--compile-ahead", choices=("auto", "off"), default="auto",
+                   help="auto: on a GPU the worker compiles the verdict's Triton kernels ahead on a thread pool "
+                        "(evaluator/compile_ahead.py); off: each at its first launch (to measure the difference)")
     p.add_argument("--criterion", choices=CRITERIA, default="auto",
                    help="auto: the bf16 criterion for Hugging Face models in bf16/fp16, else the course judge "
                         "(evaluator/hf_judge.py); bf16 or course forces one (tests force bf16 on the CPU)")
@@ -362,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
                       log=lambda line: print(line, file=sys.stderr, flush=True),
                       memory_bytes=int(a.memory_gb * 2**30) if a.memory_gb else None,
                       triton_cache=a.triton_cache, update_cache=a.triton_cache_update, profile=a.profile,
-                      criterion=a.criterion, benchmark=not a.no_benchmark, started=STARTED)
+                      criterion=a.criterion, benchmark=not a.no_benchmark, started=STARTED,
+                      compile_ahead=a.compile_ahead != "off")
     write_json(result, a.out)
     print(summary_line(result))
     sys.stdout.flush()

@@ -3,6 +3,7 @@
     python3 -m evaluator.resident --model-config CFG --weight-dir DIR --device cpu|cuda|auto \
         [--cases ...] [--warmup 1] [--repeat 3] [--seed N] [--memory-gb G] \
         [--bandwidth-gbs B --peak-tflops P] [--triton-cache DIR] [--criterion auto|course|bf16]
+        [--compile-ahead auto|off] [--spare-worker auto|on|off]
 
 Requests come on stdin, one JSON object a line, and are done one at a time, in order:
 
@@ -210,6 +211,7 @@ class Resident:
                           memory_bytes=self.memory_bytes, triton_cache=a.triton_cache, update_cache=update_cache,
                           cache_scope=cache_scope,
                           profile=profile, criterion=a.criterion, benchmark=benchmark, started=self.started,
+                          compile_ahead=a.compile_ahead != "off",
                           setup=self.setup, reuse=reuse, fresh=fresh, public=public, worker_ready=self.start_spare,
                           before_timing=self.settle_spare)
         self.started = None

@@ -245,6 +245,11 @@ def test_the_judge_stops_the_process_after_the_checks_and_before_any_timing(tiny
             assert sent.index("stop_ahead") < sent.index("arm", sent.index("load"))
         else:   # the stress suite's checked calls were the verdict's last
             assert sent.index("stop_ahead") > len(sent) - 1 - sent[::-1].index("call")
+    sent.clear()   # --compile-ahead off: the A/B switch
+    result = evaluate.evaluate(recompute_engine_path, tiny_model.config_path, tiny_model.weight_dir, "cpu",
+                               stress="off", cases=["prefill"], warmup=0, repeat=1, benchmark=False,
+                               compile_ahead=False)
+    assert result["status"] == "passed" and "ahead" not in sent and "stop_ahead" not in sent
 
 
 def test_the_worker_refuses_to_compile_ahead_before_a_load():

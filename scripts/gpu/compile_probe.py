@@ -1,6 +1,7 @@
 """Which Triton kernels an engine compiles, how long each takes, and whether threads compile them faster.
 
     python3 -m scripts.gpu compile-probe [--plan NAME] [--models N] [--threads 4,8,16] [--out DIR]
+    python3 -m scripts.gpu compile-probe --verdicts N [--plan NAME] [--out DIR]
 
 Why: issue 24 asks for 3 candidates judged a minute, and compiling is most of what is left: a
 screen's public phase is 2-17 s of compiling the changed slot's kernels, a final's stress suite
@@ -15,6 +16,12 @@ docs/benchmarks.md, twenty-eighth and twenty-ninth sessions). Two questions deci
      on a thread pool of each --threads size. Threads help only where Triton's compile releases
      the GIL (its MLIR/LLVM passes, ptxas in a subprocess).
 Writes compile_probe.json.
+
+--verdicts N instead asks the judge for N pairs of a final's verdict on the engine (the public
+sequence, the quick stress suite, the benchmark's five cases; `python3 -m evaluator.evaluate`),
+each on an empty Triton cache, one with --compile-ahead auto and one with off, in ABBA order,
+and prints each verdict's stage seconds and % of the floor: what compiling ahead saves, and
+whether the benchmark after it is any slower. Writes verdicts.json.
 """
 from __future__ import annotations
 
@@ -118,8 +125,36 @@ def _specialised(spec: str | None) -> str:
     return json.dumps({k: v for k, v in data.items() if k not in ("name", "options", "key")})[:400]
 
 
+def verdicts(engine: Path, pairs: int, out: Path) -> list[dict]:
+    """`pairs` pairs of final-like verdicts of `engine`, compiling ahead on and off (ABBA), each on an
+    empty cache."""
+    import subprocess
+    import sys
+    from scripts.gpu.common import PUBLIC_CASES, geomean
+    rows = []
+    for i in range(pairs):
+        for ahead in (("auto", "off") if i % 2 == 0 else ("off", "auto")):
+            verdict, cache = out / f"verdict-{len(rows)}.json", Path(tempfile.mkdtemp(prefix="compile-probe-judge-"))
+            subprocess.run([sys.executable, "-m", "evaluator.evaluate", "--engine", str(engine),
+                            "--model-config", PUBLIC_CONFIG, "--weight-dir", PUBLIC_WEIGHTS, "--device", "cuda",
+                            "--stress", "quick", "--cases", PUBLIC_CASES, "--triton-cache", str(cache),
+                            "--compile-ahead", ahead, "--out", str(verdict)], capture_output=True, timeout=400)
+            result = json.loads(verdict.read_text()) if verdict.is_file() else {}
+            floors = [c["floor_fraction"] for c in result.get("benchmark") or []]
+            rows.append({"compile_ahead": ahead, "status": result.get("status"),
+                         "stage_seconds": result.get("stage_seconds"),
+                         "floor_percent": {c["case_name"]: round(100 * c["floor_fraction"], 1)
+                                           for c in result.get("benchmark") or []},
+                         "geomean_percent": round(100 * geomean(floors), 2) if floors else None})
+            print(f"compile ahead {ahead:4}: {result.get('status')}, " + ", ".join(
+                f"{k} {v:.1f} s" for k, v in (result.get("stage_seconds") or {}).items())
+                + f"; {rows[-1]['geomean_percent']}% of floor {rows[-1]['floor_percent']}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--verdicts", type=int, default=0, help="pairs of final-like verdicts, compiling ahead on and off")
     p.add_argument("--plan", default=FINAL_PLAN, help="a name from scripts.gpu.common.library_plans")
     p.add_argument("--models", type=int, default=3, help="random stress models (quick suite's draw) after the public one")
     p.add_argument("--threads", default="4,8,16")
@@ -129,6 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ensure_toy_weights()
+    if a.verdicts:
+        engine = render_to_file(library_plans()[a.plan], a.plan)
+        (out / "verdicts.json").write_text(json.dumps(verdicts(engine, a.verdicts, out), indent=1))
+        return
     fresh_cache()
     module = load_engine_module(str(render_to_file(library_plans()[a.plan], a.plan)))
     log = CompileLog()
