@@ -13,11 +13,13 @@ How: the judge sends, as the verdict starts, every model it will run and the cal
 on each (`plan`: the public sequence and the benchmark's traces on the real model, each stress
 scenario on its model); the worker starts this process beside itself. Here the engine makes
 those calls with no Triton kernel run: every launch becomes Triton's `warmup` (compile, do not
-run) under AsyncCompileMode, so each new kernel is compiled on a pool thread while the pass goes
-on, into the worker's Triton cache, where the worker's own launches then find it. torch.empty
+run) under AsyncCompileMode; a model's compiles are held until its pass is through (`Deferred`)
+and then run on a pool of threads while the next model's pass goes on, into the worker's Triton
+cache, where the worker's own launches then find them. torch.empty
 gives zeros here, so what a skipped kernel would have written (token ids, slots) reads as 0, a
 valid index, and no torch op asserts on it. Nothing computed here is right or read: the process
-is thrown away, killed by the worker before anything is timed (evaluator/worker.py). It is best
+is thrown away, its group killed by the worker after the stress suite, before anything is timed
+and before the worker's cache is merged into the run's (evaluator/worker.py). It is best
 effort: a model whose pass fails here costs nothing but the kernels it did not reach, which the
 worker compiles itself as it always did. It runs the candidate's code in the worker's jail (its
 uid, limits and memory cap), so it can do nothing the worker could not.
