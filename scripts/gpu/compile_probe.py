@@ -51,6 +51,7 @@ class CompileLog:
     def __init__(self):
         from triton import knobs
         self.runtime = knobs.runtime
+        self.model = ""   # the model whose create_engine is running: each row names it
         self.rows: list[dict] = []
         self.started: dict = {}
         self.functions: dict[str, object] = {}
@@ -71,8 +72,6 @@ class CompileLog:
                 row["seconds"] = time.perf_counter() - start if start else None
                 break
         return None
-
-    model = ""
 
 
 def fresh_cache() -> str:
