@@ -215,8 +215,8 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                                     stress, stress_seed, device,
                                     ahead_limit(memory_bytes or default_memory_cap(), device_memory(device)))
                 started_ahead = worker.request({"op": "ahead"}, json.dumps(models).encode(), what="compile ahead")
-                if started_ahead.get("error"):
-                    log(f"compile ahead: not started ({started_ahead['error']})")
+                if started_ahead.get("error"):   # the worker's words: a line, and short
+                    log(f"compile ahead: not started ({str(started_ahead['error']).splitlines()[0][:200]})")
             module = RemoteModule(worker)
             clock.lap("worker")
             if bf16_criterion:   # also where `public` is off: it sets the tolerance the benchmark checks at

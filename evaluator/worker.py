@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import gc
 import itertools
-import os
 import json
+import os
 import secrets
 import signal
 import socket
