@@ -19,7 +19,6 @@ closing the series stops the timings nobody asked for.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -33,13 +32,12 @@ from pathlib import Path
 
 from agent.records import EvalResult
 from agent.workspace import VARIANTS, atomic_write
-from evaluator.isolation import protect_judge
+from evaluator.isolation import die_with_parent, protect_judge
 from evaluator.sweep import children, forget_child, kill_new_children, start_child
 from evaluator.traces import PUBLIC_CASES
 from evaluator.triton_cache import read_regular
 
 REPO = Path(__file__).resolve().parent.parent
-PR_SET_PDEATHSIG = 1            # prctl option (linux/prctl.h)
 TERM_GRACE_SECONDS = 3.0        # between SIGTERM and SIGKILL of the judge's group
 ERROR_TAIL_CHARS = 2000         # how much of stderr goes into a crash's error text
 POLL_SECONDS = 0.2              # how often the agent looks at the judge at work
@@ -166,15 +164,6 @@ def cache_scope(engine: Path) -> list[str]:
 def default_memory_cap() -> int:
     """MEMORY_FRACTION of this machine's physical memory, in bytes."""
     return int(MEMORY_FRACTION * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-def _die_with_parent() -> None:
-    """In the evaluator, before exec (Linux): be SIGKILLed when the agent dies, even by SIGKILL,
-    so a killed run leaves no evaluator behind writing into the next run's workspace."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the group kill on timeout/interrupt still applies
-        pass
 
 
 def _evaluator_env() -> dict[str, str]:
@@ -322,7 +311,7 @@ class Judge:
         with open(self.log_dir / STDOUT, "ab") as so, open(self.log_dir / STDERR, "ab") as se:
             self.proc = start_child(lambda: subprocess.Popen(
                 self.settings.command(), cwd=REPO, stdin=subprocess.PIPE, stdout=so, stderr=se, text=True,
-                start_new_session=True, preexec_fn=_die_with_parent, env=_evaluator_env()))
+                start_new_session=True, preexec_fn=die_with_parent, env=_evaluator_env()))
         self.starts += 1
 
     def _stop(self, before: set[int]) -> None:

@@ -44,7 +44,7 @@ MAX_THREADS = 8   # 8 compiled 4.3x faster than one, 16 no faster (an H200 host'
 MEMORY_FRACTION = 0.25
 
 
-def plan(config: dict, weight_dir: str, public: bool, cases: list[str], stress: str, seed: int | None,
+def plan(config: dict, weight_dir: str, public: bool, cases: list[str], stress: str, seed: int,
          device: str, weight_limit: int | None = None) -> list[dict]:
     """Every model a verdict runs and the calls it makes on each, in the order the verdict needs
     them: the real model first (`weight_dir`, the worker-readable form), then each random model
@@ -59,7 +59,7 @@ def plan(config: dict, weight_dir: str, public: bool, cases: list[str], stress: 
     for case in cases:
         calls += benchmark_trace(case)   # each ends with nothing live: one engine runs them all
     models = [{"name": "target", "config": config, "weight_dir": weight_dir}]
-    if stress != "off" and seed is not None:
+    if stress != "off":
         quick, size = stress == "quick", QUICK if stress == "quick" else FULL
         randoms, target_seed = draw(seed, quick, device, config)
         for trace in scenario_traces(target_seed, target_scenarios(quick), size)[1]:
@@ -178,16 +178,11 @@ def weights_for(model: dict, folder: str) -> str:
     """The model's weight folder: the real model's, or random weights of its config saved here."""
     if model["weight_dir"] is not None:
         return model["weight_dir"]
-    from evaluator.checkpoint import is_hf, save_hf_weights
-    from evaluator.common import WEIGHT_FILE
-    from evaluator.weights import random_weights, save_weights
+    from evaluator.stress import write_weights
+    from evaluator.weights import random_weights
     path = Path(folder) / model["name"]
     path.mkdir()
-    weights = random_weights(model["config"])
-    if is_hf(model["config"]):
-        save_hf_weights(weights, str(path), model["config"])
-    else:
-        save_weights(weights, path / WEIGHT_FILE)
+    write_weights(random_weights(model["config"]), str(path), model["config"])
     return str(path)
 
 
@@ -226,17 +221,13 @@ def go_through(torch, module, models: list[dict], mode, executor: Deferred, fold
 
 
 def main() -> int:
-    try:   # die with the worker, as the worker dies with the judge
-        import ctypes
-        import signal
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    from evaluator.isolation import die_with_parent
+    die_with_parent()   # as the worker dies with the judge
     request = json.loads(Path(sys.argv[1]).read_text())
     import torch
     from evaluator.common import load_engine_module
-    dried = dry(torch)
-    if dried is None or not torch.cuda.is_available():
+    dried = dry(torch) if torch.cuda.is_available() else None
+    if dried is None:
         print("compile ahead: nothing to do here (no CUDA, or a Triton without AsyncCompileMode)", flush=True)
         return 0
     mode, executor = dried

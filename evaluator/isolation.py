@@ -97,6 +97,15 @@ def _prctl(option: int, arg: int = 0) -> bool:
     return _libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0
 
 
+def die_with_parent() -> bool:
+    """SIGKILL this process when its parent dies, even by SIGKILL (Linux; elsewhere False): the
+    worker with the judge, the judge with the agent, the compile-ahead process with its worker."""
+    try:
+        return _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except AttributeError:   # a libc without prctl
+        return False
+
+
 def protect_judge() -> None:
     """In the judge: not dumpable (no ptrace, no /proc/<pid>/mem for a same-uid worker), and a
     child subreaper (a worker's orphans, daemons included, become the judge's children, so the
@@ -271,7 +280,7 @@ def enter(spec: JailSpec) -> list[str]:
     if not _prctl(PR_SET_NO_NEW_PRIVS, 1):
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
     held.append("no new privileges")
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)   # after the uid change, which clears it
+    die_with_parent()   # after the uid change, which clears it
     if os.getppid() != spec.judge_pid:
         os._exit(1)   # the judge is gone already
     held.append("dies with the judge")

@@ -221,6 +221,14 @@ def scenario_traces(trace_seed: int, scenarios, size: StressSize) -> tuple[int, 
     return gen_seed, [STRESS_SCENARIOS[scenario](rng, size) for scenario in scenarios]
 
 
+def write_weights(weights: dict[str, torch.Tensor], folder: str, config: dict) -> None:
+    """`weights` into `folder` in the format of `config`: a Hugging Face folder or the course's file."""
+    if is_hf(config):
+        save_hf_weights(weights, folder, config)
+    else:
+        save_weights(weights, Path(folder) / WEIGHT_FILE)
+
+
 def judge_safe_weights(model: StressModel, device: str, tol: Tolerance,
                        log: Callable[[str], None] = lambda line: None,
                        margin_of: Callable[..., float] = judge_margin) -> dict[str, torch.Tensor]:
@@ -317,10 +325,7 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
     for model in models if go_on else []:
         weights = judge_safe_weights(model, device, tol, log)
         with tempfile.TemporaryDirectory(prefix="stress-weights-") as tmp:
-            if is_hf(model.config):
-                save_hf_weights(weights, tmp, model.config)
-            else:
-                save_weights(weights, Path(tmp) / WEIGHT_FILE)
+            write_weights(weights, tmp, model.config)
             if not run.model(model.name, model.config, tmp, weights, list(model.scenarios), model.trace_seed):
                 break
     identities.check("after the stress suite")

@@ -126,7 +126,7 @@ class Worker:
         return {"pid": self.ahead_proc.pid}
 
     def stop_ahead(self, *_) -> dict:
-        """Kill the compile-ahead process and its group (the assembler and C compiler runs its
+        """Kill the compile-ahead process and its group (the assembler and C compiler processes its
         threads started), and wait for it: nothing of it runs beside a timing."""
         if self.ahead_proc is not None:
             try:
