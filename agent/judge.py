@@ -99,6 +99,7 @@ class JudgeSettings:
     spare_worker: str = "auto"   # evaluator/resident.py --spare-worker: the next verdict's worker started ahead
     compile_ahead: str = "auto"  # evaluator/evaluate.py --compile-ahead: a verdict's kernels compiled beside its worker
     phase_repeat: int | None = None      # this phase's repeats (set by for_phase); None: `repeat`
+    phase_warm_up: str = "case"          # this phase's warm-up engines (evaluator/evaluate.py WARM_UPS)
 
     def for_phase(self, phase: str) -> "JudgeSettings":
         """The settings of one phase (see VERIFY, TIMING, FINAL, STRESS); the screens and rounds
@@ -108,8 +109,9 @@ class JudgeSettings:
             return replace(self, benchmark=self.screens_time_less())
         if phase == STRESS:  # the conservative engine: no slots to profile
             return replace(self, benchmark=False, profile=False)
-        if phase == TIMING:
-            return replace(self, stress="off", profile=False, phase_repeat=self.screen_repeat)
+        if phase == TIMING:   # one warm-up engine for all cases where a finalist is then timed officially
+            return replace(self, stress="off", profile=False, phase_repeat=self.screen_repeat,
+                           phase_warm_up="shared" if self.screens_time_less() else "case")
         if phase == VERIFY:
             return replace(self, stress="off", cases=self.conservative_case(), profile=False)
         raise ValueError(f"unknown judge phase {phase!r}")
@@ -150,6 +152,7 @@ class JudgeSettings:
         engines that hold that code."""
         return {"engine": str(engine), "out_dir": str(out_dir), "stress": self.stress, "cases": self.cases,
                 "benchmark": self.benchmark, "profile": self.profile, "repeat": self.phase_repeat,
+                "warm_up": self.phase_warm_up,
                 "update_cache": self.triton_cache is not None, "cache_scope": cache_scope(engine)}
 
 
@@ -406,10 +409,11 @@ class Series:
                 (self.out_dir / name / RESULT).unlink(missing_ok=True)
             (self.out_dir / SERIES_DONE).unlink(missing_ok=True)
             self.since, self.before = time.monotonic(), children()
+            timing = self.judge.settings.for_phase(TIMING)
             self.running = self.judge.send({"timings": [[name, str(engine), self.tickets[name], cache_scope(engine)]
                                                         for name, engine in self.timings],
-                                            "out_dir": str(self.out_dir), "cases": self.judge.settings.cases,
-                                            "repeat": self.judge.settings.for_phase(TIMING).phase_repeat,
+                                            "out_dir": str(self.out_dir), "cases": timing.cases,
+                                            "repeat": timing.phase_repeat, "warm_up": timing.phase_warm_up,
                                             "done_ticket": self.done_ticket})
         outputs = [self.out_dir / name / f for name in labels for f in (STDOUT, STDERR)]
         killed_because = None if self.running is not self.judge.proc else \

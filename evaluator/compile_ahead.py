@@ -1,6 +1,7 @@
 """Compile a candidate's Triton kernels ahead of the calls that need them, on a pool of threads.
 
-    python3 -I evaluator/compile_ahead.py REQUEST.json    (started by evaluator/worker.py, in its jail)
+    python3 -I evaluator/compile_ahead.py READY_FD    (started by evaluator/worker.py, in its jail;
+                                                      then the request's path on stdin)
 
 Why: a worker compiles each kernel at its first launch, one after another, and compiling was
 most of what a verdict waited for: a screen's public phase 2-17 s of it, a final's stress suite
@@ -9,9 +10,11 @@ and twenty-ninth sessions). On an H200, 182 of an engine's kernels took 66.5 s o
 another and 15.5 s on 8 threads under Triton's AsyncCompileMode (thirtieth session,
 `python3 -m scripts.gpu compile-probe`): Triton's passes and ptxas release the GIL.
 
-How: the judge sends, as the verdict starts, every model it will run and the calls it will make
-on each (`plan`: the public sequence and the benchmark's traces on the real model, each stress
-scenario on its model); the worker starts this process beside itself. Here the engine makes
+How: the worker starts this process beside itself as it starts, and it makes ready (torch,
+Triton, the CUDA context: ~3 s a screen once paid after the plan came; thirty-first session)
+and waits. The judge sends, as the verdict starts, every model it will run and the calls it will
+make on each (`plan`: the public sequence and the benchmark's traces on the real model, each
+stress scenario on its model); the worker hands it to this process. Here the engine makes
 those calls with no Triton kernel run: every launch becomes Triton's `warmup` (compile, do not
 run) under AsyncCompileMode; a model's compiles are held until its pass is through (`Deferred`)
 and then run on a pool of threads while the next model's pass goes on, into the worker's Triton
@@ -38,6 +41,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (isolated mode adds no path)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+COMPILE_AHEAD = "compile-ahead"   # the worker's argv[2] that starts this process with the worker (else "-")
+READY = "ready\n"   # written to READY_FD once imports, the CUDA context and the patches are done
 MAX_THREADS = 8   # 8 compiled 4.3x faster than one, 16 no faster (an H200 host's 16 cores, thirtieth session)
 # The most of the GPU's memory this process may take: the worker creates its engines beside it, and
 # an engine that sizes its KV pool from the free memory must still find most of it free.
@@ -221,17 +226,28 @@ def go_through(torch, module, models: list[dict], mode, executor: Deferred, fold
 
 
 def main() -> int:
+    """Everything that does not depend on the request first (imports, the CUDA context, the
+    patches), then "ready" on the fd named by argv[1], then the request's path from stdin."""
     from evaluator.isolation import die_with_parent
     die_with_parent()   # as the worker dies with the judge
-    request = json.loads(Path(sys.argv[1]).read_text())
     import torch
     from evaluator.common import load_engine_module
-    dried = dry(torch) if torch.cuda.is_available() else None
+    from evaluator.stress import write_weights  # noqa: F401 - imported now, not on the request's time
+    from evaluator.weights import random_weights  # noqa: F401
+    dried = None
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION)   # also makes the context
+        dried = dry(torch)
     if dried is None:
         print("compile ahead: nothing to do here (no CUDA, or a Triton without AsyncCompileMode)", flush=True)
         return 0
     mode, executor = dried
-    torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION)
+    with os.fdopen(int(sys.argv[1]), "w") as ready:
+        ready.write(READY)
+    line = sys.stdin.readline().strip()
+    if not line:   # the worker went on without asking
+        return 0
+    request = json.loads(Path(line).read_text())
     start = time.perf_counter()
     module = load_engine_module(request["engine"])
     from triton.runtime.jit import KernelInterface

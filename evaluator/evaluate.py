@@ -3,7 +3,8 @@
     python3 -m evaluator.evaluate --engine PATH --model-config CFG --weight-dir DIR \
         --device cpu|cuda|auto [--stress off|quick|full] [--cases prefill,decode,mixed,...] \
         [--no-benchmark] [--warmup 1] [--repeat 3] [--seed N] [--memory-gb G] [--triton-cache DIR [--triton-cache-update]]
-        [--profile] [--criterion auto|course|bf16] [--compile-ahead auto|off] --out RESULT.json
+        [--profile] [--criterion auto|course|bf16] [--compile-ahead auto|off] [--warm-up case|shared]
+        --out RESULT.json
 
 This process is the judge: it holds the inputs, the reference, the comparison, the clock and
 the verdict, and never imports the candidate. The candidate runs in a worker process inside
@@ -55,7 +56,7 @@ quiet_threads()   # before torch is imported: see QUIET_THREADS
 
 from evaluator.benchmark_throughput import run_benchmark  # noqa: E402
 from evaluator.compile_ahead import limit as ahead_limit, plan as plan_ahead  # noqa: E402
-from evaluator.common import (CRASH, ConfigError, EvalFailure, Tolerance, compute_dtype,  # noqa: E402
+from evaluator.common import (CRASH, ConfigError, EvalFailure, Tolerance, compute_dtype, freeze_imports,  # noqa: E402
                               harness_parser, load_config, parse_cases, resolve_device)
 from evaluator.floor import Hardware, detect_hardware  # noqa: E402
 from evaluator.hf_judge import CRITERIA, CRITERION_MARGIN, run_criterion, uses_bf16_criterion  # noqa: E402
@@ -76,6 +77,9 @@ MEMORY_FRACTION = 0.8   # of physical memory: the worker's default cap (the judg
 PROFILE_BUDGET_S = 20.0
 # Where the worker compiles a verdict's Triton kernels ahead, beside itself (evaluator/compile_ahead.py).
 AHEAD_DEVICES = ("cuda",)
+# The benchmark's warm-up engines: one a case (SPEC §5), or one shared by all cases (a search's
+# screens and contest rounds: evaluator/benchmark_throughput.py run_benchmark's shared_warm_up).
+WARM_UPS = ("case", "shared")
 
 
 def default_memory_cap() -> int:
@@ -148,7 +152,8 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
              benchmark: bool = True, started: float | None = None, setup: JudgeSetup | None = None,
              reuse: Worker | None = None, public: bool = True, fresh: Worker | None = None,
              worker_ready: Callable[[], None] = lambda: None,
-             before_timing: Callable[[], None] = lambda: None, compile_ahead: bool = True) -> dict:
+             before_timing: Callable[[], None] = lambda: None, compile_ahead: bool = True,
+             shared_warm_up: bool = False) -> dict:
     """The EvalResult dict of docs/design.md §2. Never raises for a bad candidate: the
     candidate runs in a confined worker (evaluator/remote.py), capped at `memory_bytes`. With
     `triton_cache` the worker starts from a copy of that (judge-owned) cache, and with
@@ -170,7 +175,8 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
     judge starts the next verdict's worker then, beside the untimed stages), `before_timing`
     before the benchmark and the profiled pass (it waits there for that start). `compile_ahead`:
     on a GPU the worker compiles the verdict's kernels ahead, beside itself (evaluator/compile_ahead.py,
-    stopped after the stress suite). `public` False: no
+    stopped after the stress suite). `shared_warm_up`: the benchmark's warm-up passes on one
+    engine for all cases (run_benchmark's; a search's screens and contest rounds). `public` False: no
     public sequence before the benchmark (the bf16 criterion still runs: its tolerance is the one
     the benchmark's outputs are checked at), only for a repeated timing of an
     engine whose screen passed them in this run (evaluator/resident.py series): what it is for is
@@ -186,11 +192,12 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
         clock.lap("judge start")
     try:
         config = load_config(model_config)
+        ahead = compile_ahead and device in AHEAD_DEVICES and (public or stress != "off")   # they compile
         with ExitStack() as owned:
             # A fresh worker is started first: its confinement, torch import and device context
             # overlap the judge's setup below; it runs nothing of the candidate's before `load`.
             worker = reuse if reuse is not None else owned.enter_context(closing(
-                fresh or Worker(device, memory_bytes or default_memory_cap(), log, triton_cache, cache_scope)))
+                fresh or Worker(device, memory_bytes or default_memory_cap(), log, triton_cache, cache_scope, ahead)))
             if fresh is not None:
                 log("the worker: the judge's spare, started while the previous verdict ran")
             if setup.hardware is None:
@@ -209,7 +216,6 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             if reuse is None:
                 worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
             stress_seed = secrets.randbits(31) if seed is None else seed
-            ahead = compile_ahead and device in AHEAD_DEVICES and (public or stress != "off")   # they compile
             if ahead:
                 models = plan_ahead(config, worker.readable(weight_dir), public, list(cases) if benchmark else [],
                                     stress, stress_seed, device,
@@ -254,7 +260,8 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                 result["stage"] = "benchmark"
                 # A fresh seed the worker never sees: it gets each trace's tokens when the clock starts.
                 result["benchmark"] = run_benchmark(module, config, weight_dir, device, list(cases), warmup, repeat,
-                                                    seed=secrets.randbits(62), hardware=hardware, tol=target_tol)
+                                                    seed=secrets.randbits(62), hardware=hardware, tol=target_tol,
+                                                    shared_warm_up=shared_warm_up)
                 result["score"] = score(result["benchmark"])
                 clock.lap("benchmark")
             result["stage"], result["status"] = "done", "passed"
@@ -344,6 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     p = harness_parser(__doc__.splitlines()[0])
     add_timing_flags(p)
     p.add_argument("--stress", choices=STRESS_MODES, default="quick")
+    p.add_argument("--warm-up", choices=WARM_UPS, default="case",
+                   help="case: one warm-up engine a benchmark case (SPEC §5); shared: one for all cases "
+                        "(a search's screens and contest rounds)")
     p.add_argument("--no-benchmark", action="store_true",
                    help="public sequence and stress only, no score: the caller holds this engine's timing")
     p.add_argument("--seed", type=int, help="stress seed (default: fresh)")
@@ -357,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM (the agent's timeout) unwinds like an interrupt, so the worker's jail is torn down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     cases = parse_cases(a.cases)
+    freeze_imports()
     try:
         config = load_config(a.model_config)
     except ConfigError as e:
@@ -368,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
                       memory_bytes=int(a.memory_gb * 2**30) if a.memory_gb else None,
                       triton_cache=a.triton_cache, update_cache=a.triton_cache_update, profile=a.profile,
                       criterion=a.criterion, benchmark=not a.no_benchmark, started=STARTED,
-                      compile_ahead=a.compile_ahead != "off")
+                      compile_ahead=a.compile_ahead != "off", shared_warm_up=a.warm_up == "shared")
     write_json(result, a.out)
     print(summary_line(result))
     sys.stdout.flush()

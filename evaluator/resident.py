@@ -8,10 +8,11 @@
 Requests come on stdin, one JSON object a line, and are done one at a time, in order:
 
     {"engine": PATH, "out_dir": DIR, "stress": "quick", "cases": "mixed", "benchmark": true,
-     "profile": false, "update_cache": false, "cache_scope": [DIGEST, ...], "repeat": 1, "ticket": T}
+     "profile": false, "update_cache": false, "cache_scope": [DIGEST, ...], "repeat": 1, "warm_up": "shared",
+     "ticket": T}
                                                                    one verdict: DIR/result.json
     {"timings": [[LABEL, PATH, T, [DIGEST, ...]], ...], "out_dir": DIR, "cases": ..., "repeat": ...,
-     "done_ticket": D}                                             a contest's series: DIR/LABEL/result.json,
+     "warm_up": ..., "done_ticket": D}                                            a contest's series: DIR/LABEL/result.json,
                                                                    then DIR/series-done.json
 
 Each verdict is exactly `python3 -m evaluator.evaluate` with the request's flags (a series'
@@ -68,8 +69,8 @@ STARTED = time.perf_counter()   # before torch is imported: the first verdict's 
 quiet_threads()
 
 from evaluator.benchmark_throughput import release_device_memory  # noqa: E402
-from evaluator.common import CRASH, ConfigError, load_config, parse_cases, resolve_device  # noqa: E402
-from evaluator.evaluate import (STRESS_MODES, JudgeSetup, add_timing_flags, default_memory_cap,  # noqa: E402
+from evaluator.common import CRASH, ConfigError, freeze_imports, load_config, parse_cases, resolve_device  # noqa: E402
+from evaluator.evaluate import (AHEAD_DEVICES, STRESS_MODES, WARM_UPS, JudgeSetup, add_timing_flags, default_memory_cap,  # noqa: E402
                                 evaluate, failed_result, summary_line, write_json)
 from evaluator.remote import Worker  # noqa: E402
 
@@ -98,6 +99,7 @@ class Verdict:
     repeat: int | None = None           # fresh engines a benchmark case; None: the process's --repeat
     ticket: str | None = None           # copied into result.json: how the caller knows it is this verdict
     cache_scope: tuple[str, ...] = ()   # the engine's model-written variants: its Triton cache layers
+    warm_up: str = "case"               # WARM_UPS: one warm-up engine a case (SPEC §5), or one shared
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class SeriesRequest:
     cases: list[str] | None = None      # None: the process's --cases
     repeat: int | None = None           # None: the process's --repeat
     done_ticket: str | None = None      # copied into DIR/series-done.json once the series is over
+    warm_up: str = "case"
 
 
 def parse_request(line: str) -> Verdict | SeriesRequest:
@@ -121,6 +124,9 @@ def parse_request(line: str) -> Verdict | SeriesRequest:
         repeat = data.get("repeat")
         if repeat is not None and (type(repeat) is not int or repeat < 1):
             raise BadRequest("repeat must be a positive integer")
+        warm_up = data.get("warm_up", "case")
+        if warm_up not in WARM_UPS:
+            raise BadRequest(f"warm_up must be one of {WARM_UPS}")
         if "timings" in data:
             timings = [(str(label), Path(engine), _ticket(rest[0] if rest else None),
                         _scope(rest[1] if len(rest) > 1 else []))
@@ -128,13 +134,13 @@ def parse_request(line: str) -> Verdict | SeriesRequest:
             if not timings or any(not _plain_name(label) for label, *_ in timings) \
                     or len({label for label, *_ in timings}) != len(timings):
                 raise BadRequest("timings: distinct LABELs of letters, digits, - and _")
-            return SeriesRequest(timings, out_dir, cases, repeat, _ticket(data.get("done_ticket")))
+            return SeriesRequest(timings, out_dir, cases, repeat, _ticket(data.get("done_ticket")), warm_up)
         if data.get("stress", "quick") not in STRESS_MODES:
             raise BadRequest(f"stress must be one of {STRESS_MODES}")
         return Verdict(Path(data["engine"]), out_dir, data.get("stress", "quick"), cases,
                        bool(data.get("benchmark", True)), bool(data.get("profile", False)),
                        bool(data.get("update_cache", False)), repeat, _ticket(data.get("ticket")),
-                       cache_scope=_scope(data.get("cache_scope", [])))
+                       cache_scope=_scope(data.get("cache_scope", [])), warm_up=warm_up)
     except (ValueError, KeyError, TypeError) as e:
         raise BadRequest(f"bad request {line.strip()[:200]!r}: {e}") from None
 
@@ -204,14 +210,14 @@ class Resident:
     def evaluate(self, engine: Path, stress: str, cases: list[str] | None, benchmark: bool = True,
                  profile: bool = False, update_cache: bool = False, reuse: Worker | None = None,
                  public: bool = True, repeat: int | None = None, fresh: Worker | None = None,
-                 cache_scope: tuple[str, ...] = ()) -> dict:
+                 cache_scope: tuple[str, ...] = (), warm_up: str = "case") -> dict:
         a = self.a
         result = evaluate(engine, self.config, a.weight_dir, a.device, stress, cases or parse_cases(a.cases),
                           a.warmup, repeat or a.repeat, a.seed, a.bandwidth_gbs, a.peak_tflops, log=self.log,
                           memory_bytes=self.memory_bytes, triton_cache=a.triton_cache, update_cache=update_cache,
                           cache_scope=cache_scope,
                           profile=profile, criterion=a.criterion, benchmark=benchmark, started=self.started,
-                          compile_ahead=a.compile_ahead != "off",
+                          compile_ahead=a.compile_ahead != "off", shared_warm_up=warm_up == "shared",
                           setup=self.setup, reuse=reuse, fresh=fresh, public=public, worker_ready=self.start_spare,
                           before_timing=self.settle_spare)
         self.started = None
@@ -227,7 +233,8 @@ class Resident:
         written to by the candidate running beside it."""
         if self.keep_spare and self.spare is None:
             try:
-                spare = Worker(self.device, self.memory_bytes or default_memory_cap(), self.log, self.a.triton_cache)
+                spare = Worker(self.device, self.memory_bytes or default_memory_cap(), self.log, self.a.triton_cache,
+                               compile_ahead=self.a.compile_ahead != "off" and self.device in AHEAD_DEVICES)
             except Exception as e:  # noqa: BLE001 - no spare: the next verdict starts its own, as before
                 self.log(f"no spare worker: {type(e).__name__}: {e}")
                 return
@@ -274,7 +281,7 @@ class Resident:
         with self.output_to(v.out_dir):
             fresh = self.take_spare(v.cache_scope)
             result = self.evaluate(v.engine, v.stress, v.cases, v.benchmark, v.profile, v.update_cache,
-                                   repeat=v.repeat, fresh=fresh, cache_scope=v.cache_scope)
+                                   repeat=v.repeat, fresh=fresh, cache_scope=v.cache_scope, warm_up=v.warm_up)
             print(summary_line(result), flush=True)
         write_json({**result, "ticket": v.ticket}, v.out_dir / RESULT)
         release_device_memory(self.device)
@@ -320,7 +327,7 @@ class Resident:
                             self.log(f"--- {label}: the series was stopped by its caller (the contest decided)")
                             break
                         result = self.evaluate(engine, "off", s.cases, reuse=held.worker if held else None,
-                                               public=False, repeat=s.repeat, cache_scope=scope)
+                                               public=False, repeat=s.repeat, cache_scope=scope, warm_up=s.warm_up)
                     except Exception:  # noqa: BLE001 - the judge's own failure: this timing's verdict, not its end
                         traceback.print_exc()
                         result = failed_result(self.device, "unknown", CRASH, "the judge failed on this timing: "
@@ -402,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     judge = Resident(a, config)
+    freeze_imports()
 
     def terminate(*_) -> None:
         """SIGTERM (the caller's timeout or stop) unwinds like an interrupt, so a worker's jail

@@ -1,6 +1,6 @@
 """The worker: the only process that imports a candidate engine (docs/reliability.md).
 
-    python3 -I evaluator/worker.py <channel fd> <jail spec JSON>      (started by evaluator/remote.py)
+    python3 -I evaluator/worker.py <channel fd> compile-ahead|- <jail spec JSON>   (started by evaluator/remote.py)
 
 First it confines itself (evaluator/isolation.py: own uid, no network, limits, death with the
 judge), then it imports torch (and on a GPU makes its context and imports Triton), says hello
@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -29,10 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # isolated mode (-I) adds no path
 
-from evaluator.isolation import JailSpec, enter  # noqa: E402  (the standard library only)
+from evaluator.compile_ahead import COMPILE_AHEAD, READY  # noqa: E402  (the standard library only)
+from evaluator.isolation import JailSpec, enter  # noqa: E402
 
 PREFILL, DECODE, REMOVE = "prefill", "decode", "remove"   # evaluator/traces.py's kinds
-AHEAD_SCRIPT = str(Path(__file__).with_name("compile_ahead.py"))   # started by `ahead`
+AHEAD_SCRIPT = str(Path(__file__).with_name("compile_ahead.py"))   # started with the worker, or by `ahead`
+AHEAD_READY_SECONDS = 60   # the most a worker's hello waits for its compile-ahead process to be ready
 WARM_OUTPUT_DTYPES = ("float16", "bfloat16", "float32")   # an engine's logits, copied into the fp32 staging rows
 
 
@@ -74,8 +77,68 @@ class MaskedTokens:
         return self.masked[self.starts[index]:self.starts[index + 1]] ^ self.keys[index]
 
 
+class AheadProcess:
+    """evaluator/compile_ahead.py beside the worker: started, ready (its imports and CUDA context
+    made), handed one request, killed. In its own process group (`kill` kills the group: the
+    assembler and C compiler processes its threads start), in the worker's session (the memory
+    watch's)."""
+
+    def __init__(self):
+        ready_r, ready_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", AHEAD_SCRIPT, str(ready_w)], stdin=subprocess.PIPE,
+                                         pass_fds=(ready_w,), process_group=0)
+        except BaseException:
+            os.close(ready_r)
+            raise
+        finally:
+            os.close(ready_w)
+        self.ready_fd = ready_r
+        self.request: Path | None = None
+
+    def wait_ready(self, seconds: float) -> bool:
+        """True once it says it is ready; False where it ended first (no CUDA here) or took longer."""
+        readable, _, _ = select.select([self.ready_fd], [], [], seconds)
+        return bool(readable) and os.read(self.ready_fd, len(READY)) == READY.encode()
+
+    @property
+    def idle(self) -> bool:
+        """Alive and not yet handed a request."""
+        return self.request is None and self.proc.poll() is None
+
+    def hand(self, engine: str, models: bytes) -> None:
+        """The request (the engine and the judge's plan) in a file, its path on the process's stdin."""
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compile-ahead-", delete=False) as f:
+            json.dump({"engine": engine, "models": json.loads(models)}, f)
+        self.request = Path(f.name)
+        self.proc.stdin.write(f"{f.name}\n".encode())
+        self.proc.stdin.close()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        try:
+            self.proc.stdin.close()
+        except OSError:   # the process gone before it read what was written
+            pass
+        os.close(self.ready_fd)
+        if self.request is not None:
+            self.request.unlink(missing_ok=True)
+
+
 class Worker:
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, compile_ahead: bool = False):
+        # The compile-ahead process first, so that it imports torch while this process does: it is
+        # then ready when the judge's plan comes (an `ahead` request), not ~3 s later.
+        self.ahead_proc = None
+        if compile_ahead:
+            try:
+                self.ahead_proc = AheadProcess()
+            except Exception:  # noqa: BLE001 - best effort: `ahead` tries once more
+                pass
         import torch
         from evaluator import channel, common, guards
         if torch.cuda.is_available():   # the device's context and Triton before the hello, not in a verdict's
@@ -84,11 +147,13 @@ class Worker:
                 import triton  # noqa: F401
             except ImportError:
                 pass
+        common.freeze_imports()
+        if self.ahead_proc is not None and not self.ahead_proc.wait_ready(AHEAD_READY_SECONDS):
+            self.stop_ahead()   # not ready (no CUDA here): nothing of it runs beside a spare's wait
         self.torch, self.channel, self.common, self.guards = torch, channel, common, guards
         self.sock = sock
         self.module = None
         self.engine_path = None
-        self.ahead_proc = None    # evaluator/compile_ahead.py, while it runs
         self.engines: dict[int, object] = {}
         self.next_id = 0
         self.buffer = None
@@ -106,36 +171,29 @@ class Worker:
         return {}
 
     def ahead(self, req: dict, payload: bytes) -> dict:
-        """Start evaluator/compile_ahead.py beside this worker on the loaded engine and the
-        judge's plan (the payload, JSON: its models and calls; a full stress suite's is ~100 KB,
-        a tenth of a header's cap): it compiles their Triton kernels on a thread pool,
-        into this worker's cache, while the judge's untimed stages run here. Stopped before
-        anything is timed (`stop_ahead`)."""
+        """Hand the compile-ahead process (evaluator/compile_ahead.py; started now if the one
+        started with this worker is not there and idle) the loaded engine and the judge's plan
+        (the payload, JSON: its models and calls; a full stress suite's is ~100 KB, a tenth of a
+        header's cap): it compiles their Triton kernels on a thread pool, into this worker's cache,
+        while the judge's untimed stages run here. Stopped before anything is timed (`stop_ahead`)."""
         if self.engine_path is None:
             raise Refusal(self.common.CRASH, "compile ahead before load")
-        self.stop_ahead()
-        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compile-ahead-", delete=False) as f:
-            json.dump({"engine": self.engine_path, "models": json.loads(payload)}, f)
-        self.ahead_request = Path(f.name)
-        try:   # its own process group (stop_ahead kills the group), in this worker's session (the memory watch's)
-            self.ahead_proc = subprocess.Popen([sys.executable, "-I", AHEAD_SCRIPT, f.name],
-                                               stdin=subprocess.DEVNULL, process_group=0)
-        except Exception as e:  # noqa: BLE001 - best effort (no process left, an old Python): the verdict goes on
-            self.ahead_request.unlink(missing_ok=True)
+        try:   # best effort (no process left, a broken pipe): the verdict goes on without it
+            if self.ahead_proc is None or not self.ahead_proc.idle:
+                self.stop_ahead()
+                self.ahead_proc = AheadProcess()
+            self.ahead_proc.hand(self.engine_path, payload)
+        except Exception as e:  # noqa: BLE001
+            self.stop_ahead()
             return {"pid": None, "error": f"{type(e).__name__}: {e}"}
-        return {"pid": self.ahead_proc.pid}
+        return {"pid": self.ahead_proc.proc.pid}
 
     def stop_ahead(self, *_) -> dict:
-        """Kill the compile-ahead process and its group (the assembler and C compiler processes its
-        threads started), and wait for it: nothing of it runs beside a timing."""
+        """Kill the compile-ahead process and its group, and wait for it: nothing of it runs beside
+        a timing."""
         if self.ahead_proc is not None:
-            try:
-                os.killpg(self.ahead_proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.ahead_proc.wait()
+            self.ahead_proc.kill()
             self.ahead_proc = None
-            self.ahead_request.unlink(missing_ok=True)
         return {}
 
     def set_buffer(self, req: dict, _: bytes, fds: list[int]) -> dict:
@@ -336,10 +394,10 @@ class Worker:
 
 
 def main() -> None:
-    fd, spec = int(sys.argv[1]), JailSpec.from_json(sys.argv[2])
+    fd, ahead, spec = int(sys.argv[1]), sys.argv[2] == COMPILE_AHEAD, JailSpec.from_json(sys.argv[3])
     held = enter(spec)
     sock = socket.socket(fileno=fd)
-    worker = Worker(sock)
+    worker = Worker(sock, ahead)
     from evaluator import channel
     channel.send(sock, {"ok": True, "layers": held, "pid": os.getpid(), "uid": os.getuid()})
     try:

@@ -122,10 +122,12 @@ def test_the_worker_starts_the_process_and_kills_it_when_asked(recompute_engine_
 
 
 STAND_IN = """
-import subprocess, sys, time
+import os, subprocess, sys, time
 from pathlib import Path
+os.write(int(sys.argv[1]), b"ready\\n")
+request = sys.stdin.readline().strip()
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-Path(sys.argv[1] + ".pids").write_text(f"{child.pid}")
+Path(request + ".pids").write_text(f"{child.pid}")
 time.sleep(120)
 """
 
@@ -145,6 +147,48 @@ def in_process_worker(tmp_path, monkeypatch):
     worker.engine_path = "engine.py"
     yield worker, theirs
     worker.stop_ahead()
+
+
+def test_the_process_started_with_the_worker_is_ready_and_is_the_one_handed_the_plan(tmp_path, monkeypatch):
+    import socket
+    from evaluator import worker as worker_mod
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    monkeypatch.setattr(worker_mod, "AHEAD_SCRIPT", str(script))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    worker = worker_mod.Worker(socket.socketpair()[0], compile_ahead=True)
+    try:
+        started = worker.ahead_proc.proc.pid
+        assert worker.ahead_proc.idle and not list(tmp_path.glob("*.pids"))   # ready, waiting for its plan
+        worker.engine_path = "engine.py"
+        pid, grandchild = _started(worker, tmp_path)
+        assert pid == started
+        request = json.loads(next(tmp_path.glob("compile-ahead-*.json")).read_text())
+        assert request == {"engine": "engine.py", "models": []}
+    finally:
+        worker.stop_ahead()
+    assert not _alive(started)
+
+
+def test_a_process_that_is_never_ready_is_killed_and_the_plan_goes_to_a_new_one(tmp_path, monkeypatch):
+    import socket
+    from evaluator import worker as worker_mod
+    silent = tmp_path / "silent.py"
+    silent.write_text("import time; time.sleep(120)")
+    monkeypatch.setattr(worker_mod, "AHEAD_SCRIPT", str(silent))
+    monkeypatch.setattr(worker_mod, "AHEAD_READY_SECONDS", 0.5)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    worker = worker_mod.Worker(socket.socketpair()[0], compile_ahead=True)
+    assert worker.ahead_proc is None   # killed: it would otherwise import beside a spare worker's wait
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    monkeypatch.setattr(worker_mod, "AHEAD_SCRIPT", str(script))
+    worker.engine_path = "engine.py"
+    try:
+        pid, grandchild = _started(worker, tmp_path)
+        assert _alive(pid) and _alive(grandchild)
+    finally:
+        worker.stop_ahead()
 
 
 def _started(worker, tmp_path) -> tuple[int, int]:
@@ -262,9 +306,20 @@ def test_without_cuda_the_process_says_so_and_exits_cleanly(recompute_engine_pat
     request = tmp_path / "request.json"
     request.write_text(json.dumps({"engine": str(recompute_engine_path), "models": compile_ahead.plan(
         load_config(tiny_model.config_path), str(tiny_model.weight_dir), True, [], "off", 1, "cpu")}))
-    done = subprocess.run([sys.executable, "-I", str(REPO / "evaluator" / "compile_ahead.py"), str(request)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    done = _run_ahead(request, {**os.environ, "CUDA_VISIBLE_DEVICES": ""}, 120)
     assert done.returncode == 0 and "nothing to do here" in done.stdout
+
+
+def _run_ahead(request: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """The process as the worker starts it: a ready pipe, then the request's path on stdin."""
+    ready_r, ready_w = os.pipe()
+    try:
+        return subprocess.run([sys.executable, "-I", str(REPO / "evaluator" / "compile_ahead.py"), str(ready_w)],
+                              input=f"{request}\n", pass_fds=(ready_w,), capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    finally:
+        os.close(ready_r)
+        os.close(ready_w)
 
 
 # ---- on CUDA ----
@@ -305,8 +360,7 @@ def test_kernels_compiled_ahead_are_the_ones_the_public_sequence_then_finds(tmp_
     request.write_text(json.dumps({"engine": str(engine), "models": compile_ahead.plan(
         load_config(config_path), str(weights), True, [], "off", 1, "cuda")}))
     start = time.perf_counter()
-    ahead = subprocess.run([sys.executable, "-I", str(REPO / "evaluator" / "compile_ahead.py"), str(request)],
-                           capture_output=True, text=True, timeout=300, env=env)
+    ahead = _run_ahead(request, env, 300)
     assert ahead.returncode == 0 and "done in" in ahead.stdout, ahead.stdout + ahead.stderr
     compiled_ahead = _entries(cache)
     print(f"compiled ahead: {len(compiled_ahead)} entries in {time.perf_counter() - start:.1f} s")

@@ -100,6 +100,26 @@ def test_short_benchmark_on_a_tiny_model(recompute_engine_path, tiny_model, monk
         assert r["floor_fraction"] == pytest.approx(r["floor_ms"] / r["elapsed_ms"])
 
 
+def test_a_shared_warm_up_is_one_engine_that_checks_every_case_before_fresh_timed_engines(
+        recompute_engine_path, recompute_source, write_engine, tiny_model, monkeypatch):
+    """run_benchmark's shared_warm_up (a search's screens): one warm-up engine for all cases in
+    place of one a case, each case's pass on it still checked call by call (a cheat in the last
+    case's trace is caught), the timed runs each on a fresh engine."""
+    created = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: (created.append(1), real_load(*a, **k))[1])
+    hw = Hardware("test", 10.0, 0.1, "flags")
+    cases = ["prefill", "mixed", "decode"]
+    results = run_benchmark(recompute_engine_path, tiny_model.config, tiny_model.weight_dir, "cpu", cases=cases,
+                            warmup=1, repeat=2, hardware=hw, shared_warm_up=True)
+    assert [r["case_name"] for r in results] == cases and all(len(r["runs_ms"]) == 2 for r in results)
+    assert len(created) == 1 + len(cases) * 2 + 2   # one warm-up engine; the reference twice
+    cheat = write_engine(broken_source("skips_benchmark_calls", recompute_source))
+    with pytest.raises(EvalFailure, match=r"benchmark case decode \(checked pass\)"):
+        run_benchmark(cheat, tiny_model.config, tiny_model.weight_dir, "cpu", cases=["prefill", "decode"], warmup=0,
+                      repeat=1, hardware=hw, shared_warm_up=True)
+
+
 def test_timed_outputs_are_checked_after_timing(recompute_source, write_engine, tiny_model):
     engine = write_engine(broken_source("timed_path_differs", recompute_source))
     with pytest.raises(EvalFailure, match="benchmark case decode, last output") as err:

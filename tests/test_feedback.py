@@ -361,6 +361,7 @@ def test_only_timing_phases_run_the_benchmark(tmp_path):
     assert {phase: r["stress"] for phase, r in asked.items()} == \
         {VERIFY: "off", STRESS: "quick", TIMING: "off", FINAL: "quick"}
     assert {r["repeat"] for r in asked.values()} == {None}   # the judge process's --repeat
+    assert {r["warm_up"] for r in asked.values()} == {"case"}   # a screen's timing is installed: SPEC §5's
 
 
 def test_where_screens_time_fewer_engines_the_final_times_its_own_in_full(tmp_path):
@@ -374,6 +375,9 @@ def test_where_screens_time_fewer_engines_the_final_times_its_own_in_full(tmp_pa
              for phase in (VERIFY, STRESS, TIMING, FINAL)}
     assert {phase: (r["benchmark"], r["repeat"]) for phase, r in asked.items()} == \
         {VERIFY: (True, None), STRESS: (False, None), TIMING: (True, 1), FINAL: (True, None)}
+    # ... with one warm-up engine for all cases; the finalist's timing, installed, has SPEC §5's one a case
+    assert {phase: r["warm_up"] for phase, r in asked.items()} == \
+        {VERIFY: "case", STRESS: "case", TIMING: "shared", FINAL: "case"}
     cmd = settings.for_phase(TIMING).command()
     assert cmd[cmd.index("--repeat") + 1] == "3"   # one judge process for every phase
 

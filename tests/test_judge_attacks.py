@@ -1001,12 +1001,20 @@ def test_a_worker_log_replaced_by_a_fifo_does_not_hang_the_judge():
 
 
 TRUNCATES_THE_BUFFER = '''
-import gc
 import sys
 
 
+def _the_worker():
+    """The worker serving this call: the `self` of a frame below it (gc.get_objects does not list
+    it: the worker freezes what its start made, evaluator.common.freeze_imports)."""
+    frame = sys._getframe()
+    while not isinstance(frame.f_locals.get("self"), sys.modules["__main__"].Worker):
+        frame = frame.f_back
+    return frame.f_locals["self"]
+
+
 def _truncate_the_judges_buffer():
-    worker = next(o for o in gc.get_objects() if isinstance(o, sys.modules["__main__"].Worker))
+    worker = _the_worker()
     torch.os.ftruncate(worker.buffer.fd, 0)
     worker.host = torch.empty(worker.host.numel())   # the worker's own copy no longer touches the buffer
 
@@ -1220,10 +1228,19 @@ def test_a_worker_rewriting_how_it_answers_gains_nothing(recompute_source, write
 
 
 KEEPS_ITS_OUTPUTS = '''
-import gc
 import sys
 
-_worker = next(o for o in gc.get_objects() if isinstance(o, sys.modules["__main__"].Worker))
+
+def _the_worker():
+    """The worker serving this call: the `self` of a frame below it (gc.get_objects does not list
+    it: the worker freezes what its start made, evaluator.common.freeze_imports)."""
+    frame = sys._getframe()
+    while not isinstance(frame.f_locals.get("self"), sys.modules["__main__"].Worker):
+        frame = frame.f_back
+    return frame.f_locals["self"]
+
+
+_worker = _the_worker()
 if _worker.host is not None and not hasattr(_worker, "spoiled"):
     _worker.host, _worker.spoiled = torch.empty_like(_worker.host), True   # outputs written there, not lent
 '''

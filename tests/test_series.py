@@ -128,6 +128,7 @@ def test_screens_and_rounds_time_screen_repeat_engines_and_the_final_the_full_re
         final = judge.verdict(recompute_engine_path, tmp_path / "final", 600, run.for_phase(FINAL))
     assert screen.passed and round_.passed and final.passed and judge.starts == 1
     assert [len(r.benchmark[0]["runs_ms"]) for r in (screen, round_, final)] == [1, 1, 2]
+    assert [r.benchmark[0]["warm_up"] for r in (screen, round_, final)] == ["shared", "shared", "case"]
 
 
 BAD_REQUESTS = ['{"timings": [["a/b", "engine.py"]], "out_dir": "x"}', '{"engine": "e.py"}',
@@ -136,7 +137,8 @@ BAD_REQUESTS = ['{"timings": [["a/b", "engine.py"]], "out_dir": "x"}', '{"engine
                 '{"engine": "e.py", "out_dir": "x", "repeat": 0}', '{"timings": [["a", "e.py"]], "out_dir": "x", "repeat": "2"}',
                 '{"engine": "e.py", "out_dir": "x", "cache_scope": "ab"}',
                 '{"engine": "e.py", "out_dir": "x", "cache_scope": ["../x"]}',
-                '{"timings": [["a", "e.py", "t", ["AB"]]], "out_dir": "x"}']
+                '{"timings": [["a", "e.py", "t", ["AB"]]], "out_dir": "x"}',
+                '{"engine": "e.py", "out_dir": "x", "warm_up": "none"}', '{"timings": [["a", "e.py"]], "out_dir": "x", "warm_up": 1}']
 
 
 def test_a_request_names_the_cache_scope_of_its_engine():

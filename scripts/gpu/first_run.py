@@ -52,7 +52,7 @@ def profiled_first_run(module, config: dict, weights: str, out: Path) -> float:
     reference = ReferenceModel.load(config, weights, "cuda")
     threads = ThreadWatch()
     for case in cases:
-        _warm_up(module, config, weights, "cuda", case, 1, reference, Tolerance(), threads)
+        _warm_up(module, config, weights, "cuda", [case], 1, reference, Tolerance(), threads)
     del reference
     release_device_memory("cuda")
     case = cases[0]

@@ -6,7 +6,8 @@ Why: with compiling ahead, a screen still takes 15-18 s on the public config (an
 session): its public phase 3-9 s with as few as one kernel compiled, its benchmark 8-10 s. Before
 cutting either, this says what they are made of. One final-like verdict (public, quick stress,
 benchmark) fills a fresh shared Triton cache, then `--screens` screen verdicts (public and
-benchmark, no stress, as agent/judge.py asks for them) run on that cache, in this process (the judge's side;
+benchmark on one fresh engine a case after one shared warm-up engine, no stress, as agent/judge.py
+asks for them) run on that cache, in this process (the judge's side;
 the candidate still runs in its worker). Each Worker.request is timed and summed by op and by
 stage (create, call, arm, trace, ...); what is left of a stage is the judge's own work (the
 reference model, comparisons, drawing tokens). A cProfile of the last screen lists the judge's
@@ -67,7 +68,7 @@ def one_verdict(engine: Path, cache: Path, stress: str, clock: RequestClock, dev
     clock.stage = "public"
     return judge.evaluate(engine, PUBLIC_CONFIG, PUBLIC_WEIGHTS, device, stress=stress,
                           cases=PUBLIC_CASES.split(","), triton_cache=cache, update_cache=True, log=log,
-                          warmup=1, repeat=1)
+                          warmup=1, repeat=1, shared_warm_up=stress == "off")
 
 
 def main(argv: list[str] | None = None) -> None:
