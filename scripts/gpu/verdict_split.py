@@ -27,6 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from evaluator import evaluate as judge
+from evaluator.common import freeze_imports
 from evaluator.remote import Worker
 from scripts.gpu.common import (FINAL_PLAN, PUBLIC_CASES, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights,
                                 library_plans, out_dir, render_to_file)
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     ensure_toy_weights()
     engine = render_to_file(library_plans()[a.plan], a.plan)
+    freeze_imports()   # as the judge's own processes do (evaluator/resident.py, evaluate.py)
     cache = Path(tempfile.mkdtemp(prefix="verdict-split-cache-"))
     rows = []
     for i in range(a.screens + 1):
