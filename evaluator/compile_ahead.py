@@ -41,7 +41,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (isolated mode adds no path)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-COMPILE_AHEAD = "compile-ahead"   # the worker's argv[2] that starts this process with the worker (else "-")
+# The worker's argv[2]: NO_AHEAD, or start this process as the worker starts (AHEAD_START), and
+# also hold the worker's hello until it is ready (AHEAD_READY: a spare worker's, whose start must
+# be over before the verdict beside it times anything; evaluator/resident.py).
+NO_AHEAD, AHEAD_START, AHEAD_READY = "-", "compile-ahead", "compile-ahead-ready"
 READY = "ready\n"   # written to READY_FD once imports, the CUDA context and the patches are done
 MAX_THREADS = 8   # 8 compiled 4.3x faster than one, 16 no faster (an H200 host's 16 cores, thirtieth session)
 # The most of the GPU's memory this process may take: the worker creates its engines beside it, and
@@ -204,8 +207,11 @@ def run_calls(torch, engine, calls: list[dict]) -> None:
 
 def go_through(torch, module, models: list[dict], mode, executor: Deferred, folder: str,
                log=lambda line: print(line, flush=True)) -> None:
-    """Each model's engine created and its calls made, its compiles then started on the pool while
-    the next model's pass goes on. A model whose pass fails costs only the kernels it did not
+    """Each model's engine created and its calls made; the compiles create_engine asked for start on
+    the pool once it returns (the worker's own create_engine, beside this, launches them first: a
+    screen's public phase on the public config was still 6-9 s with 15-29 kernels compiled, its
+    compiles held until the whole pass was through; thirty-first session), the calls' once the
+    pass is through, while the next model's pass goes on. A model whose pass fails costs only the kernels it did not
     reach; its compiles asked so far start whatever ended the pass (else leaving `mode` waits for
     compiles that were never started)."""
     start = time.perf_counter()
@@ -213,6 +219,7 @@ def go_through(torch, module, models: list[dict], mode, executor: Deferred, fold
         engine = None
         try:
             engine = module.create_engine(model["config"], weights_for(model, folder), "cuda")
+            executor.start()   # create_engine's kernels (most of a model's) are what the worker needs first
             run_calls(torch, engine, model["calls"])
             log(f"compile ahead: {model['name']}: {len(model['calls'])} calls gone through, "
                 f"{len(mode.raw_futures)} compiles asked ({time.perf_counter() - start:.1f} s)")

@@ -1,6 +1,7 @@
 """The worker: the only process that imports a candidate engine (docs/reliability.md).
 
-    python3 -I evaluator/worker.py <channel fd> compile-ahead|- <jail spec JSON>   (started by evaluator/remote.py)
+    python3 -I evaluator/worker.py <channel fd> compile-ahead|compile-ahead-ready|- <jail spec JSON>
+                                                               (started by evaluator/remote.py)
 
 First it confines itself (evaluator/isolation.py: own uid, no network, limits, death with the
 judge), then it imports torch (and on a GPU makes its context and imports Triton), says hello
@@ -30,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # isolated mode (-I) adds no path
 
-from evaluator.compile_ahead import COMPILE_AHEAD, READY  # noqa: E402  (the standard library only)
+from evaluator.compile_ahead import AHEAD_READY, AHEAD_START, READY  # noqa: E402  (the standard library only)
 from evaluator.isolation import JailSpec, enter  # noqa: E402
 
 PREFILL, DECODE, REMOVE = "prefill", "decode", "remove"   # evaluator/traces.py's kinds
@@ -130,9 +131,10 @@ class AheadProcess:
 
 
 class Worker:
-    def __init__(self, sock: socket.socket, compile_ahead: bool = False):
-        # The compile-ahead process first, so that it imports torch while this process does: it is
-        # then ready when the judge's plan comes (an `ahead` request), not ~3 s later.
+    def __init__(self, sock: socket.socket, compile_ahead: bool = False, ready_first: bool = False):
+        """`compile_ahead`: the compile-ahead process started first, so that it imports torch while
+        this process does: it is then ready, or nearly, when the judge's plan comes (an `ahead`
+        request). `ready_first`: the hello (the end of __init__) waits until it is ready."""
         self.ahead_proc = None
         if compile_ahead:
             try:
@@ -148,8 +150,8 @@ class Worker:
             except ImportError:
                 pass
         common.freeze_imports()
-        if self.ahead_proc is not None and not self.ahead_proc.wait_ready(AHEAD_READY_SECONDS):
-            self.stop_ahead()   # not ready (no CUDA here): nothing of it runs beside a spare's wait
+        if ready_first and self.ahead_proc is not None and not self.ahead_proc.wait_ready(AHEAD_READY_SECONDS):
+            self.stop_ahead()   # not ready (no CUDA here): nothing of it runs beside a verdict's timing
         self.torch, self.channel, self.common, self.guards = torch, channel, common, guards
         self.sock = sock
         self.module = None
@@ -394,10 +396,10 @@ class Worker:
 
 
 def main() -> None:
-    fd, ahead, spec = int(sys.argv[1]), sys.argv[2] == COMPILE_AHEAD, JailSpec.from_json(sys.argv[3])
+    fd, ahead, spec = int(sys.argv[1]), sys.argv[2], JailSpec.from_json(sys.argv[3])
     held = enter(spec)
     sock = socket.socket(fileno=fd)
-    worker = Worker(sock, ahead)
+    worker = Worker(sock, ahead in (AHEAD_START, AHEAD_READY), ahead == AHEAD_READY)
     from evaluator import channel
     channel.send(sock, {"ok": True, "layers": held, "pid": os.getpid(), "uid": os.getuid()})
     try:
