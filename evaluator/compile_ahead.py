@@ -46,6 +46,7 @@ if __package__ in (None, ""):  # run as a script (isolated mode adds no path)
 # be over before the verdict beside it times anything; evaluator/resident.py).
 NO_AHEAD, AHEAD_START, AHEAD_READY = "-", "compile-ahead", "compile-ahead-ready"
 READY = "ready\n"   # written to READY_FD once imports, the CUDA context and the patches are done
+PROGRESS_EVERY = 10   # compiles between two progress lines
 MAX_THREADS = 8   # 8 compiled 4.3x faster than one, 16 no faster (an H200 host's 16 cores, thirtieth session)
 # The most of the GPU's memory this process may take: the worker creates its engines beside it, and
 # an engine that sizes its KV pool from the free memory must still find most of it free.
@@ -105,14 +106,27 @@ class Deferred(Executor):
     kernel will ever acknowledge) waited for it, ~40 s of a create_engine that takes ~1 s alone
     (thirtieth session, an H200). A compile whose result is asked for early runs right there."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, log=lambda line: print(line, flush=True)):
         self.pool = ThreadPoolExecutor(threads)
         self.held: list[_Compile] = []
+        self.asked = self.done = 0
+        self.counted = threading.Lock()
+        self.log, self.since = log, time.perf_counter()
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         future = _Compile(lambda: _loaded(fn(*args, **kwargs)))
+        future.add_done_callback(self._count)
         self.held.append(future)
+        self.asked += 1
         return future
+
+    def _count(self, _) -> None:
+        """A line every PROGRESS_EVERY compiles and whenever none is left: when the worker's
+        kernels were there (the verdict's log shows these lines)."""
+        with self.counted:
+            self.done += 1
+            if self.done % PROGRESS_EVERY == 0 or self.done == self.asked:
+                self.log(f"compile ahead: {self.done} of {self.asked} compiled ({time.perf_counter() - self.since:.1f} s)")
 
     def start(self) -> None:
         for future in self.held:
@@ -219,6 +233,8 @@ def go_through(torch, module, models: list[dict], mode, executor: Deferred, fold
         engine = None
         try:
             engine = module.create_engine(model["config"], weights_for(model, folder), "cuda")
+            log(f"compile ahead: {model['name']}: create_engine through, {len(mode.raw_futures)} compiles asked "
+                f"({time.perf_counter() - start:.1f} s)")
             executor.start()   # create_engine's kernels (most of a model's) are what the worker needs first
             run_calls(torch, engine, model["calls"])
             log(f"compile ahead: {model['name']}: {len(model['calls'])} calls gone through, "
@@ -235,6 +251,7 @@ def go_through(torch, module, models: list[dict], mode, executor: Deferred, fold
 def main() -> int:
     """Everything that does not depend on the request first (imports, the CUDA context, the
     patches), then "ready" on the fd named by argv[1], then the request's path from stdin."""
+    born = time.perf_counter()
     from evaluator.isolation import die_with_parent
     die_with_parent()   # as the worker dies with the judge
     import torch
@@ -249,13 +266,15 @@ def main() -> int:
         print("compile ahead: nothing to do here (no CUDA, or a Triton without AsyncCompileMode)", flush=True)
         return 0
     mode, executor = dried
+    print(f"compile ahead: ready, {time.perf_counter() - born:.1f} s after its start", flush=True)
     with os.fdopen(int(sys.argv[1]), "w") as ready:
         ready.write(READY)
     line = sys.stdin.readline().strip()
     if not line:   # the worker went on without asking
         return 0
     request = json.loads(Path(line).read_text())
-    start = time.perf_counter()
+    start = executor.since = time.perf_counter()
+    print("compile ahead: the plan is here", flush=True)
     module = load_engine_module(request["engine"])
     from triton.runtime.jit import KernelInterface
     if not any(isinstance(value, KernelInterface) for value in vars(module).values()):

@@ -77,6 +77,7 @@ MEMORY_FRACTION = 0.8   # of physical memory: the worker's default cap (the judg
 PROFILE_BUDGET_S = 20.0
 # Where the worker compiles a verdict's Triton kernels ahead, beside itself (evaluator/compile_ahead.py).
 AHEAD_DEVICES = ("cuda",)
+AHEAD_LOG_LINES = 12   # of what the compile-ahead process said, in the verdict's log
 # The benchmark's warm-up engines: one a case (SPEC §5), or one shared by all cases (a search's
 # screens and contest rounds: evaluator/benchmark_throughput.py run_benchmark's shared_warm_up).
 WARM_UPS = ("case", "shared")
@@ -254,7 +255,9 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
                     result["error"] = f"stress case {failure.name} (seed {report.seed}): {failure.error}"
                     return result
             if ahead:   # before anything is timed, and before the worker's cache is counted and merged
-                worker.request({"op": "stop_ahead"}, what="compile ahead")
+                said = worker.request({"op": "stop_ahead"}, what="compile ahead").get("said")
+                for line in (said if isinstance(said, str) else "").splitlines()[-AHEAD_LOG_LINES:]:
+                    log(f"  | {line[:200]}")   # the worker's words (its compile-ahead process's progress)
             if benchmark:
                 before_timing()
                 result["stage"] = "benchmark"

@@ -36,7 +36,8 @@ from evaluator.isolation import JailSpec, enter  # noqa: E402
 
 PREFILL, DECODE, REMOVE = "prefill", "decode", "remove"   # evaluator/traces.py's kinds
 AHEAD_SCRIPT = str(Path(__file__).with_name("compile_ahead.py"))   # started with the worker, or by `ahead`
-AHEAD_READY_SECONDS = 60   # the most a worker's hello waits for its compile-ahead process to be ready
+AHEAD_READY_SECONDS = 60
+AHEAD_LOG_BYTES = 2000     # of what the compile-ahead process said, in stop_ahead's answer   # the most a worker's hello waits for its compile-ahead process to be ready
 WARM_OUTPUT_DTYPES = ("float16", "bfloat16", "float32")   # an engine's logits, copied into the fp32 staging rows
 
 
@@ -85,12 +86,15 @@ class AheadProcess:
     watch's)."""
 
     def __init__(self):
+        self.log = tempfile.TemporaryFile()   # what it says (stdout and stderr), for `kill`'s answer
         ready_r, ready_w = os.pipe()
         try:
             self.proc = subprocess.Popen([sys.executable, "-I", AHEAD_SCRIPT, str(ready_w)], stdin=subprocess.PIPE,
-                                         pass_fds=(ready_w,), process_group=0)
+                                         stdout=self.log, stderr=subprocess.STDOUT, pass_fds=(ready_w,),
+                                         process_group=0)
         except BaseException:
             os.close(ready_r)
+            self.log.close()
             raise
         finally:
             os.close(ready_w)
@@ -115,7 +119,8 @@ class AheadProcess:
         self.proc.stdin.write(f"{f.name}\n".encode())
         self.proc.stdin.close()
 
-    def kill(self) -> None:
+    def kill(self) -> str:
+        """Kill it and its group; the last AHEAD_LOG_BYTES of what it said."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -128,6 +133,10 @@ class AheadProcess:
         os.close(self.ready_fd)
         if self.request is not None:
             self.request.unlink(missing_ok=True)
+        self.log.seek(max(self.log.seek(0, os.SEEK_END) - AHEAD_LOG_BYTES, 0))
+        said = self.log.read().decode(errors="replace")
+        self.log.close()
+        return said
 
 
 class Worker:
@@ -192,11 +201,12 @@ class Worker:
 
     def stop_ahead(self, *_) -> dict:
         """Kill the compile-ahead process and its group, and wait for it: nothing of it runs beside
-        a timing."""
-        if self.ahead_proc is not None:
-            self.ahead_proc.kill()
-            self.ahead_proc = None
-        return {}
+        a timing. The answer has the end of what it said (its progress, per model), for the log."""
+        if self.ahead_proc is None:
+            return {}
+        said = self.ahead_proc.kill()
+        self.ahead_proc = None
+        return {"said": said}
 
     def set_buffer(self, req: dict, _: bytes, fds: list[int]) -> dict:
         if len(fds) != 1:

@@ -62,6 +62,8 @@ class RequestClock:
 def one_verdict(engine: Path, cache: Path, stress: str, clock: RequestClock, device: str) -> dict:
     """A verdict as the resident judge gives it, its stages tracked through the log lines."""
     def log(line: str) -> None:
+        if line.startswith("  | "):   # what the compile-ahead process said
+            print(line, flush=True)
         if line.startswith("public:"):
             clock.stage = "stress" if stress != "off" else "benchmark"
         elif clock.stage == "stress" and re.match(r"\d+ passed, \d+ failed", line):
