@@ -10,14 +10,14 @@ and twenty-ninth sessions). On an H200, 182 of an engine's kernels took 66.5 s o
 another and 15.5 s on 8 threads under Triton's AsyncCompileMode (thirtieth session,
 `python3 -m scripts.gpu compile-probe`): Triton's passes and ptxas release the GIL.
 
-How: the worker starts this process beside itself as it starts, and it makes ready (torch,
-Triton, the CUDA context: ~3 s a screen once paid after the plan came; thirty-first session)
-and waits. The judge sends, as the verdict starts, every model it will run and the calls it will
-make on each (`plan`: the public sequence and the benchmark's traces on the real model, each
-stress scenario on its model); the worker hands it to this process. Here the engine makes
+How: the worker starts this process beside itself (a spare worker as it starts, so that it is
+ready, its torch, Triton and CUDA context made, when the verdict comes; another at the plan), and
+it waits for the plan: the judge sends, as the verdict starts, every model it will run and the
+calls it will make on each (`plan`: the public sequence and the benchmark's traces on the real
+model, each stress scenario on its model). Here the engine makes
 those calls with no Triton kernel run: every launch becomes Triton's `warmup` (compile, do not
-run) under AsyncCompileMode; a model's compiles are held until its pass is through (`Deferred`)
-and then run on a pool of threads while the next model's pass goes on, into the worker's Triton
+run) under AsyncCompileMode; a model's compiles are held until its create_engine returns, then
+until its calls are through (`Deferred`), and run on a pool of threads while the pass goes on, into the worker's Triton
 cache, where the worker's own launches then find them. torch.empty
 gives zeros here, so what a skipped kernel would have written (token ids, slots) reads as 0, a
 valid index, and no torch op asserts on it. Nothing computed here is right or read: the process
@@ -41,10 +41,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (isolated mode adds no path)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# The worker's argv[2]: NO_AHEAD, or start this process as the worker starts (AHEAD_START), and
-# also hold the worker's hello until it is ready (AHEAD_READY: a spare worker's, whose start must
-# be over before the verdict beside it times anything; evaluator/resident.py).
-NO_AHEAD, AHEAD_START, AHEAD_READY = "-", "compile-ahead", "compile-ahead-ready"
+# The worker's argv[2]: start this process as the worker starts and say hello once it is ready
+# (a spare worker's: evaluator/resident.py), or "-" (started at the `ahead` request).
+START_AHEAD = "start-ahead"
 READY = "ready\n"   # written to READY_FD once imports, the CUDA context and the patches are done
 PROGRESS_EVERY = 10   # compiles between two progress lines
 MAX_THREADS = 8   # 8 compiled 4.3x faster than one, 16 no faster (an H200 host's 16 cores, thirtieth session)

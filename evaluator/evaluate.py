@@ -198,7 +198,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             # A fresh worker is started first: its confinement, torch import and device context
             # overlap the judge's setup below; it runs nothing of the candidate's before `load`.
             worker = reuse if reuse is not None else owned.enter_context(closing(
-                fresh or Worker(device, memory_bytes or default_memory_cap(), log, triton_cache, cache_scope, ahead)))
+                fresh or Worker(device, memory_bytes or default_memory_cap(), log, triton_cache, cache_scope)))
             if fresh is not None:
                 log("the worker: the judge's spare, started while the previous verdict ran")
             if setup.hardware is None:

@@ -234,7 +234,7 @@ class Resident:
         if self.keep_spare and self.spare is None:
             try:
                 spare = Worker(self.device, self.memory_bytes or default_memory_cap(), self.log, self.a.triton_cache,
-                               compile_ahead=self.a.compile_ahead != "off" and self.device in AHEAD_DEVICES, spare=True)
+                               start_ahead=self.a.compile_ahead != "off" and self.device in AHEAD_DEVICES)
             except Exception as e:  # noqa: BLE001 - no spare: the next verdict starts its own, as before
                 self.log(f"no spare worker: {type(e).__name__}: {e}")
                 return

@@ -1,6 +1,6 @@
 """The worker: the only process that imports a candidate engine (docs/reliability.md).
 
-    python3 -I evaluator/worker.py <channel fd> compile-ahead|compile-ahead-ready|- <jail spec JSON>
+    python3 -I evaluator/worker.py <channel fd> start-ahead|- <jail spec JSON>
                                                                (started by evaluator/remote.py)
 
 First it confines itself (evaluator/isolation.py: own uid, no network, limits, death with the
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # isolated mode (-I) adds no path
 
-from evaluator.compile_ahead import AHEAD_READY, AHEAD_START, READY  # noqa: E402  (the standard library only)
+from evaluator.compile_ahead import READY, START_AHEAD  # noqa: E402  (the standard library only)
 from evaluator.isolation import JailSpec, enter  # noqa: E402
 
 PREFILL, DECODE, REMOVE = "prefill", "decode", "remove"   # evaluator/traces.py's kinds
@@ -140,12 +140,14 @@ class AheadProcess:
 
 
 class Worker:
-    def __init__(self, sock: socket.socket, compile_ahead: bool = False, ready_first: bool = False):
-        """`compile_ahead`: the compile-ahead process started first, so that it imports torch while
-        this process does: it is then ready, or nearly, when the judge's plan comes (an `ahead`
-        request). `ready_first`: the hello (the end of __init__) waits until it is ready."""
+    def __init__(self, sock: socket.socket, start_ahead: bool = False):
+        """`start_ahead` (a spare worker's): the compile-ahead process started first, beside this
+        one's imports, and waited for before the hello (the end of __init__): ready for the judge's
+        plan (an `ahead` request) when the verdict comes. Not for a worker whose verdict waits on
+        its start: two processes making their CUDA contexts at once, a worker's start took ~4.1 s
+        where it took 1.2-1.5 s alone (an H200, thirty-first session)."""
         self.ahead_proc = None
-        if compile_ahead:
+        if start_ahead:
             try:
                 self.ahead_proc = AheadProcess()
             except Exception:  # noqa: BLE001 - best effort: `ahead` tries once more
@@ -159,7 +161,7 @@ class Worker:
             except ImportError:
                 pass
         common.freeze_imports()
-        if ready_first and self.ahead_proc is not None and not self.ahead_proc.wait_ready(AHEAD_READY_SECONDS):
+        if self.ahead_proc is not None and not self.ahead_proc.wait_ready(AHEAD_READY_SECONDS):
             self.stop_ahead()   # not ready (no CUDA here): nothing of it runs beside a verdict's timing
         self.torch, self.channel, self.common, self.guards = torch, channel, common, guards
         self.sock = sock
@@ -409,7 +411,7 @@ def main() -> None:
     fd, ahead, spec = int(sys.argv[1]), sys.argv[2], JailSpec.from_json(sys.argv[3])
     held = enter(spec)
     sock = socket.socket(fileno=fd)
-    worker = Worker(sock, ahead in (AHEAD_START, AHEAD_READY), ahead == AHEAD_READY)
+    worker = Worker(sock, ahead == START_AHEAD)
     from evaluator import channel
     channel.send(sock, {"ok": True, "layers": held, "pid": os.getpid(), "uid": os.getuid()})
     try:

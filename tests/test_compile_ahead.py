@@ -157,7 +157,7 @@ def test_the_process_started_with_the_worker_is_ready_and_is_the_one_handed_the_
     script.write_text(STAND_IN)
     monkeypatch.setattr(worker_mod, "AHEAD_SCRIPT", str(script))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    worker = worker_mod.Worker(socket.socketpair()[0], compile_ahead=True, ready_first=True)
+    worker = worker_mod.Worker(socket.socketpair()[0], start_ahead=True)
     try:
         started = worker.ahead_proc.proc.pid
         assert worker.ahead_proc.idle and not list(tmp_path.glob("*.pids"))   # ready, waiting for its plan
@@ -172,8 +172,7 @@ def test_the_process_started_with_the_worker_is_ready_and_is_the_one_handed_the_
 
 
 def test_a_process_that_is_never_ready_is_killed_and_the_plan_goes_to_a_new_one(tmp_path, monkeypatch):
-    """A spare's (ready_first) is waited for, and killed when it is not ready in time; a worker that
-    is not a spare says hello at once, its process getting ready beside it."""
+    """A spare's (start_ahead) is waited for, and killed when it is not ready in time."""
     import socket
     from evaluator import worker as worker_mod
     silent = tmp_path / "silent.py"
@@ -181,10 +180,7 @@ def test_a_process_that_is_never_ready_is_killed_and_the_plan_goes_to_a_new_one(
     monkeypatch.setattr(worker_mod, "AHEAD_SCRIPT", str(silent))
     monkeypatch.setattr(worker_mod, "AHEAD_READY_SECONDS", 0.5)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    unhurried = worker_mod.Worker(socket.socketpair()[0], compile_ahead=True)
-    assert unhurried.ahead_proc.idle   # not waited for
-    unhurried.stop_ahead()
-    worker = worker_mod.Worker(socket.socketpair()[0], compile_ahead=True, ready_first=True)
+    worker = worker_mod.Worker(socket.socketpair()[0], start_ahead=True)
     assert worker.ahead_proc is None   # killed: it would otherwise import beside a spare worker's wait
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)

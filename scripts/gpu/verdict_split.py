@@ -71,7 +71,7 @@ def one_verdict(engine: Path, cache: Path, stress: str, clock: RequestClock, dev
     clock.stage = "public"
     spare = None
     if stress == "off" and device == "cuda":   # a screen's worker: the resident judge's spare, started and ready
-        spare = Worker(device, judge.default_memory_cap(), log, cache, compile_ahead=True, spare=True).started()
+        spare = Worker(device, judge.default_memory_cap(), log, cache, start_ahead=True).started()
     return judge.evaluate(engine, PUBLIC_CONFIG, PUBLIC_WEIGHTS, device, stress=stress,
                           cases=PUBLIC_CASES.split(","), triton_cache=cache, update_cache=True, log=log,
                           warmup=1, repeat=1, shared_warm_up=stress == "off", fresh=spare)
