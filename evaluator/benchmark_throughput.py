@@ -4,9 +4,10 @@
         --model-config target/model_config.json --weight-dir target/weights --device auto \
         [--warmup 1 --repeat 3] [--cases prefill,decode,mixed] [--bandwidth-gbs --peak-tflops]
 
-Seed 0, tokens drawn on the device before the clock starts. Per case: one warm-up engine
-runs the trace `warmup` times (run_benchmark's shared_warm_up: one for all cases, a search's screens), then each of `repeat` measurements builds a fresh engine
-and runs the trace once; the median by elapsed time is reported. Timed region:
+Seed 0 (each case its own stream: `case_seed`), tokens drawn on the device before the clock
+starts. Per case: one warm-up engine runs the trace `warmup` times (run_benchmark's
+shared_warm_up: one for all cases, a search's screens), then each of `repeat` measurements
+builds a fresh engine and runs the trace once; the median by elapsed time is reported. Timed region:
 synchronize → perf_counter → every prefill/decode/remove → synchronize → perf_counter,
 under torch.no_grad(). Prints a JSON list, one object per case, with the official fields
 plus the physical floor of the case and the fraction of it reached.
@@ -26,6 +27,7 @@ import json
 import sys
 import time
 import random
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -184,6 +186,16 @@ class _Case:
     gen: torch.Generator
 
 
+def case_seed(seed: int, case: str) -> int:
+    """A case's own token stream: `seed` with the case's name mixed in. With one seed for every
+    case and all warm-ups run before any timed run (so that the reference is freed before the
+    clock), the stream positions and draw sizes lined up: decode128's warm-up engine was handed
+    all 4 prompts the prefill case's timed run then got (a cold review, thirty-first session),
+    which an engine caching its answers by token content at module level could replay inside the
+    clock. Streams of distinct seeds share no such run of draws."""
+    return seed ^ zlib.crc32(case.encode())
+
+
 def _create(module: ModuleType, config: dict, weight_dir: str, device: str, case: str):
     return call_engine(f"create_engine (case {case})", module.create_engine, config, weight_dir, device)
 
@@ -259,7 +271,7 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
     dims = ModelDims.from_config(config)
     dtype = compute_dtype(config, device)
     hw = hardware or detect_hardware(device, dtype, bandwidth_gbs, peak_tflops)
-    measured = [_Case(name, benchmark_trace(name), make_generator(seed, device)) for name in cases]
+    measured = [_Case(name, benchmark_trace(name), make_generator(case_seed(seed, name), device)) for name in cases]
     # All warm-ups first, with the reference (checked passes), which is then freed: it must not
     # count in the timed runs' peak memory.
     reference = (ReferenceModel.load(config, weight_dir, device, tol.reference_dtype)

@@ -49,6 +49,42 @@ def test_skipped_benchmark_calls_are_caught_by_the_checked_pass(recompute_source
     assert result["decode_tokens"] == 128
 
 
+RECORDS_PROMPTS = """
+
+_SEEN = []   # (engine number, prompt tokens), across every engine this module makes
+_real_create_engine = create_engine
+
+
+def create_engine(*args, **kwargs):
+    engine = _real_create_engine(*args, **kwargs)
+    number = create_engine.made = getattr(create_engine, "made", -1) + 1
+    prefill = engine.prefill
+
+    def recorded(ids, inputs):
+        _SEEN.extend((number, tuple(t.tolist())) for t in inputs)
+        return prefill(ids, inputs)
+    engine.prefill = recorded
+    return engine
+"""
+
+
+@pytest.mark.parametrize("shared_warm_up", [False, True])
+def test_no_warm_up_engine_is_handed_a_prompt_a_timed_run_then_gets(shared_warm_up, recompute_source, write_engine,
+                                                                     tiny_model):
+    """Every warm-up runs before any timed run: with one token stream for every case, a later case's
+    warm-up had drawn the very prompts an earlier case's timed run then got, for an engine to cache
+    by content at module level and replay inside the clock. Each case now has its own stream."""
+    module = load_engine_module(write_engine(recompute_source + RECORDS_PROMPTS))
+    cases = ["prefill", "decode", "mixed", "decode128", "mixed128"]
+    benchmark_throughput.run_benchmark(module, tiny_model.config, tiny_model.weight_dir, "cpu", cases=cases,
+                                       warmup=1, repeat=1, hardware=HW, seed=random.randrange(2**62),
+                                       shared_warm_up=shared_warm_up)
+    warm_ups = 1 if shared_warm_up else len(cases)
+    warm = {prompt for number, prompt in module._SEEN if number < warm_ups}
+    timed = [prompt for number, prompt in module._SEEN if number >= warm_ups and len(prompt) >= 4]
+    assert timed and not [prompt for prompt in timed if prompt in warm]
+
+
 def test_fresh_tokens_every_run_defeat_a_cache_keyed_by_shape(recompute_source, write_engine, tiny_model):
     """The checked pass fills the cheat's cache; the timed run (a new engine, new tokens, the same
     shapes) gets the cached logits back, and its last output is checked after timing."""
