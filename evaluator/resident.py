@@ -260,6 +260,9 @@ class Resident:
             self.log(f"the spare worker is not used: {type(e).__name__}: {e}")
             spare.close()
             return None
+        except BaseException:   # SIGTERM's exit while it was waited for: its jail torn down too
+            spare.close()
+            raise
         return spare
 
     def settle_spare(self) -> None:

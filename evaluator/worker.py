@@ -86,15 +86,18 @@ class AheadProcess:
     watch's)."""
 
     def __init__(self):
-        self.log = tempfile.TemporaryFile()   # what it says (stdout and stderr), for `kill`'s answer
         ready_r, ready_w = os.pipe()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-I", AHEAD_SCRIPT, str(ready_w)], stdin=subprocess.PIPE,
-                                         stdout=self.log, stderr=subprocess.STDOUT, pass_fds=(ready_w,),
-                                         process_group=0)
+            self.log = tempfile.TemporaryFile()   # what it says (stdout and stderr), for `kill`'s answer
+            try:
+                self.proc = subprocess.Popen([sys.executable, "-I", AHEAD_SCRIPT, str(ready_w)],
+                                             stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+                                             pass_fds=(ready_w,), process_group=0)
+            except BaseException:
+                self.log.close()
+                raise
         except BaseException:
             os.close(ready_r)
-            self.log.close()
             raise
         finally:
             os.close(ready_w)
@@ -160,7 +163,6 @@ class Worker:
                 import triton  # noqa: F401
             except ImportError:
                 pass
-        common.freeze_imports()
         if self.ahead_proc is not None and not self.ahead_proc.wait_ready(AHEAD_READY_SECONDS):
             self.stop_ahead()   # not ready (no CUDA here): nothing of it runs beside a verdict's timing
         self.torch, self.channel, self.common, self.guards = torch, channel, common, guards
@@ -412,6 +414,7 @@ def main() -> None:
     held = enter(spec)
     sock = socket.socket(fileno=fd)
     worker = Worker(sock, ahead == START_AHEAD)
+    worker.common.freeze_imports()   # before the candidate's code: what the start made, out of gc's walks
     from evaluator import channel
     channel.send(sock, {"ok": True, "layers": held, "pid": os.getpid(), "uid": os.getuid()})
     try:

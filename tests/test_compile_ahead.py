@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import subprocess
 import sys
 import tempfile
@@ -180,8 +181,11 @@ def test_a_process_that_is_never_ready_is_killed_and_the_plan_goes_to_a_new_one(
     monkeypatch.setattr(worker_mod, "AHEAD_SCRIPT", str(silent))
     monkeypatch.setattr(worker_mod, "AHEAD_READY_SECONDS", 0.5)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = worker_mod.AheadProcess
+    started = []
+    monkeypatch.setattr(worker_mod, "AheadProcess", lambda: started.append(real()) or started[-1])
     worker = worker_mod.Worker(socket.socketpair()[0], start_ahead=True)
-    assert worker.ahead_proc is None   # killed: it would otherwise import beside a spare worker's wait
+    assert worker.ahead_proc is None and not _alive(started[0].proc.pid)   # killed: not beside a timing
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     monkeypatch.setattr(worker_mod, "AHEAD_SCRIPT", str(script))
@@ -302,6 +306,49 @@ def test_the_worker_refuses_to_compile_ahead_before_a_load():
     with remote.Worker("cpu", memory_bytes=4 * 2**30) as worker:
         with pytest.raises(Exception, match="compile ahead before load"):
             worker.request({"op": "ahead"}, b"[]", what="compile ahead")
+
+
+AS_IF_ON_CUDA = """
+import contextlib, sys, types
+sys.path.insert(0, {repo!r})
+import torch
+torch.cuda.is_available = lambda: True
+torch.cuda.set_per_process_memory_fraction = lambda fraction: None
+try:
+    import triton.runtime.jit
+except ImportError:   # a CPU build of torch: a Triton with nothing in it
+    for name in ("triton", "triton.runtime", "triton.runtime.jit"):
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules["triton.runtime.jit"].KernelInterface = type("KernelInterface", (), {{}})
+from evaluator import compile_ahead
+compile_ahead.dry = lambda torch: (contextlib.nullcontext(), compile_ahead.Deferred(1))
+sys.exit(compile_ahead.main())
+"""
+
+
+def test_the_process_says_ready_before_it_reads_its_plan_then_loads_the_engine(recompute_engine_path, tiny_model,
+                                                                                tmp_path):
+    """The real process (as if on CUDA, on a Triton stand-in): "ready" on its fd before any plan is
+    sent, then the plan's path from stdin, the engine loaded (the recompute engine has no Triton
+    kernel: nothing to compile)."""
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"engine": str(recompute_engine_path), "models": compile_ahead.plan(
+        load_config(tiny_model.config_path), str(tiny_model.weight_dir), True, [], "off", 1, "cpu")}))
+    script = tmp_path / "as_if_on_cuda.py"
+    script.write_text(AS_IF_ON_CUDA.format(repo=str(REPO)))
+    ready_r, ready_w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-I", str(script), str(ready_w)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(ready_w,), text=True)
+    os.close(ready_w)
+    try:
+        assert select.select([ready_r], [], [], 120)[0], "never ready"
+        assert os.read(ready_r, 64) == compile_ahead.READY.encode()   # before any plan was sent
+        said, _ = proc.communicate(f"{request}\n", timeout=120)
+    finally:
+        proc.kill()
+        os.close(ready_r)
+    assert proc.returncode == 0, said
+    assert said.index("ready") < said.index("the plan is here") < said.index("defines no Triton kernel"), said
 
 
 def test_without_cuda_the_process_says_so_and_exits_cleanly(recompute_engine_path, tiny_model, tmp_path):
