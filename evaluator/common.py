@@ -203,8 +203,8 @@ def freeze_imports() -> None:
     ms each, and a screen collects 16 times in the judge (release_device_memory, each timed
     trace) and once per engine released in the worker: ~1.3 s of a 12 s screen in the judge
     alone (an H200, thirty-first session, `python3 -m scripts.gpu verdict-split`). What is made
-    later is collected as before."""
-    gc.collect()
+    later is collected as before. No collection first (~0.16 s a process start, and the suite
+    starts hundreds of workers): what the imports left as garbage stays, frozen."""
     gc.freeze()
 
 
