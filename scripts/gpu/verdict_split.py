@@ -10,8 +10,9 @@ benchmark on one fresh engine a case after one shared warm-up engine, no stress,
 asks for them, each in a worker started and ready first, as the resident judge's spare) run on that cache, in this process (the judge's side;
 the candidate still runs in its worker). Each Worker.request is timed and summed by op and by
 stage (create, call, arm, trace, ...); what is left of a stage is the judge's own work (the
-reference model, comparisons, drawing tokens). A cProfile of the last screen lists the judge's
-heaviest functions. Writes split.json.
+reference model, comparisons, drawing tokens). A cProfile of the final-like verdict and of the
+last screen lists the judge's heaviest functions (in a final, the stress suite's random models'
+weights, margins and references are the judge's too). Writes split.json.
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plan", default=FINAL_PLAN, help="a name from scripts.gpu.common.library_plans")
     p.add_argument("--screens", type=int, default=2)
-    p.add_argument("--top", type=int, default=25, help="the judge's heaviest functions listed for the last screen")
+    p.add_argument("--top", type=int, default=25, help="the judge's heaviest functions listed for the final-like verdict and the last screen")
     p.add_argument("--device", default="cuda", help="cpu: a check of the tool where there is no GPU")
     p.add_argument("--out", default=out_dir("verdict-split-out"))
     a = p.parse_args(argv)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for i in range(a.screens + 1):
         stress = "quick" if i == 0 else "off"
-        profiler = cProfile.Profile() if i == a.screens else None
+        profiler = cProfile.Profile() if i in (0, a.screens) else None   # the final-like one and the last screen
         with RequestClock() as clock:
             if profiler:
                 profiler.enable()
