@@ -1,7 +1,6 @@
 """Compile a candidate's Triton kernels ahead of the calls that need them, on a pool of threads.
 
-    python3 -I evaluator/compile_ahead.py READY_FD    (started by evaluator/worker.py, in its jail;
-                                                      then the request's path on stdin)
+    python3 -I evaluator/compile_ahead.py REQUEST.json    (started by evaluator/worker.py, in its jail)
 
 Why: a worker compiles each kernel at its first launch, one after another, and compiling was
 most of what a verdict waited for: a screen's public phase 2-17 s of it, a final's stress suite
@@ -10,11 +9,12 @@ and twenty-ninth sessions). On an H200, 182 of an engine's kernels took 66.5 s o
 another and 15.5 s on 8 threads under Triton's AsyncCompileMode (thirtieth session,
 `python3 -m scripts.gpu compile-probe`): Triton's passes and ptxas release the GIL.
 
-How: the worker starts this process beside itself (a spare worker as it starts, so that it is
-ready, its torch, Triton and CUDA context made, when the verdict comes; another at the plan), and
-it waits for the plan: the judge sends, as the verdict starts, every model it will run and the
-calls it will make on each (`plan`: the public sequence and the benchmark's traces on the real
-model, each stress scenario on its model). Here the engine makes
+How: the judge sends, as the verdict starts, every model it will run and the calls it will make
+on each (`plan`: the public sequence and the benchmark's traces on the real model, each stress
+scenario on its model); the worker starts this process beside itself. (Started with a spare
+worker instead, its torch, Triton and CUDA context made before the plan came, it made a
+screen's public phase no shorter and the spare's start ~5 s long, which a warm screen then
+waited for before its benchmark; thirty-first session.) Here the engine makes
 those calls with no Triton kernel run: every launch becomes Triton's `warmup` (compile, do not
 run) under AsyncCompileMode; a model's compiles are held until its pass is through (`Deferred`)
 and then run on a pool of threads while the next model's pass goes on, into the worker's Triton
@@ -41,10 +41,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (isolated mode adds no path)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# The worker's argv[2]: start this process as the worker starts and say hello once it is ready
-# (a spare worker's: evaluator/resident.py), or "-" (started at the `ahead` request).
-START_AHEAD = "start-ahead"
-READY = "ready\n"   # written to READY_FD once imports, the CUDA context and the patches are done
 PROGRESS_EVERY = 10   # compiles between two progress lines
 MAX_THREADS = 8   # 8 compiled 4.3x faster than one, 16 no faster (an H200 host's 16 cores, thirtieth session)
 # The most of the GPU's memory this process may take: the worker creates its engines beside it, and
@@ -246,32 +242,20 @@ def go_through(torch, module, models: list[dict], mode, executor: Deferred, fold
 
 
 def main() -> int:
-    """Everything that does not depend on the request first (imports, the CUDA context, the
-    patches), then "ready" on the fd named by argv[1], then the request's path from stdin."""
     born = time.perf_counter()
     from evaluator.isolation import die_with_parent
     die_with_parent()   # as the worker dies with the judge
+    request = json.loads(Path(sys.argv[1]).read_text())
     import torch
     from evaluator.common import load_engine_module
-    from evaluator.stress import write_weights  # noqa: F401 - imported now, not on the request's time
-    from evaluator.weights import random_weights  # noqa: F401
-    dried = None
-    if torch.cuda.is_available():
-        torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION)   # also makes the context
-        dried = dry(torch)
+    dried = dry(torch) if torch.cuda.is_available() else None
     if dried is None:
         print("compile ahead: nothing to do here (no CUDA, or a Triton without AsyncCompileMode)", flush=True)
         return 0
     mode, executor = dried
-    print(f"compile ahead: ready, {time.perf_counter() - born:.1f} s after its start", flush=True)
-    with os.fdopen(int(sys.argv[1]), "w") as ready:
-        ready.write(READY)
-    line = sys.stdin.readline().strip()
-    if not line:   # the worker went on without asking
-        return 0
-    request = json.loads(Path(line).read_text())
+    torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION)
     start = executor.since = time.perf_counter()
-    print("compile ahead: the plan is here", flush=True)
+    print(f"compile ahead: ready {start - born:.1f} s after the process started (torch, Triton, CUDA)", flush=True)
     module = load_engine_module(request["engine"])
     from triton.runtime.jit import KernelInterface
     if not any(isinstance(value, KernelInterface) for value in vars(module).values()):

@@ -23,7 +23,6 @@ from typing import Callable
 import torch
 
 from evaluator import channel
-from evaluator.compile_ahead import START_AHEAD
 from evaluator.common import CRASH, EngineRaised, EvalFailure, WrongResult
 from evaluator.guards import digest_key, output_digest
 from evaluator.isolation import Jail
@@ -73,14 +72,10 @@ class Worker:
     Constructing it only starts the process, so that a judge can do its own work while the worker
     confines itself and imports torch (evaluator/evaluate.py: the judge's margin); `ready` waits
     for its hello. Until then it runs only the worker's own start (evaluator/worker.py): no
-    candidate code runs before the judge, waiting on it and watching its memory, asks it to load one.
-    `start_ahead` (a spare, started while another verdict runs: evaluator/resident.py): the worker
-    starts its compile-ahead process as it starts (evaluator/worker.py AheadProcess), ready for the
-    plan when the verdict comes, and says hello only once that process is ready too, so that
-    nothing of its start runs beside a timing."""
+    candidate code runs before the judge, waiting on it and watching its memory, asks it to load one."""
 
     def __init__(self, device: str, memory_bytes: int | None = None, log: Callable[[str], None] = lambda s: None,
-                 triton_cache: Path | None = None, cache_scope: tuple[str, ...] = (), start_ahead: bool = False):
+                 triton_cache: Path | None = None, cache_scope: tuple[str, ...] = ()):
         self.device = device
         self.memory_bytes = memory_bytes
         self.log = log
@@ -94,8 +89,7 @@ class Worker:
         ours, theirs = socket.socketpair()
         self.sock = ours
         try:
-            self.proc = self.jail.spawn([str(WORKER_SCRIPT), str(theirs.fileno()), START_AHEAD if start_ahead else "-"],
-                                        pass_fds=(theirs.fileno(),))
+            self.proc = self.jail.spawn([str(WORKER_SCRIPT), str(theirs.fileno())], pass_fds=(theirs.fileno(),))
         except BaseException:   # no worker (a fork refused): nothing of this one is left behind
             ours.close()
             self.jail.close()

@@ -70,7 +70,7 @@ quiet_threads()
 
 from evaluator.benchmark_throughput import release_device_memory  # noqa: E402
 from evaluator.common import CRASH, ConfigError, freeze_imports, load_config, parse_cases, resolve_device  # noqa: E402
-from evaluator.evaluate import (AHEAD_DEVICES, STRESS_MODES, WARM_UPS, JudgeSetup, add_timing_flags, default_memory_cap,  # noqa: E402
+from evaluator.evaluate import (STRESS_MODES, WARM_UPS, JudgeSetup, add_timing_flags, default_memory_cap,  # noqa: E402
                                 evaluate, failed_result, summary_line, write_json)
 from evaluator.remote import Worker  # noqa: E402
 
@@ -233,8 +233,7 @@ class Resident:
         written to by the candidate running beside it."""
         if self.keep_spare and self.spare is None:
             try:
-                spare = Worker(self.device, self.memory_bytes or default_memory_cap(), self.log, self.a.triton_cache,
-                               start_ahead=self.a.compile_ahead != "off" and self.device in AHEAD_DEVICES)
+                spare = Worker(self.device, self.memory_bytes or default_memory_cap(), self.log, self.a.triton_cache)
             except Exception as e:  # noqa: BLE001 - no spare: the next verdict starts its own, as before
                 self.log(f"no spare worker: {type(e).__name__}: {e}")
                 return

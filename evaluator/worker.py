@@ -1,7 +1,6 @@
 """The worker: the only process that imports a candidate engine (docs/reliability.md).
 
-    python3 -I evaluator/worker.py <channel fd> start-ahead|- <jail spec JSON>
-                                                               (started by evaluator/remote.py)
+    python3 -I evaluator/worker.py <channel fd> <jail spec JSON>      (started by evaluator/remote.py)
 
 First it confines itself (evaluator/isolation.py: own uid, no network, limits, death with the
 judge), then it imports torch (and on a GPU makes its context and imports Triton), says hello
@@ -19,7 +18,6 @@ import itertools
 import json
 import os
 import secrets
-import select
 import signal
 import socket
 import subprocess
@@ -31,13 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # isolated mode (-I) adds no path
 
-from evaluator.compile_ahead import READY, START_AHEAD  # noqa: E402  (the standard library only)
-from evaluator.isolation import JailSpec, enter  # noqa: E402
+from evaluator.isolation import JailSpec, enter  # noqa: E402  (the standard library only)
 
 PREFILL, DECODE, REMOVE = "prefill", "decode", "remove"   # evaluator/traces.py's kinds
-AHEAD_SCRIPT = str(Path(__file__).with_name("compile_ahead.py"))   # started with the worker, or by `ahead`
-AHEAD_READY_SECONDS = 60
-AHEAD_LOG_BYTES = 2000     # of what the compile-ahead process said, in stop_ahead's answer   # the most a worker's hello waits for its compile-ahead process to be ready
+AHEAD_SCRIPT = str(Path(__file__).with_name("compile_ahead.py"))   # started by `ahead`
+AHEAD_LOG_BYTES = 2000     # of what the compile-ahead process said, in stop_ahead's answer
 WARM_OUTPUT_DTYPES = ("float16", "bfloat16", "float32")   # an engine's logits, copied into the fp32 staging rows
 
 
@@ -80,47 +76,25 @@ class MaskedTokens:
 
 
 class AheadProcess:
-    """evaluator/compile_ahead.py beside the worker: started, ready (its imports and CUDA context
-    made), handed one request, killed. In its own process group (`kill` kills the group: the
-    assembler and C compiler processes its threads start), in the worker's session (the memory
-    watch's)."""
+    """evaluator/compile_ahead.py beside the worker, on a request (the engine and the judge's plan)
+    written to a file for it. In its own process group (`kill` kills the group: the assembler and
+    C compiler processes its threads start), in the worker's session (the memory watch's)."""
 
-    def __init__(self):
-        ready_r, ready_w = os.pipe()
+    def __init__(self, engine: str, models: bytes):
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compile-ahead-", delete=False) as f:
+            json.dump({"engine": engine, "models": json.loads(models)}, f)
+        self.request = Path(f.name)
         try:
             self.log = tempfile.TemporaryFile()   # what it says (stdout and stderr), for `kill`'s answer
             try:
-                self.proc = subprocess.Popen([sys.executable, "-I", AHEAD_SCRIPT, str(ready_w)],
-                                             stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
-                                             pass_fds=(ready_w,), process_group=0)
+                self.proc = subprocess.Popen([sys.executable, "-I", AHEAD_SCRIPT, f.name], stdin=subprocess.DEVNULL,
+                                             stdout=self.log, stderr=subprocess.STDOUT, process_group=0)
             except BaseException:
                 self.log.close()
                 raise
         except BaseException:
-            os.close(ready_r)
+            self.request.unlink(missing_ok=True)
             raise
-        finally:
-            os.close(ready_w)
-        self.ready_fd = ready_r
-        self.request: Path | None = None
-
-    def wait_ready(self, seconds: float) -> bool:
-        """True once it says it is ready; False where it ended first (no CUDA here) or took longer."""
-        readable, _, _ = select.select([self.ready_fd], [], [], seconds)
-        return bool(readable) and os.read(self.ready_fd, len(READY)) == READY.encode()
-
-    @property
-    def idle(self) -> bool:
-        """Alive and not yet handed a request."""
-        return self.request is None and self.proc.poll() is None
-
-    def hand(self, engine: str, models: bytes) -> None:
-        """The request (the engine and the judge's plan) in a file, its path on the process's stdin."""
-        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compile-ahead-", delete=False) as f:
-            json.dump({"engine": engine, "models": json.loads(models)}, f)
-        self.request = Path(f.name)
-        self.proc.stdin.write(f"{f.name}\n".encode())
-        self.proc.stdin.close()
 
     def kill(self) -> str:
         """Kill it and its group; the last AHEAD_LOG_BYTES of what it said."""
@@ -129,13 +103,7 @@ class AheadProcess:
         except ProcessLookupError:
             pass
         self.proc.wait()
-        try:
-            self.proc.stdin.close()
-        except OSError:   # the process gone before it read what was written
-            pass
-        os.close(self.ready_fd)
-        if self.request is not None:
-            self.request.unlink(missing_ok=True)
+        self.request.unlink(missing_ok=True)
         self.log.seek(max(self.log.seek(0, os.SEEK_END) - AHEAD_LOG_BYTES, 0))
         said = self.log.read().decode(errors="replace")
         self.log.close()
@@ -143,18 +111,7 @@ class AheadProcess:
 
 
 class Worker:
-    def __init__(self, sock: socket.socket, start_ahead: bool = False):
-        """`start_ahead` (a spare worker's): the compile-ahead process started first, beside this
-        one's imports, and waited for before the hello (the end of __init__): ready for the judge's
-        plan (an `ahead` request) when the verdict comes. Not for a worker whose verdict waits on
-        its start: two processes making their CUDA contexts at once, a worker's start took ~4.1 s
-        where it took 1.2-1.5 s alone (an H200, thirty-first session)."""
-        self.ahead_proc = None
-        if start_ahead:
-            try:
-                self.ahead_proc = AheadProcess()
-            except Exception:  # noqa: BLE001 - best effort: `ahead` tries once more
-                pass
+    def __init__(self, sock: socket.socket):
         import torch
         from evaluator import channel, common, guards
         if torch.cuda.is_available():   # the device's context and Triton before the hello, not in a verdict's
@@ -163,12 +120,11 @@ class Worker:
                 import triton  # noqa: F401
             except ImportError:
                 pass
-        if self.ahead_proc is not None and not self.ahead_proc.wait_ready(AHEAD_READY_SECONDS):
-            self.stop_ahead()   # not ready (no CUDA here): nothing of it runs beside a verdict's timing
         self.torch, self.channel, self.common, self.guards = torch, channel, common, guards
         self.sock = sock
         self.module = None
         self.engine_path = None
+        self.ahead_proc: AheadProcess | None = None   # evaluator/compile_ahead.py, while it runs
         self.engines: dict[int, object] = {}
         self.next_id = 0
         self.buffer = None
@@ -186,20 +142,17 @@ class Worker:
         return {}
 
     def ahead(self, req: dict, payload: bytes) -> dict:
-        """Hand the compile-ahead process (evaluator/compile_ahead.py; started now if the one
-        started with this worker is not there and idle) the loaded engine and the judge's plan
-        (the payload, JSON: its models and calls; a full stress suite's is ~100 KB, a tenth of a
-        header's cap): it compiles their Triton kernels on a thread pool, into this worker's cache,
-        while the judge's untimed stages run here. Stopped before anything is timed (`stop_ahead`)."""
+        """Start evaluator/compile_ahead.py beside this worker on the loaded engine and the judge's
+        plan (the payload, JSON: its models and calls; a full stress suite's is ~100 KB, a tenth of
+        a header's cap): it compiles their Triton kernels on a thread pool, into this worker's
+        cache, while the judge's untimed stages run here. Stopped before anything is timed
+        (`stop_ahead`)."""
         if self.engine_path is None:
             raise Refusal(self.common.CRASH, "compile ahead before load")
-        try:   # best effort (no process left, a broken pipe): the verdict goes on without it
-            if self.ahead_proc is None or not self.ahead_proc.idle:
-                self.stop_ahead()
-                self.ahead_proc = AheadProcess()
-            self.ahead_proc.hand(self.engine_path, payload)
-        except Exception as e:  # noqa: BLE001
-            self.stop_ahead()
+        self.stop_ahead()
+        try:
+            self.ahead_proc = AheadProcess(self.engine_path, payload)
+        except Exception as e:  # noqa: BLE001 - best effort (no process left, an old Python): the verdict goes on
             return {"pid": None, "error": f"{type(e).__name__}: {e}"}
         return {"pid": self.ahead_proc.proc.pid}
 
@@ -410,10 +363,10 @@ class Worker:
 
 
 def main() -> None:
-    fd, ahead, spec = int(sys.argv[1]), sys.argv[2], JailSpec.from_json(sys.argv[3])
+    fd, spec = int(sys.argv[1]), JailSpec.from_json(sys.argv[2])
     held = enter(spec)
     sock = socket.socket(fileno=fd)
-    worker = Worker(sock, ahead == START_AHEAD)
+    worker = Worker(sock)
     worker.common.freeze_imports()   # before the candidate's code: what the start made, out of gc's walks
     from evaluator import channel
     channel.send(sock, {"ok": True, "layers": held, "pid": os.getpid(), "uid": os.getuid()})

@@ -7,8 +7,8 @@ session): its public phase 3-9 s with as few as one kernel compiled, its benchma
 cutting either, this says what they are made of. One final-like verdict (public, quick stress,
 benchmark) fills a fresh shared Triton cache, then `--screens` screen verdicts (public and
 benchmark on one fresh engine a case after one shared warm-up engine, no stress, as agent/judge.py
-asks for them, each in a worker started and ready first, as the resident judge's spare) run on that cache, in this process (the judge's side;
-the candidate still runs in its worker). Each Worker.request is timed and summed by op and by
+asks for them, each in a worker started first, as the resident judge's spare) run on that cache,
+in this process (the judge's side; the candidate still runs in its worker). Each Worker.request is timed and summed by op and by
 stage (create, call, arm, trace, ...); what is left of a stage is the judge's own work (the
 reference model, comparisons, drawing tokens). A cProfile of the final-like verdict and of the
 last screen lists the judge's heaviest functions (in a final, the stress suite's random models'
@@ -72,7 +72,7 @@ def one_verdict(engine: Path, cache: Path, stress: str, clock: RequestClock, dev
     clock.stage = "public"
     spare = None
     if stress == "off" and device == "cuda":   # a screen's worker: the resident judge's spare, started and ready
-        spare = Worker(device, judge.default_memory_cap(), log, cache, start_ahead=True).started()
+        spare = Worker(device, judge.default_memory_cap(), log, cache, ).started()
     return judge.evaluate(engine, PUBLIC_CONFIG, PUBLIC_WEIGHTS, device, stress=stress,
                           cases=PUBLIC_CASES.split(","), triton_cache=cache, update_cache=True, log=log,
                           warmup=1, repeat=1, shared_warm_up=stress == "off", fresh=spare)
