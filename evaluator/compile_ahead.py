@@ -121,7 +121,8 @@ class Deferred(Executor):
         with self.counted:
             self.done += 1
             if self.done % PROGRESS_EVERY == 0 or self.done == self.asked:
-                self.log(f"compile ahead: {self.done} of {self.asked} compiled ({time.perf_counter() - self.since:.1f} s)")
+                self.log(f"compile ahead: {self.done} of {self.asked} compiled "
+                         f"({time.perf_counter() - self.since:.1f} s)")
 
     def start(self) -> None:
         for future in self.held:
@@ -219,9 +220,9 @@ def go_through(torch, module, models: list[dict], mode, executor: Deferred, fold
     """Each model's engine created and its calls made, its compiles then started on the pool while
     the next model's pass goes on. (Starting create_engine's compiles once it returned made a
     screen's public phase no shorter on the public config: 7.2-10.3 s with 15-29 kernels compiled,
-    against 6.4-7.4 s held until the pass was through; thirty-first session.) A model whose pass fails costs only the kernels it did not
-    reach; its compiles asked so far start whatever ended the pass (else leaving `mode` waits for
-    compiles that were never started)."""
+    against 6.4-7.4 s held until the pass was through; thirty-first session.) A model whose pass
+    fails costs only the kernels it did not reach; its compiles asked so far start whatever ended
+    the pass (else leaving `mode` waits for compiles that were never started)."""
     start = time.perf_counter()
     for model in models:
         engine = None

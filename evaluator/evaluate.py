@@ -193,7 +193,6 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
         clock.lap("judge start")
     try:
         config = load_config(model_config)
-        ahead = compile_ahead and device in AHEAD_DEVICES and (public or stress != "off")   # they compile
         with ExitStack() as owned:
             # A fresh worker is started first: its confinement, torch import and device context
             # overlap the judge's setup below; it runs nothing of the candidate's before `load`.
@@ -217,6 +216,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             if reuse is None:
                 worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
             stress_seed = secrets.randbits(31) if seed is None else seed
+            ahead = compile_ahead and device in AHEAD_DEVICES and (public or stress != "off")   # they compile
             if ahead:
                 models = plan_ahead(config, worker.readable(weight_dir), public, list(cases) if benchmark else [],
                                     stress, stress_seed, device,

@@ -12,7 +12,7 @@ Requests come on stdin, one JSON object a line, and are done one at a time, in o
      "ticket": T}
                                                                    one verdict: DIR/result.json
     {"timings": [[LABEL, PATH, T, [DIGEST, ...]], ...], "out_dir": DIR, "cases": ..., "repeat": ...,
-     "warm_up": ..., "done_ticket": D}                                            a contest's series: DIR/LABEL/result.json,
+     "warm_up": ..., "done_ticket": D}                             a contest's series: DIR/LABEL/result.json,
                                                                    then DIR/series-done.json
 
 Each verdict is exactly `python3 -m evaluator.evaluate` with the request's flags (a series'

@@ -1001,7 +1001,8 @@ def test_a_worker_log_replaced_by_a_fifo_does_not_hang_the_judge():
         jail.close()
 
 
-TRUNCATES_THE_BUFFER = '''
+# Finds the worker object an attack acts on (attack snippets run inside the engine's calls).
+FINDS_THE_WORKER = '''
 import sys
 
 
@@ -1012,6 +1013,10 @@ def _the_worker():
     while not isinstance(frame.f_locals.get("self"), sys.modules["__main__"].Worker):
         frame = frame.f_back
     return frame.f_locals["self"]
+'''
+
+
+TRUNCATES_THE_BUFFER = FINDS_THE_WORKER + '''
 
 
 def _truncate_the_judges_buffer():
@@ -1234,17 +1239,7 @@ def test_a_worker_rewriting_how_it_answers_gains_nothing(recompute_source, write
     assert result["benchmark"][0]["elapsed_ms"] >= 50
 
 
-KEEPS_ITS_OUTPUTS = '''
-import sys
-
-
-def _the_worker():
-    """The worker serving this call: the `self` of a frame below it (gc.get_objects does not list
-    it: the worker freezes what its start made, evaluator.common.freeze_imports)."""
-    frame = sys._getframe()
-    while not isinstance(frame.f_locals.get("self"), sys.modules["__main__"].Worker):
-        frame = frame.f_back
-    return frame.f_locals["self"]
+KEEPS_ITS_OUTPUTS = FINDS_THE_WORKER + '''
 
 
 _worker = _the_worker()

@@ -8,11 +8,11 @@ cutting either, this says what they are made of. One final-like verdict (public,
 benchmark) fills a fresh shared Triton cache, then `--screens` screen verdicts (public and
 benchmark on one fresh engine a case after one shared warm-up engine, no stress, as agent/judge.py
 asks for them, each in a worker started first, as the resident judge's spare) run on that cache,
-in this process (the judge's side; the candidate still runs in its worker). Each Worker.request is timed and summed by op and by
-stage (create, call, arm, trace, ...); what is left of a stage is the judge's own work (the
-reference model, comparisons, drawing tokens). A cProfile of the final-like verdict and of the
-last screen lists the judge's heaviest functions (in a final, the stress suite's random models'
-weights, margins and references are the judge's too). Writes split.json.
+in this process (the judge's side; the candidate still runs in its worker). Each Worker.request
+is timed and summed by op and by stage (create, call, arm, trace, ...); what is left of a stage
+is the judge's own work (the reference model, comparisons, drawing tokens). A cProfile of the
+final-like verdict and of the last screen lists the judge's heaviest functions (in a final, the
+stress suite's random models' weights, margins and references are the judge's too). Writes split.json.
 """
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plan", default=FINAL_PLAN, help="a name from scripts.gpu.common.library_plans")
     p.add_argument("--screens", type=int, default=2)
-    p.add_argument("--top", type=int, default=25, help="the judge's heaviest functions listed for the final-like verdict and the last screen")
+    p.add_argument("--top", type=int, default=25,
+                   help="the judge's heaviest functions listed for the final-like verdict and the last screen")
     p.add_argument("--device", default="cuda", help="cpu: a check of the tool where there is no GPU")
     p.add_argument("--out", default=out_dir("verdict-split-out"))
     a = p.parse_args(argv)
@@ -112,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['verdict']}: {row['status']} {row['error'] or ''}\n  stages "
               + ", ".join(f"{k} {v:.2f}" for k, v in row["stage_seconds"].items()), flush=True)
         for stage, ops in row["worker_seconds"].items():
-            print(f"  {stage:10} worker " + ", ".join(
-                f"{op} {t:.2f} s ({row['requests'][stage][op]}x)" for op, t in sorted(ops.items(), key=lambda x: -x[1])))
+            heaviest = sorted(ops.items(), key=lambda x: -x[1])
+            print(f"  {stage:10} worker " + ", ".join(f"{op} {t:.2f} s ({row['requests'][stage][op]}x)"
+                                                      for op, t in heaviest))
         if profiler:
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(a.top)
