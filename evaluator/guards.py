@@ -192,6 +192,13 @@ def _cached_free_blocks() -> list[int]:
     return sorted(sizes, reverse=True)
 
 
+def _reserved_bytes() -> int:
+    """torch.cuda.memory_reserved() without flattening every allocator statistic into a dict
+    first (that took ~0.5 ms a call, ~40 calls a poisoning on a judge's GPU: thirty-second
+    session)."""
+    return int(torch.cuda.memory_stats_as_nested_dict()["reserved_bytes"]["all"]["current"])
+
+
 def poison_free_device_memory(device: str) -> None:
     """Fill the memory the CUDA caching allocator holds but has not handed out with NaN.
 
@@ -206,11 +213,11 @@ def poison_free_device_memory(device: str) -> None:
     system."""
     if device != "cuda":
         return
-    reserved = torch.cuda.memory_reserved()
+    reserved = _reserved_bytes()
     taken = []
     for size in _cached_free_blocks():
         block = torch.empty(size, dtype=torch.uint8, device="cuda")
-        if torch.cuda.memory_reserved() != reserved:   # not a cached block after all
+        if _reserved_bytes() != reserved:   # not a cached block after all
             del block
             torch.cuda.empty_cache()
             break

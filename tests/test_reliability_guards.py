@@ -174,6 +174,20 @@ def test_leaving_the_interpreter_is_a_crash_verdict(recompute_source, write_engi
     assert "the worker" in result["error"]
 
 
+def test_an_engine_in_the_judges_process_has_its_free_memory_poisoned_before_every_call(
+        recompute_source, write_engine, tiny_model, test_seed, monkeypatch):
+    """The course's own test runs the engine in-process: the judge poisons its free memory before
+    each call. (A worker's engine is poisoned by the worker instead, evaluator/worker.py.)"""
+    import evaluator.session as session
+    poisoned = []
+    monkeypatch.setattr(session, "poison_free_device_memory", poisoned.append)
+    m = tiny_model
+    engine = load_engine_module(write_engine(recompute_source)).create_engine(m.config, str(m.weight_dir), "cpu")
+    trace = rerun_scenario(random.Random(test_seed), QUICK)
+    CheckedSession(engine, ReferenceModel.load(m.config, m.weight_dir, "cpu"), make_generator(test_seed, "cpu")).run(trace)
+    assert poisoned == ["cpu"] * len(trace)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
