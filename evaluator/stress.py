@@ -26,6 +26,7 @@ import random
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -246,6 +247,12 @@ def judge_safe_weights(model: StressModel, device: str, tol: Tolerance,
     return weights
 
 
+def _safe_weights(model: StressModel, device: str, tol: Tolerance) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """judge_safe_weights and the lines it would have logged (run_stress logs them in order)."""
+    said: list[str] = []
+    return judge_safe_weights(model, device, tol, said.append), said
+
+
 # ---- running ----
 
 @dataclass
@@ -307,27 +314,37 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
     judged at `target_tol` if given (the bf16 criterion's), the random models at `tol`.
     Never raises for a wrong engine: failures are in the report (EvalFailure only if the
     module cannot be imported). The same seed draws the same models and traces."""
-    identities = FunctionIdentities()
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     device = resolve_device(device)
     target_config = load_config(target[0]) if target is not None else None
     models, target_trace_seed = draw(seed, quick, device, target_config)
-    report = StressReport(seed, "quick" if quick else "full")
-    module = load_engine_module(engine)
-    run = _Runner(module, device, QUICK if quick else FULL, tol, report, log, fail_fast, identities.threads)
-    log(f"stress ({report.mode}) on {device}, seed {seed}")
-    go_on = True
-    if target is not None:
-        weight_dir = str(target[1])
-        scenarios = target_scenarios(quick)
-        go_on = run.model(TARGET, target_config, weight_dir, load_weights(weight_dir, target_config), scenarios,
-                          target_trace_seed, target_tol)
-    for model in models if go_on else []:
-        weights = judge_safe_weights(model, device, tol, log)
-        with tempfile.TemporaryDirectory(prefix="stress-weights-") as tmp:
-            write_weights(weights, tmp, model.config)
-            if not run.model(model.name, model.config, tmp, weights, list(model.scenarios), model.trace_seed):
-                break
+    with ThreadPoolExecutor(1, thread_name_prefix="stress-weights") as ahead:
+        # Each random model's weights are drawn (and their judge margin measured, ~0.5 s a model
+        # on a GPU) on this thread of the judge's while the models before it run: mostly while
+        # the judge waits for the worker. Its thread starts here, before the candidate's threads
+        # are counted. The same model gives the same weights wherever they are drawn.
+        drawn = [ahead.submit(_safe_weights, model, device, tol) for model in models]
+        identities = FunctionIdentities()
+        report = StressReport(seed, "quick" if quick else "full")
+        module = load_engine_module(engine)
+        run = _Runner(module, device, QUICK if quick else FULL, tol, report, log, fail_fast, identities.threads)
+        log(f"stress ({report.mode}) on {device}, seed {seed}")
+        go_on = True
+        if target is not None:
+            weight_dir = str(target[1])
+            scenarios = target_scenarios(quick)
+            go_on = run.model(TARGET, target_config, weight_dir, load_weights(weight_dir, target_config), scenarios,
+                              target_trace_seed, target_tol)
+        for model, weights_of in zip(models, drawn) if go_on else []:
+            weights, said = weights_of.result()
+            for line in said:
+                log(line)
+            with tempfile.TemporaryDirectory(prefix="stress-weights-") as tmp:
+                write_weights(weights, tmp, model.config)
+                if not run.model(model.name, model.config, tmp, weights, list(model.scenarios), model.trace_seed):
+                    break
+        for left in drawn:
+            left.cancel()
     identities.check("after the stress suite")
     log(report.summary())
     return report
