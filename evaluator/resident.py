@@ -317,13 +317,17 @@ class Resident:
                 folder = s.out_dir / label
                 with self.output_to(folder):
                     try:
+                        t0 = time.perf_counter()
                         if held is not None and held.engine != engine:
                             held.close()
                             held = None
+                        t1 = time.perf_counter()
                         if held is None:
                             held = Held.start(engine, self.a.device, self.memory_bytes, self.a.triton_cache,
                                               self.log, scope, on_start=self.timing_with)
-                        self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else ""))
+                        self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else
+                                 f" (the last worker closed in {t1 - t0:.1f} s, this one started and "
+                                 f"imported the engine in {time.perf_counter() - t1:.1f} s)"))
                         self.timing_worker = held.worker if held else None
                         if self.series_stopped:   # asked while its worker started (and was cut)
                             self.log(f"--- {label}: the series was stopped by its caller (the contest decided)")
