@@ -35,8 +35,9 @@ it could write into the next.
 
 A series' timings run back to back without waiting to be asked; consecutive timings of one engine
 share its worker (the contest's order, agent/acceptance.py, A, B B, A A, B: each later pair has
-one timing in a worker that timed before and one in a fresh worker); a worker whose timing failed
-is not used again. A caller whose contest has decided before its last timing sends SIGUSR1: the
+one timing in a worker that timed before and one in a fresh worker; where the judge keeps a spare,
+those fresh workers are all started with the series, before anything is timed, not between two
+timings); a worker whose timing failed is not used again. A caller whose contest has decided before its last timing sends SIGUSR1: the
 timing under way is cut (its worker killed with its group: it would otherwise hold up the next
 request, its clock running), no later timing of the series runs, and the judge reads its next
 request, its spare worker kept (before, the caller killed the judge, and the next verdict paid a
@@ -288,6 +289,49 @@ class Resident:
         write_json({**result, "ticket": v.ticket}, v.out_dir / RESULT)
         release_device_memory(self.device)
 
+    def series_workers(self, engines: list[Path]) -> list[Worker]:
+        """A worker for each run of one engine's timings in a series (the contest's order: A, B B,
+        A A, B), all started at once and waited for before anything is timed. A worker's start
+        (confinement, torch's import, the device's context: ~4.5 s on an H200) then no longer
+        falls between two timings of a contest: where one engine's timings gave way to the
+        other's, a fresh worker took 4.4-5.6 s there (thirty-second session). A worker holds no
+        candidate's code until its engine is imported, right before its first timing, so one
+        waiting beside a timing is the judge's own, like the spare; those a series stopped early
+        never used are closed with it. Only where the judge keeps a spare (a GPU, or
+        --spare-worker on: on a CPU the starts would take cores from the timings), and workers
+        have a uid of their own (one under the candidate's could be reached from its worker).
+        Errors of a worker's start are the judge's: that timing starts one of its own."""
+        if not self.keep_spare:
+            return []
+        runs = sum(1 for i, engine in enumerate(engines) if i == 0 or engine != engines[i - 1])
+        started: list[Worker] = []
+        try:
+            for _ in range(runs):
+                started.append(Worker(self.device, self.memory_bytes or default_memory_cap(), self.log,
+                                      self.a.triton_cache))
+                if started[-1].jail.spec.uid is None:   # as for the spare: a candidate could reach it
+                    raise _NoUidOfItsOwn
+            for worker in list(started):
+                if self.series_stopped:
+                    break
+                try:
+                    worker.started()
+                except Exception as e:  # noqa: BLE001 - that timing starts a worker of its own, as before
+                    self.log(f"a series' worker did not start: {type(e).__name__}: {e}")
+                    started.remove(worker)
+                    worker.close()
+        except Exception as e:  # noqa: BLE001 - the judge's (a fork, a channel): each timing starts its own
+            for worker in started:
+                worker.close()
+            if not isinstance(e, _NoUidOfItsOwn):
+                self.log(f"no workers started with the series: {type(e).__name__}: {e}")
+            return []
+        except BaseException:   # SIGTERM's exit: their jails torn down too
+            for worker in started:
+                worker.close()
+            raise
+        return started
+
     def stop_series(self) -> None:
         """SIGUSR1's handler: the caller's contest has decided. Only a flag and a kill (safe between
         any two of the main thread's bytecodes): the timing under way ends as its worker dies, and
@@ -310,7 +354,9 @@ class Resident:
         held: Held | None = None   # the last engine's worker, for that engine's next timing
         self.settle_spare()
         self.series_stopped, self.in_series = False, True
+        waiting: list[Worker] = []   # started with the series, for its later engines' timings
         try:
+            waiting = self.series_workers([engine for _, engine, _, _ in s.timings])
             for label, engine, ticket, scope in s.timings:
                 if self.series_stopped:
                     break
@@ -321,12 +367,14 @@ class Resident:
                         if held is not None and held.engine != engine:
                             held.close()
                             held = None
-                        t1 = time.perf_counter()
+                        t1, ahead = time.perf_counter(), bool(waiting)
                         if held is None:
                             held = Held.start(engine, self.a.device, self.memory_bytes, self.a.triton_cache,
-                                              self.log, scope, on_start=self.timing_with)
+                                              self.log, scope, on_start=self.timing_with,
+                                              started=waiting.pop(0) if waiting else None)
                         self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else
-                                 f" (the last worker closed in {t1 - t0:.1f} s, this one started and "
+                                 f" (the last worker closed in {t1 - t0:.1f} s; this one, "
+                                 f"{'started with the series' if ahead else 'started now'}, made ready and "
                                  f"imported the engine in {time.perf_counter() - t1:.1f} s)"))
                         self.timing_worker = held.worker if held else None
                         if self.series_stopped:   # asked while its worker started (and was cut)
@@ -355,9 +403,15 @@ class Resident:
             self.timing_worker = None
             if held is not None:
                 held.close()
+            for worker in waiting:
+                worker.close()
             release_device_memory(self.device)
         if s.done_ticket is not None:   # not after a failure of the judge's own: the caller kills it then
             write_json({"ticket": s.done_ticket, "stopped": self.series_stopped}, s.out_dir / SERIES_DONE)
+
+
+class _NoUidOfItsOwn(Exception):
+    """A worker started ahead would share the judge's uid with the candidate's."""
 
 
 def _cut(worker: Worker | None) -> None:
@@ -379,15 +433,20 @@ class Held:
 
     @staticmethod
     def start(engine: Path, device: str, memory_bytes: int | None, triton_cache: Path | None, log,
-              scope: tuple[str, ...] = (), on_start=lambda worker: None) -> "Held | None":
-        """A fresh worker that imported `engine`; None where it failed to start or to import it
-        (or was cut: `on_start` hears of it as soon as it runs): then evaluate() starts its own,
-        and its verdict says what failed."""
-        worker = None
+              scope: tuple[str, ...] = (), on_start=lambda worker: None,
+              started: Worker | None = None) -> "Held | None":
+        """A fresh worker (`started`, one started ahead with no engine yet, its cache brought up
+        to date with `scope`'s layers, or a new one) that imported `engine`; None where it failed
+        to start or to import it (or was cut: `on_start` hears of it as soon as it runs): then
+        evaluate() starts its own, and its verdict says what failed."""
+        worker = started
         try:
-            worker = Worker(device, memory_bytes or default_memory_cap(), log, triton_cache, scope)
+            if worker is None:
+                worker = Worker(device, memory_bytes or default_memory_cap(), log, triton_cache, scope)
             on_start(worker)
             worker.ready()
+            if started is not None:
+                worker.jail.refresh_cache(scope)
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
         except Exception:  # noqa: BLE001 - EvalFailure, or the worker's start (fork, channel) failing
             if worker is not None:

@@ -104,6 +104,25 @@ def test_consecutive_timings_of_one_engine_share_its_worker(tiny_model, recomput
     assert "(its worker again)" in (tmp_path / "c" / "incumbent-2" / "stderr.txt").read_text()
 
 
+def test_a_series_starts_its_workers_before_its_first_timing(tiny_model, recompute_engine_path, write_engine,
+                                                             recompute_source, tmp_path):
+    """Where the judge keeps a spare, the fresh worker each engine's run of timings needs is
+    started with the series (none starts between two timings), and it is still a worker of its
+    own for each run."""
+    other = write_engine(recompute_source, "other")
+    timings = [("incumbent-1", recompute_engine_path), ("challenger-2", other), ("challenger-3", other),
+               ("incumbent-3", recompute_engine_path)]
+    with Judge(replace(settings(tiny_model), spare_worker="on"), tmp_path / "judge") as judge, \
+            judge.series(timings, tmp_path / "c") as series:
+        results = [series.result(label, 600) for label, _ in timings]
+    assert all(r.passed and r.benchmark for r in results)
+    assert len({results[0].isolation, results[1].isolation, results[3].isolation}) == 3
+    assert results[1].isolation == results[2].isolation
+    for label in ("challenger-2", "incumbent-3"):   # its hello came before the first timing, not here
+        log = (tmp_path / "c" / label / "stderr.txt").read_text()
+        assert "started with the series, made ready" in log and "worker isolation" not in log, log
+
+
 def test_a_worker_whose_timing_failed_is_not_used_again(tiny_model, recompute_source, write_engine, tmp_path):
     broken = write_engine(broken_source("wrong_shape", recompute_source), "broken")
     timings = [("challenger-2", broken), ("challenger-3", broken)]
