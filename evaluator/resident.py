@@ -323,7 +323,9 @@ class Resident:
         except Exception as e:  # noqa: BLE001 - the judge's (a fork, a channel): each timing starts its own
             for worker in started:
                 worker.close()
-            if not isinstance(e, _NoUidOfItsOwn):
+            if isinstance(e, _NoUidOfItsOwn):
+                self.keep_spare = False   # as the spare's start decides: none here again
+            else:
                 self.log(f"no workers started with the series: {type(e).__name__}: {e}")
             return []
         except BaseException:   # SIGTERM's exit: their jails torn down too
@@ -372,10 +374,15 @@ class Resident:
                             held = Held.start(engine, self.a.device, self.memory_bytes, self.a.triton_cache,
                                               self.log, scope, on_start=self.timing_with,
                                               started=waiting.pop(0) if waiting else None)
-                        self.log(f"--- {label}: {engine}" + (" (its worker again)" if held and held.timed else
-                                 f" (the last worker closed in {t1 - t0:.1f} s; this one, "
-                                 f"{'started with the series' if ahead else 'started now'}, made ready and "
-                                 f"imported the engine in {time.perf_counter() - t1:.1f} s)"))
+                        if held is None:
+                            said = " (its worker did not start or import the engine: the timing starts its own)"
+                        elif held.timed:
+                            said = " (its worker again)"
+                        else:
+                            said = (f" (the last worker closed in {t1 - t0:.1f} s; this one, "
+                                    f"{'started with the series' if ahead else 'started now'}, made ready and "
+                                    f"imported the engine in {time.perf_counter() - t1:.1f} s)")
+                        self.log(f"--- {label}: {engine}{said}")
                         self.timing_worker = held.worker if held else None
                         if self.series_stopped:   # asked while its worker started (and was cut)
                             self.log(f"--- {label}: the series was stopped by its caller (the contest decided)")
@@ -401,10 +408,12 @@ class Resident:
         finally:
             self.in_series = False
             self.timing_worker = None
-            if held is not None:
-                held.close()
-            for worker in waiting:
-                worker.close()
+            try:
+                if held is not None:
+                    held.close()
+            finally:
+                for worker in waiting:
+                    worker.close()
             release_device_memory(self.device)
         if s.done_ticket is not None:   # not after a failure of the judge's own: the caller kills it then
             write_json({"ticket": s.done_ticket, "stopped": self.series_stopped}, s.out_dir / SERIES_DONE)
@@ -452,6 +461,10 @@ class Held:
             if worker is not None:
                 worker.close()
             return None
+        except BaseException:   # SIGTERM's exit: its jail torn down too (a worker handed in is ours now)
+            if worker is not None:
+                worker.close()
+            raise
         return Held(engine, worker)
 
     def close(self) -> None:

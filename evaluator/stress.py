@@ -320,31 +320,37 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
     models, target_trace_seed = draw(seed, quick, device, target_config)
     with ThreadPoolExecutor(1, thread_name_prefix="stress-weights") as ahead:
         # Each random model's weights are drawn (and their judge margin measured, ~0.5 s a model
-        # on a GPU) on this thread of the judge's while the models before it run: mostly while
-        # the judge waits for the worker. Its thread starts here, before the candidate's threads
-        # are counted. The same model gives the same weights wherever they are drawn.
-        drawn = [ahead.submit(_safe_weights, model, device, tol) for model in models]
-        identities = FunctionIdentities()
-        report = StressReport(seed, "quick" if quick else "full")
-        module = load_engine_module(engine)
-        run = _Runner(module, device, QUICK if quick else FULL, tol, report, log, fail_fast, identities.threads)
-        log(f"stress ({report.mode}) on {device}, seed {seed}")
-        go_on = True
-        if target is not None:
-            weight_dir = str(target[1])
-            scenarios = target_scenarios(quick)
-            go_on = run.model(TARGET, target_config, weight_dir, load_weights(weight_dir, target_config), scenarios,
-                              target_trace_seed, target_tol)
-        for model, weights_of in zip(models, drawn) if go_on else []:
-            weights, said = weights_of.result()
-            for line in said:
-                log(line)
-            with tempfile.TemporaryDirectory(prefix="stress-weights-") as tmp:
-                write_weights(weights, tmp, model.config)
-                if not run.model(model.name, model.config, tmp, weights, list(model.scenarios), model.trace_seed):
-                    break
-        for left in drawn:
-            left.cancel()
+        # on a GPU) on this thread of the judge's while the model before it runs: mostly while the
+        # judge waits for the worker. One model ahead at most (a model's fp32 weights are held
+        # until its turn; an interrupted suite waits for one draw, not all). The thread starts
+        # here, before the candidate's threads are counted. The same model gives the same
+        # weights wherever they are drawn.
+        draw_ahead = lambda i: ahead.submit(_safe_weights, models[i], device, tol) if i < len(models) else None  # noqa: E731
+        pending = draw_ahead(0)
+        try:
+            identities = FunctionIdentities()
+            report = StressReport(seed, "quick" if quick else "full")
+            module = load_engine_module(engine)
+            run = _Runner(module, device, QUICK if quick else FULL, tol, report, log, fail_fast, identities.threads)
+            log(f"stress ({report.mode}) on {device}, seed {seed}")
+            go_on = True
+            if target is not None:
+                weight_dir = str(target[1])
+                scenarios = target_scenarios(quick)
+                go_on = run.model(TARGET, target_config, weight_dir, load_weights(weight_dir, target_config),
+                                  scenarios, target_trace_seed, target_tol)
+            for i, model in enumerate(models if go_on else []):
+                weights, said = pending.result()
+                pending = draw_ahead(i + 1)
+                for line in said:
+                    log(line)
+                with tempfile.TemporaryDirectory(prefix="stress-weights-") as tmp:
+                    write_weights(weights, tmp, model.config)
+                    if not run.model(model.name, model.config, tmp, weights, list(model.scenarios), model.trace_seed):
+                        break
+        finally:
+            if pending is not None:
+                pending.cancel()
     identities.check("after the stress suite")
     log(report.summary())
     return report

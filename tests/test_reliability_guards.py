@@ -224,8 +224,8 @@ def test_poison_takes_cached_blocks_only_even_when_free_memory_is_fragmented():
     assert bool((again == 0xFF).all()) and live.numel() == 8 << 20
 
 
-@cuda
-def test_an_engine_reading_memory_it_never_wrote_gets_nan(recompute_source, write_engine, tiny_model):
+def reads_memory_it_never_wrote(recompute_source: str) -> str:
+    """The recompute engine whose decode leaves its last row as torch.empty gave it."""
     source = recompute_source.replace("""\
             self.histories[rid] = torch.cat([self.histories[rid], tokens[i:i + 1]])
         return self._logits_for(request_ids)
@@ -237,8 +237,23 @@ def test_an_engine_reading_memory_it_never_wrote_gets_nan(recompute_source, writ
         return out
 """)
     assert source != recompute_source
+    return source
+
+
+@cuda
+def test_an_engine_reading_memory_it_never_wrote_gets_nan(recompute_source, write_engine, tiny_model):
     with pytest.raises(WrongResult, match="non-finite values"):
-        run_public_sequence(write_engine(source), tiny_model.config, tiny_model.weight_dir, "cuda")
+        run_public_sequence(write_engine(reads_memory_it_never_wrote(recompute_source)), tiny_model.config,
+                            tiny_model.weight_dir, "cuda")
+
+
+@cuda
+def test_an_engine_in_a_worker_reading_memory_it_never_wrote_gets_nan(recompute_source, write_engine, tiny_model):
+    """In the judge's worker, the worker's own poisoning is what hands the engine NaN (the judge
+    poisons only an engine in its own process)."""
+    result = evaluate(write_engine(reads_memory_it_never_wrote(recompute_source)), tiny_model.config,
+                      tiny_model.weight_dir, "cuda", stress="off", benchmark=False)
+    assert result["status"] == "failed" and "non-finite values" in result["error"], result["error"]
 
 
 SIDE_STREAM_SLEEP = """\

@@ -327,3 +327,22 @@ def _read(path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+def test_a_worker_started_with_the_series_is_closed_when_sigterm_comes_while_it_takes_its_engine(
+        monkeypatch, tmp_path):
+    """A worker handed to Held.start (started with the series) is no longer in the series' list:
+    SIGTERM's exit while it is made ready closes it there (its process and its jail)."""
+    from evaluator.remote import Worker
+    from evaluator.resident import Held
+    worker = Worker("cpu", 2**31)
+    try:
+        worker.started()
+        monkeypatch.setattr(Worker, "ready", lambda self: (_ for _ in ()).throw(SystemExit(143)))
+        with pytest.raises(SystemExit):
+            Held.start(tmp_path / "engine.py", "cpu", 2**31, None, print, (), started=worker)
+        left = worker.proc.poll() is None or worker.jail.root.exists()
+    finally:
+        monkeypatch.undo()
+        worker.close()
+    assert not left

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 import subprocess
 import sys
 
@@ -149,3 +150,28 @@ def test_churn_covers_the_lifecycle_edges(test_seed):
         ctx.apply(op)
         removed_all |= op.kind == "remove" and not ctx.lengths and op is not trace[-1]
     assert reused and replaced and removed_all and unknown_removed
+
+
+def test_random_models_weights_are_drawn_one_model_ahead_and_an_interrupted_suite_waits_for_one_draw(
+        tiny_model, test_seed, monkeypatch):
+    """The judge draws a random model's weights (and its margin, ~0.5 s on a GPU) on a thread while
+    the model before it runs, one model ahead: an exit in the middle (SIGTERM's, inside an engine
+    call) waits for the draw under way, not for every model's (the caller kills the judge 3 s
+    after SIGTERM, before its worker's jail is torn down)."""
+    import evaluator.stress as stress
+    drawn = []
+
+    def slow_draw(model, device, tol):
+        time.sleep(0.5)
+        drawn.append(model.name)
+        return {}, []
+    monkeypatch.setattr(stress, "_safe_weights", slow_draw)
+
+    class Exits:
+        @staticmethod
+        def create_engine(*_):
+            raise SystemExit(143)
+    started = time.perf_counter()
+    with pytest.raises(SystemExit):
+        run_stress(Exits, "cpu", seed=test_seed, quick=False, target=(tiny_model.config_path, tiny_model.weight_dir))
+    assert time.perf_counter() - started < 1.5 and len(drawn) <= 1, drawn
