@@ -40,6 +40,7 @@ from scripts.gpu.common import PUBLIC_CASES, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensu
     render_to_file
 
 PRECOMPILE_TIMEOUT_SECONDS = 300
+SAID_LINES = 40   # the process's lines kept: ready (its start), each pass through, compiles done (their times)
 
 
 def screen(engine: Path, cache: Path, device: str) -> dict:
@@ -55,7 +56,8 @@ def screen(engine: Path, cache: Path, device: str) -> dict:
 def precompile(engine: Path, cache: Path, device: str) -> dict:
     """The engine's kernels for the target's public and benchmark calls compiled into `cache` by
     evaluator/compile_ahead.py on its own (as a worker starts it, minus the jail): wall seconds
-    from its start, and what it said."""
+    from its start, and what it said (its start, its pass and its compiles each have a time there:
+    what a precompile beside other verdicts would have to fit into their untimed stages)."""
     models = compile_ahead.plan(load_config(PUBLIC_CONFIG), PUBLIC_WEIGHTS, True, PUBLIC_CASES.split(","),
                                 "off", 0, device)
     request = Path(tempfile.mkdtemp(prefix="menu-compile-")) / "request.json"
@@ -65,7 +67,7 @@ def precompile(engine: Path, cache: Path, device: str) -> dict:
                           env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True,
                           timeout=PRECOMPILE_TIMEOUT_SECONDS)
     return {"seconds": round(time.perf_counter() - start, 2), "exit": done.returncode,
-            "said": (done.stdout + done.stderr).strip().splitlines()[-4:]}
+            "said": (done.stdout + done.stderr).strip().splitlines()[-SAID_LINES:]}
 
 
 def walk_engines(limit: int, device: str) -> tuple[object, list[tuple[str, object]]]:
