@@ -37,10 +37,10 @@ A series' timings run back to back without waiting to be asked; consecutive timi
 share its worker (the contest's order, agent/acceptance.py, A, B B, A A, B: each later pair has
 one timing in a worker that timed before and one in a fresh worker; where the judge keeps a spare,
 those fresh workers are all started with the series, before anything is timed, not between two
-timings); a worker whose timing failed is not used again. A caller whose contest has decided before its last timing sends SIGUSR1: the
-timing under way is cut (its worker killed with its group: it would otherwise hold up the next
-request, its clock running), no later timing of the series runs, and the judge reads its next
-request, its spare worker kept (before, the caller killed the judge, and the next verdict paid a
+timings); a worker whose timing failed is not used again. A caller whose contest has decided
+before its last timing sends SIGUSR1: the timing under way is cut (its worker killed with its
+group: it would otherwise hold up the next request, its clock running), no later timing of the
+series runs, and the judge reads its next request, its spare worker kept (before, the caller killed the judge, and the next verdict paid a
 fresh judge's start, its setup and its own worker's start: 7-10 s on an H200, after most contests).
 A series ends, stopped or not, with DIR/series-done.json holding the request's `done_ticket`, once
 its workers are gone: the caller waits a few seconds for it after a SIGUSR1 and kills the judge

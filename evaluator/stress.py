@@ -325,7 +325,8 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
         # until its turn; an interrupted suite waits for one draw, not all). The thread starts
         # here, before the candidate's threads are counted. The same model gives the same
         # weights wherever they are drawn.
-        draw_ahead = lambda i: ahead.submit(_safe_weights, models[i], device, tol) if i < len(models) else None  # noqa: E731
+        def draw_ahead(i: int):
+            return ahead.submit(_safe_weights, models[i], device, tol) if i < len(models) else None
         pending = draw_ahead(0)
         try:
             identities = FunctionIdentities()

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         today, ahead = (Path(tempfile.mkdtemp(prefix="menu-compile-copy-")) / "cache" for _ in range(2))
         shutil.copytree(filled, today)
         shutil.copytree(filled, ahead)
-        row = {"change": why, "today": screen(engine, today, a.device), "precompile": precompile(engine, ahead, a.device)}
+        row = {"change": why, "today": screen(engine, today, a.device),
+               "precompile": precompile(engine, ahead, a.device)}
         row["after"] = screen(engine, ahead, a.device)
         rows.append(row)
         public = [r["stage_seconds"].get("public") for r in (row["today"], row["after"])]
