@@ -34,21 +34,20 @@ import time
 from pathlib import Path
 
 from evaluator import compile_ahead
-from evaluator import evaluate as judge
 from evaluator.common import REPO_ROOT, freeze_imports, load_config
 from scripts.gpu.common import PUBLIC_CASES, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights, out_dir, \
     render_to_file
+from scripts.gpu.verdict_split import RequestClock, one_verdict
 
 PRECOMPILE_TIMEOUT_SECONDS = 300
 SAID_LINES = 40   # the process's lines kept: ready (its start), each pass through, compiles done (their times)
 
 
 def screen(engine: Path, cache: Path, device: str) -> dict:
-    """A screen as the resident judge gives it (public sequence, one shared warm-up engine, one
-    timed engine a case, no stress), on `cache`; its stage seconds and kernels compiled."""
-    result = judge.evaluate(engine, PUBLIC_CONFIG, PUBLIC_WEIGHTS, device, stress="off",
-                            cases=PUBLIC_CASES.split(","), triton_cache=cache, update_cache=True,
-                            warmup=1, repeat=1, shared_warm_up=True)
+    """A screen as the resident judge gives it (verdict-split's: public sequence, one shared
+    warm-up engine, one timed engine a case, no stress, in a worker started first), on `cache`;
+    its stage seconds and kernels compiled."""
+    result = one_verdict(engine, cache, "off", RequestClock(), device)   # its requests not timed here
     return {"status": result["status"], "error": result.get("error"), "stage_seconds": result["stage_seconds"],
             "kernels_compiled": result.get("triton_compiled")}
 
