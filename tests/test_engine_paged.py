@@ -430,7 +430,7 @@ def with_fake_graphs(engine, module, max_batch=4, max_tokens=64):
                 return t.view(-1)[offset]
         raise AssertionError(f"the metadata names address {address:#x}, in none of the call's inputs")
 
-    def capture(box, padding, step):
+    def capture(key, box, padding, step):
         box.post(padding)
         engine.capturing = True
         logits = step()
@@ -751,6 +751,43 @@ def test_cuda_megakernel_persistent_gives_the_stepwise_bits(tmp_path):
         second = engine.decode(ids, tokens)
         assert torch.equal(first, second), f"step {step}: persistent and stepwise differ"
     assert not persistent.failed(), "a grid barrier timed out"
+
+
+@cuda_only
+@pytest.mark.parametrize("mega", [False, True], ids=["slots", "megakernel"])
+def test_cuda_a_later_engine_of_the_module_captures_without_eager_steps(tmp_path, mega):
+    """The judge builds many engines of one module in a process. The first runs each graph's step
+    eagerly before capturing it (its kernels compile outside the capture); a later engine of the
+    same model finds that step run (Engine._capture) and captures without it, and still matches
+    the reference; an engine of another model runs its own eager steps."""
+    slots = {**CUDA_PLANS.get("all-cuda", FUSED_REDUCE_SLOTS)}
+    plan = Plan("paged", slots=slots, params={**SMALL_CACHE, "max_graph_batch": 4, "max_graph_tokens": 64,
+                                              "megakernel": mega})
+    module = load_engine(plan)
+    eager = []   # one entry a step run outside a capture
+    for name in ("_decode_step", "_prefill_step"):
+        def counted(self, *args, _step=getattr(module.Engine, name), **kwargs):
+            if not torch.cuda.is_current_stream_capturing():
+                eager.append(name)
+            return _step(self, *args, **kwargs)
+        setattr(module.Engine, name, counted)
+
+    def created(cfg, weight_dir, seed):
+        eager.clear()
+        c = Checked(plan, cfg, weight_dir, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL, seed=seed,
+                    scale=GPU_SCALE[cfg["torch_dtype"]], module=module)
+        return c, len(eager), len(c.engine.decode_graphs) + len(c.engine.prefill_graphs)
+
+    first, first_eager, graphs = created(config(), tmp_path / "first", 0)
+    assert graphs > 0 and first_eager >= graphs
+    later, later_eager, _ = created(config(), tmp_path / "later", 1)
+    assert later_eager == first_eager - graphs, "a later engine of the same model ran its steps eagerly again"
+    public_sequence(later)
+    ragged_trace(later)
+    other, other_eager, other_graphs = created(config(num_key_value_heads=2, head_dim=24, num_attention_heads=8),
+                                               tmp_path / "other", 2)
+    assert other_eager >= other_graphs, "an engine of another model skipped its eager steps"
+    public_sequence(other)
 
 
 def test_the_megakernel_check_takes_a_right_step_and_refuses_a_wrong_one_cpu(tmp_path):
