@@ -44,6 +44,7 @@ from evaluator.common import (WEIGHT_FILE, EvalFailure, Tolerance, call_engine, 
 from evaluator.guards import FunctionIdentities, ThreadWatch  # noqa: E402
 from evaluator.noise import judge_margin  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
+from evaluator.remote import RemoteModule  # noqa: E402
 from evaluator.session import CheckedSession  # noqa: E402
 from evaluator.traces import FULL, LONG_PROMPT, QUICK, STRESS_SCENARIOS, Op, StressSize  # noqa: E402
 from evaluator.weights import TOY_SCALE, random_weights, save_weights  # noqa: E402
@@ -253,6 +254,22 @@ def _safe_weights(model: StressModel, device: str, tol: Tolerance) -> tuple[dict
     return judge_safe_weights(model, device, tol, said.append), said
 
 
+@dataclass
+class _DrawnWhenAsked:
+    """A random model's draw for an engine in the judge's process: _safe_weights, run on the
+    calling thread when its result is asked for (run_stress says why)."""
+
+    model: StressModel
+    device: str
+    tol: Tolerance
+
+    def result(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        return _safe_weights(self.model, self.device, self.tol)
+
+    def cancel(self) -> None:
+        """Nothing under way to cancel."""
+
+
 # ---- running ----
 
 @dataclass
@@ -319,14 +336,24 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
     target_config = load_config(target[0]) if target is not None else None
     models, target_trace_seed = draw(seed, quick, device, target_config)
     with ThreadPoolExecutor(1, thread_name_prefix="stress-weights") as ahead:
-        # Each random model's weights are drawn (and their judge margin measured, ~0.5 s a model
-        # on a GPU) on this thread of the judge's while the model before it runs: mostly while the
-        # judge waits for the worker. One model ahead at most (a model's fp32 weights are held
-        # until its turn; an interrupted suite waits for one draw, not all). The thread starts
-        # here, before the candidate's threads are counted. The same model gives the same
-        # weights wherever they are drawn.
+        # For an engine in a worker (the judge's RemoteModule), each random model's weights are
+        # drawn (and their judge margin measured, ~0.5 s a model on a GPU) on this thread of the
+        # judge's while the model before it runs: mostly while the judge waits for the worker. One
+        # model ahead at most (a model's fp32 weights are held until its turn; an interrupted suite
+        # waits for one draw, not all). The thread starts here, before the candidate's threads are
+        # counted. The same model gives the same weights wherever they are drawn. For an engine in
+        # this process they are drawn on this thread when its turn comes: the draw's GPU work
+        # during the engine's graph capture (CUDA's global capture mode, the default) broke both
+        # (the public config's full stress, thirty-third session).
+        in_worker = isinstance(engine, RemoteModule)
+
         def draw_ahead(i: int):
-            return ahead.submit(_safe_weights, models[i], device, tol) if i < len(models) else None
+            if i >= len(models):
+                return None
+            if not in_worker:
+                return _DrawnWhenAsked(models[i], device, tol)
+            return ahead.submit(_safe_weights, models[i], device, tol)
+
         pending = draw_ahead(0)
         try:
             identities = FunctionIdentities()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import torch
 
 from evaluator.common import REPO_ROOT, compute_dtype
 from evaluator.reference_model import ReferenceModel
+from evaluator.remote import RemoteModule
 from evaluator.common import Tolerance
 from evaluator.noise import judge_margin
 from evaluator.stress import (JUDGE_MARGIN, MAX_SHRINKS, NORM_SPREAD, SCALE_STEP, judge_safe_weights,
@@ -167,11 +169,43 @@ def test_random_models_weights_are_drawn_one_model_ahead_and_an_interrupted_suit
         return {}, []
     monkeypatch.setattr(stress, "_safe_weights", slow_draw)
 
-    class Exits:
-        @staticmethod
-        def create_engine(*_):
+    class Exits(RemoteModule):   # an engine in a worker, as the judge runs one
+        def __init__(self):
+            pass
+
+        def create_engine(self, *_):
             raise SystemExit(143)
     started = time.perf_counter()
     with pytest.raises(SystemExit):
-        run_stress(Exits, "cpu", seed=test_seed, quick=False, target=(tiny_model.config_path, tiny_model.weight_dir))
+        run_stress(Exits(), "cpu", seed=test_seed, quick=False,
+                   target=(tiny_model.config_path, tiny_model.weight_dir))
     assert time.perf_counter() - started < 1.5 and len(drawn) <= 1, drawn
+
+
+def test_an_engine_in_the_judges_process_gets_no_draw_beside_its_calls(test_seed, monkeypatch):
+    """An engine in the judge's own process (the course's stress.py run on a file) is never called
+    while a random model is drawn: the draw's GPU work during the engine's graph capture broke both
+    on an H200 (CUDA's global capture mode). Draws are made on the calling thread, between models."""
+    import evaluator.stress as stress
+    drawing = threading.Event()
+    draw_threads, seen_drawing = [], []
+
+    def slow_draw(model, device, tol):
+        draw_threads.append(threading.current_thread())
+        drawing.set()
+        time.sleep(0.05)
+        drawing.clear()
+        return {}, []
+    monkeypatch.setattr(stress, "_safe_weights", slow_draw)
+
+    class Fails:   # a module in this process: each model's create_engine fails, the suite goes on
+        @staticmethod
+        def create_engine(*_):
+            seen_drawing.append(drawing.is_set())
+            time.sleep(0.1)
+            seen_drawing.append(drawing.is_set())
+            raise RuntimeError("no engine")
+    report = run_stress(Fails, "cpu", seed=test_seed, quick=True)
+    assert len(report.cases) > 1 and not any(c.passed for c in report.cases)
+    assert seen_drawing and not any(seen_drawing), "a draw ran beside the engine's create_engine"
+    assert draw_threads and all(t is threading.main_thread() for t in draw_threads)
