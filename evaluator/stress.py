@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -326,27 +327,28 @@ def run_stress(engine: ModuleType | str | Path, device: str = "auto", seed: int 
                fail_fast: bool = False, tol: Tolerance = Tolerance(),
                log: Callable[[str], None] = lambda line: None,
                target_tol: Tolerance | None = None) -> StressReport:
-    """Run the stress suite on `engine` (a module or a path). `target` = (model config, weight
-    dir) adds the real model: its churn scenario in quick mode, every scenario in full mode,
-    judged at `target_tol` if given (the bf16 criterion's), the random models at `tol`.
+    """Run the stress suite on `engine`: a module or a path, run in this process, or the judge's
+    RemoteModule for one in a worker (only that one gets its random models drawn ahead).
+    `target` = (model config, weight dir) adds the real model: its churn scenario in quick mode,
+    every scenario in full mode, judged at `target_tol` if given (the bf16 criterion's), the
+    random models at `tol`.
     Never raises for a wrong engine: failures are in the report (EvalFailure only if the
     module cannot be imported). The same seed draws the same models and traces."""
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     device = resolve_device(device)
     target_config = load_config(target[0]) if target is not None else None
     models, target_trace_seed = draw(seed, quick, device, target_config)
-    with ThreadPoolExecutor(1, thread_name_prefix="stress-weights") as ahead:
-        # For an engine in a worker (the judge's RemoteModule), each random model's weights are
-        # drawn (and their judge margin measured, ~0.5 s a model on a GPU) on this thread of the
-        # judge's while the model before it runs: mostly while the judge waits for the worker. One
-        # model ahead at most (a model's fp32 weights are held until its turn; an interrupted suite
-        # waits for one draw, not all). The thread starts here, before the candidate's threads are
-        # counted. The same model gives the same weights wherever they are drawn. For an engine in
-        # this process they are drawn on this thread when its turn comes: the draw's GPU work
-        # during the engine's graph capture (CUDA's global capture mode, the default) broke both
-        # (the public config's full stress, thirty-third session).
-        in_worker = isinstance(engine, RemoteModule)
-
+    # For an engine in a worker (the judge's RemoteModule), each random model's weights are drawn
+    # (and their judge margin measured, ~0.5 s a model on a GPU) on a thread of the judge's while
+    # the model before it runs: mostly while the judge waits for the worker. One model ahead at
+    # most (a model's fp32 weights are held until its turn; an interrupted suite waits for one
+    # draw, not all). The thread starts here, before the candidate's threads are counted. The same
+    # model gives the same weights wherever they are drawn. For an engine in this process they are
+    # drawn on this thread when its turn comes: the draw's GPU work during the engine's graph
+    # capture (CUDA's global capture mode, the default) broke both (the public config's full
+    # stress on an H200, thirty-third session).
+    in_worker = isinstance(engine, RemoteModule)
+    with ThreadPoolExecutor(1, thread_name_prefix="stress-weights") if in_worker else nullcontext() as ahead:
         def draw_ahead(i: int):
             if i >= len(models):
                 return None

@@ -759,7 +759,8 @@ def test_cuda_a_later_engine_of_the_module_captures_without_eager_steps(tmp_path
     """The judge builds many engines of one module in a process. The first runs each graph's step
     eagerly before capturing it (its kernels compile outside the capture); a later engine of the
     same model finds that step run (Engine._capture) and captures without it, and still matches
-    the reference; an engine of another model runs its own eager steps."""
+    the reference; an engine of another model, or one whose megakernel failed its check, runs its
+    own eager steps."""
     slots = {**CUDA_PLANS.get("all-cuda", FUSED_REDUCE_SLOTS)}
     plan = Plan("paged", slots=slots, params={**SMALL_CACHE, "max_graph_batch": 4, "max_graph_tokens": 64,
                                               "megakernel": mega})
@@ -784,6 +785,13 @@ def test_cuda_a_later_engine_of_the_module_captures_without_eager_steps(tmp_path
     assert later_eager == first_eager - graphs, "a later engine of the same model ran its steps eagerly again"
     public_sequence(later)
     ragged_trace(later)
+    if mega:   # a later engine whose megakernel failed its check runs other kernels: its own eager steps
+        checked = module.Engine._checked_megakernel
+        module.Engine._checked_megakernel = lambda self: None
+        without, without_eager, without_graphs = created(config(), tmp_path / "without", 3)
+        module.Engine._checked_megakernel = checked
+        assert without_eager >= without_graphs, "an engine without the megakernel skipped its eager steps"
+        public_sequence(without)
     other, other_eager, other_graphs = created(config(num_key_value_heads=2, head_dim=24, num_attention_heads=8),
                                                tmp_path / "other", 2)
     assert other_eager >= other_graphs, "an engine of another model skipped its eager steps"
