@@ -73,13 +73,19 @@ BANNED_EVERYWHERE = {
     "torch.cuda.set_stream": "stream switching", "torch.cuda.set_sync_debug_mode": "timer tricks",
     "torch.cuda.cudart": "native code", "torch._C": "interpreter internals",
     "torch.compiler.disable": "interpreter internals",
+    # Clocks: an engine that reads one can tell the judge's timed traces (calls back to back) from
+    # its checked calls (each waits for the reference) and take another path when timed (red-team
+    # helper, thirty-third session; the judge now also reports the timed runs' margin).
+    "torch.utils.benchmark": "timer tricks", "torch.profiler": "timer tricks",
+    "torch.autograd.profiler": "timer tricks", "triton.testing": "timer tricks",
+    "torch.cuda.Event": "events (timer tricks)",
 }
 
 # Refused in a kernel, allowed in an engine (graph capture, weight loading, setup syncs).
 BANNED_IN_KERNELS = {
     "torch.cuda.Stream": "side streams", "torch.cuda.stream": "side streams",
     "torch.cuda.current_stream": "side streams", "torch.cuda.default_stream": "side streams",
-    "torch.cuda.Event": "events (timer tricks)", "torch.cuda.graph": "graph capture",
+    "torch.cuda.graph": "graph capture",
     "torch.cuda.CUDAGraph": "graph capture", "torch.cuda.graph_pool_handle": "graph capture",
     "torch.cuda.make_graphed_callables": "graph capture", "torch.cuda.synchronize": "host sync",
     "torch.load": "file access", "torch.cuda.empty_cache": "allocator tricks",
@@ -91,7 +97,8 @@ BANNED_IN_KERNELS = {
 REEXPORTED_MODULES = frozenset({
     "os", "sys", "subprocess", "socket", "threading", "ctypes", "inspect", "importlib", "builtins",
     "shutil", "pickle", "marshal", "multiprocessing", "io", "time", "gc", "pathlib", "tempfile",
-    "urllib", "http", "asyncio", "concurrent", "weakref",
+    "urllib", "http", "asyncio", "concurrent", "weakref", "timeit", "datetime", "_thread", "resource",
+    "sched", "signal",
 })
 # Module roots an attribute chain restarts from (`F.torch.cuda` is `torch.cuda`).
 ROOT_MODULES = ("torch", "triton")

@@ -131,6 +131,24 @@ def test_timed_outputs_are_checked_after_timing(recompute_source, write_engine, 
     assert results[0]["decode_tokens"] == 128
 
 
+def test_timed_outputs_report_their_margin_and_a_looser_timed_path_shows_in_the_verdict(
+        recompute_source, recompute_engine_path, write_engine, tiny_model):
+    """An engine exact where it is checked call by call and looser (inside the tolerance) where it
+    is timed passes, but the timed runs' margin is in its benchmark results, and the agent's
+    EvalResult.margin takes it: the search does not keep it."""
+    from agent.records import EvalResult
+    exact = run_benchmark(recompute_engine_path, tiny_model.config, tiny_model.weight_dir, "cpu",
+                          cases=["decode", "prefill"], warmup=0, repeat=1, hardware=H100)
+    assert all(r["timed_margin"] > 0.9 for r in exact)
+    engine = write_engine(broken_source("timed_path_looser", recompute_source))
+    looser = run_benchmark(engine, tiny_model.config, tiny_model.weight_dir, "cpu", cases=["decode", "prefill"],
+                           warmup=0, repeat=1, hardware=H100)
+    assert all(0 < r["timed_margin"] < 0.5 for r in looser)
+    verdict = EvalResult(status="passed", stage="done", public={"worst_margin": 1.0}, benchmark=looser)
+    assert verdict.margin() == min(r["timed_margin"] for r in looser) and not verdict.safe()
+    assert EvalResult(status="passed", stage="done", public={"worst_margin": 1.0}, benchmark=exact).safe()
+
+
 def test_cli_prints_a_json_list(recompute_engine_path, tiny_model):
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "evaluator/benchmark_throughput.py"), "--engine", str(recompute_engine_path),

@@ -145,6 +145,13 @@ def test_engine_level_allows_graphs_streams_weights_and_setup_syncs():
     ("import threading", "import"),
     ("import time", "import"),
     ("import torch\ntorch.cuda.synchronize = None", "patching"),
+    # clocks, which tell a timed trace from a checked call (red-team helper, thirty-third session)
+    ("import torch.utils.benchmark as tb\nclock = tb.utils.timer.timeit.default_timer", "banned_api"),
+    ("import torch\nclock = torch.utils.benchmark.Timer", "banned_api"),
+    ("from torch.utils.benchmark.utils.timer import timeit", "banned_api"),
+    ("import torch\np = torch.profiler.profile()", "banned_api"),
+    ("import triton\nt = triton.testing.do_bench", "banned_api"),
+    ("import torch\ne = torch.cuda.Event(enable_timing=True)", "banned_api"),
     ("f = open('x')", "banned_builtin"),
     ("import pathlib\npathlib.Path('x').write_text('y')", "file_access"),
     ("def f(p):\n    return p.open('w')", "file_access"),
