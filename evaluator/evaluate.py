@@ -278,7 +278,7 @@ def evaluate(engine: str | Path, model_config: dict | str | Path, weight_dir: st
             if triton_cache is not None and device == "cuda":
                 result["triton_compiled"] = compiled_kernels(worker.jail.compile_cache, triton_cache, cache_scope)
                 log(f"Triton: {result['triton_compiled']} kernels compiled (not in the shared cache)")
-            if triton_cache is not None and update_cache:
+            if triton_cache is not None and update_cache and device == "cuda":   # nothing compiles elsewhere
                 added = merge_cache(worker.jail.compile_cache, triton_cache, cache_scope)
                 log(f"shared Triton cache: {added} compiled kernels added")
     except EvalFailure as e:

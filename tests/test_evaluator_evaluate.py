@@ -57,6 +57,26 @@ def test_no_benchmark_judges_without_timing(recompute_engine_path, tiny_model, t
     assert proc.stdout.startswith("passed: score untimed")
 
 
+def test_a_cpu_verdict_adds_nothing_to_the_shared_triton_cache(recompute_source, write_engine, tiny_model, tmp_path):
+    """Nothing compiles on a CPU: what a worker left in its Triton cache there (here, an entry laid
+    out as Triton lays one out) is never merged for later workers."""
+    source = recompute_source.replace("    return Engine(model_config, weight_dir, device)\n", """\
+    import json, os
+    entry = os.path.join(os.environ["TRITON_CACHE_DIR"], "planted")
+    os.makedirs(entry, exist_ok=True)
+    with open(os.path.join(entry, "k.cubin"), "wb") as f:
+        f.write(b"not compiled here")
+    with open(os.path.join(entry, "__grp__k.json"), "w") as f:
+        json.dump({"child_paths": {"k.cubin": os.path.join(entry, "k.cubin")}}, f)
+    return Engine(model_config, weight_dir, device)
+""", 1)
+    shared = tmp_path / "shared"
+    r = evaluate(write_engine(source), tiny_model.config, tiny_model.weight_dir, "cpu", stress="off", benchmark=False,
+                 triton_cache=shared, update_cache=True)
+    assert r["status"] == "passed", r["error"]
+    assert not shared.exists() or not any(shared.iterdir())
+
+
 def test_cli_writes_the_verdict_of_a_wrong_engine(recompute_source, write_engine, tiny_model, tmp_path):
     out = tmp_path / "result.json"
     proc = run_cli(write_engine(broken_source("sorted_rows", recompute_source)), tiny_model, out)

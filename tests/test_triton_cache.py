@@ -14,11 +14,17 @@ from agent.workspace import VARIANTS
 from evaluator import triton_cache
 
 
-def entry(root: Path, key: str, files: dict[str, bytes]) -> Path:
+def entry(root: Path, key: str, files: dict[str, bytes], group: bool = True) -> Path:
+    """A cache entry holding `files`; with `group` (and files, none of them a group file) laid
+    out as Triton lays out a compiled kernel: a group file naming each of them by its path."""
     folder = root / key
     folder.mkdir(parents=True)
     for name, data in files.items():
         (folder / name).write_bytes(data)
+    if group and files and not any(n.startswith(triton_cache.GROUP_PREFIX) for n in files):
+        kernel = Path(next(iter(files))).stem
+        (folder / f"{triton_cache.GROUP_PREFIX}{kernel}.json").write_text(
+            json.dumps({"child_paths": {n: str(folder / n) for n in files}}))
     return folder
 
 
@@ -176,13 +182,40 @@ def test_group_files_point_into_every_copy_of_an_entry(tmp_path):
         (worker / "key1" / "__grp___gemm_kernel.json").read_text())["child_paths"].values())
 
 
-def test_a_group_file_that_is_not_one_is_copied_as_it_is(tmp_path):
+def test_only_what_triton_lays_out_is_merged(tmp_path, monkeypatch):
+    """A passing engine wrote three 60 MiB folders of random bytes into its cache, and the judge
+    merged them for every later worker (red-team helper, thirty-third session). Merged now: a
+    compiled kernel's group file and the artefacts it names (files it does not name are left), or
+    a launcher's one shared object; a verdict's merge and one scope's layer are bounded in bytes."""
     jail, shared = tmp_path / "jail" / ".triton", tmp_path / "shared"
-    entry(jail, "key1", {"__grp__k.json": b"not json", "k.cubin": b"1"})
-    entry(jail, "key2", {"__grp__k.json": b'{"child_paths": 3}', "k.cubin": b"2"})
+    entry(jail, "junk", {"blob.bin": os.urandom(64)}, group=False)
+    entry(jail, "two_objects", {"a.so": b"1", "b.so": b"2"}, group=False)
+    entry(jail, "not_json", {"__grp__k.json": b"not json", "k.cubin": b"1"})
+    entry(jail, "not_a_group", {"__grp__k.json": b'{"child_paths": 3}', "k.cubin": b"2"})
+    entry(jail, "names_a_missing_file", {"__grp__k.json": json.dumps({"child_paths": {"k.cubin": "/x/k.cubin",
+                                                                                      "k.json": "/x/k.json"}}).encode(),
+                                         "k.cubin": b"3"})
+    entry(jail, "two_groups", {"__grp__a.json": b'{"child_paths": {}}', "__grp__b.json": b'{"child_paths": {}}'})
+    launcher = entry(jail, "launcher", {"__triton_launcher.cpython-312-x86_64-linux-gnu.so": b"elf"}, group=False)
+    kernel = entry(jail, "kernel", {"k.cubin": b"4", "k.json": b"{}"})
+    (kernel / "padding.bin").write_bytes(os.urandom(1024))   # not named by its group: left out
     assert triton_cache.merge(jail, shared) == 2
-    assert (shared / "key1" / "__grp__k.json").read_bytes() == b"not json"
-    assert (shared / "key2" / "__grp__k.json").read_bytes() == b'{"child_paths": 3}'
+    assert sorted(p.name for p in shared.iterdir()) == ["kernel", "launcher"]
+    assert sorted(p.name for p in (shared / "kernel").iterdir()) == ["__grp__k.json", "k.cubin", "k.json"]
+    assert [p.name for p in (shared / "launcher").iterdir()] == [next(launcher.iterdir()).name]
+
+    monkeypatch.setattr(triton_cache, "MAX_MERGE_BYTES", 3000)
+    big = tmp_path / "big" / ".triton"
+    for i in range(5):
+        entry(big, f"big{i}", {"k.cubin": os.urandom(1000)})
+    assert triton_cache.merge(big, shared) == 2           # a verdict's bytes
+    monkeypatch.setattr(triton_cache, "MAX_MERGE_BYTES", 10**6)
+    monkeypatch.setattr(triton_cache, "MAX_LAYER_BYTES", 5000)
+    lineage = tmp_path / "lineage" / ".triton"
+    for i in range(8):
+        entry(lineage, f"model{i}", {"k.cubin": os.urandom(1000)})
+    assert triton_cache.merge(lineage, shared, ("aa",)) == 4      # one scope's layer
+    assert triton_cache.merge(lineage, shared, ("bb",)) == 4      # another scope has its own room
 
 
 def test_tritons_own_cache_manager_finds_a_kernel_in_a_seeded_copy(tmp_path, monkeypatch):
@@ -245,4 +278,4 @@ def test_merge_and_compiled_read_only_the_entries_the_shared_cache_lacks(tmp_pat
     (worker / "failed").mkdir()   # Triton makes a key's folder first: a failed compile leaves it empty
     assert triton_cache.compiled(worker, shared) == 1 and reads == []
     assert triton_cache.merge(worker, shared) == 1
-    assert sorted(reads) == ["kernel.cubin", "kernel.json"]
+    assert sorted(reads) == ["__grp__kernel.json", "kernel.cubin", "kernel.json"]
