@@ -8,6 +8,7 @@ one line on stderr; whatever engine.py holds passed); 130 interrupted (likewise)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shlex
@@ -29,7 +30,7 @@ from agent.records import EvalResult, SearchState
 from agent.report import Entry, Reporter, describe
 from agent.resume import Previous, ResumeError
 from agent.spec import WEIGHTS_FILE, ModelSpec, SpecError, check_window_covers, load_spec
-from agent.workspace import JUDGE_LOGS, Workspace
+from agent.workspace import JUDGE_LOGS, Workspace, WorkspaceBusy
 
 EXIT_OK, EXIT_NO_ENGINE, EXIT_BAD_INPUT, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # Where the judged environment mounts its inputs; the repository's own target otherwise.
@@ -222,8 +223,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: kill the evaluator
     ws = Workspace(cfg.workspace)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(ws.locked())
+        except WorkspaceBusy as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except OSError as e:
+            print(f"error: cannot write the workspace {cfg.workspace}: {e}", file=sys.stderr)
+            return EXIT_WRITE_FAILED
+        return run_in(ws, cfg, args, spec, started)
+
+
+def run_in(ws: Workspace, cfg: RunConfig, args: argparse.Namespace, spec: ModelSpec, started: float) -> int:
+    """The run, in the workspace it holds (main); the exit code."""
     try:
-        previous = open_workspace(ws, cfg, args.resume)
+        previous, notes = open_workspace(ws, cfg, args.resume)
         report = Reporter(cfg.workspace)
     except ResumeError as e:
         print(f"error: cannot resume: {e}", file=sys.stderr)
@@ -245,24 +260,24 @@ def main(argv: list[str] | None = None) -> int:
         # The run's Triton cache: the judge's, shared by its candidates (evaluator/triton_cache.py).
         with tempfile.TemporaryDirectory(prefix="judge-triton-cache-") as cache:
             return run_search(cfg, spec, state, replace(settings, triton_cache=Path(cache)), ws, report,
-                              previous, started)
+                              previous, started, notes)
     except OSError as e:  # a full disk, a workspace made read-only: the run cannot record anything more
         print(f"error: writing the workspace failed: {e}; {ws.engine} holds the best engine that passed, if any",
               file=sys.stderr)
         return EXIT_WRITE_FAILED
 
 
-def open_workspace(ws: Workspace, cfg: RunConfig, resuming: bool) -> Previous | None:
-    """A fresh workspace, or (--resume) the interrupted run's, made consistent (agent/resume.py)."""
+def open_workspace(ws: Workspace, cfg: RunConfig, resuming: bool) -> tuple[Previous | None, list[str]]:
+    """A fresh workspace (the last run moved aside), or (--resume) the interrupted run's, made
+    consistent (agent/resume.py); and lines for the log saying which."""
     if not resuming:
-        ws.reset()
-        return None
+        return None, [line for line in [ws.reset()] if line]
     previous = resume.load(ws, run_record(cfg))
-    if previous is None:
-        ws.reset()  # nothing recorded yet: a fresh start is the same thing
-    else:
+    if previous is not None:
         ws.clear_leftovers()
-    return previous
+        return previous, []
+    moved = ws.reset()
+    return None, [f"--resume: no run recorded in {ws.root} to resume; a new run", *([moved] if moved else [])]
 
 
 def run_record(cfg: RunConfig) -> dict[str, str]:
@@ -271,8 +286,8 @@ def run_record(cfg: RunConfig) -> dict[str, str]:
 
 
 def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: JudgeSettings, ws: Workspace,
-               report: Reporter, previous: Previous | None, started: float) -> int:
-    """Report, proposer, loop; the exit code."""
+               report: Reporter, previous: Previous | None, started: float, notes: list[str]) -> int:
+    """Report, proposer, loop; the exit code. `notes`: open_workspace's lines."""
     if previous is not None:
         report.entries = list(previous.entries)
         state.history = [(e.candidate, e.result) for e in previous.entries]
@@ -281,6 +296,8 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
         state.waiting = list(previous.waiting)
     report.start({"run": run_record(cfg), "spec": spec.to_dict(),
                   "hardware": state.hardware}, header_lines(cfg, spec, state.hardware, settings))
+    for note in notes:
+        report.line(note)
     if previous is not None:
         best = previous.best
         if best is not None:

@@ -8,6 +8,8 @@ the files alone.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -26,7 +28,13 @@ JUDGE_LOGS = f"{CANDIDATES}/judge"   # the run's judge's own stdout/stderr (its 
 VARIANTS = "variants"   # in a candidate's folder: the sources of its model-written kernel variants
 WAITING = "waiting.json"   # model candidates checked but not judged yet (agent/pipeline.py), for --resume
 TMP_PREFIX = ".tmp-"
-GIT_IGNORE = f"{CANDIDATES}/\n{TMP_PREFIX}*\n"
+PREVIOUS = "previous"   # the last run's engine, verdict, logs and candidates, moved aside by a new run
+PREVIOUS_INCOMING = ".previous-incoming"   # ... while they are being moved (a kill leaves it to finish)
+PREVIOUS_OLD = ".previous-old"             # ... the run before that, while it is removed
+# What a run leaves in the workspace, moved aside as a whole when a new run starts (Workspace.reset)
+RUN_FILES = (ENGINE, VERDICT, RESULTS_LOG, RESULTS_JSON, WAITING, "search.png", CANDIDATES)
+LOCK = ".lock"          # held (flock) by the run using the workspace
+GIT_IGNORE = f"{CANDIDATES}/\n{TMP_PREFIX}*\n{PREVIOUS}/\n{PREVIOUS_INCOMING}/\n{PREVIOUS_OLD}/\n{LOCK}\n"
 # Temporary files a kill can leave: ours (atomic_write) and the evaluator's verdict in progress.
 LEFTOVERS = (f"{TMP_PREFIX}*", f"{CANDIDATES}/**/{TMP_PREFIX}*", f"{CANDIDATES}/**/*.tmp[0-9]*")
 GIT_AUTHOR = ("inference-agent", "agent@localhost")
@@ -52,6 +60,10 @@ def atomic_write(path: Path, text: str) -> None:
         os.close(dir_fd)
 
 
+class WorkspaceBusy(Exception):
+    """Another run holds the workspace (Workspace.locked)."""
+
+
 def sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -66,14 +78,53 @@ class Workspace:
     def engine(self) -> Path:
         return self.root / ENGINE
 
-    def reset(self) -> None:
-        """Start a run: clear the previous run's engine, logs and candidates (their accepted
-        engines stay in the git history), and any temporary file a kill left behind."""
+    @contextlib.contextmanager
+    def locked(self):
+        """The workspace held by this run for as long as the block lasts: a second run on it (which
+        would interleave its engines and logs with this one's) is refused with WorkspaceBusy. The
+        lock goes with the process, however it ends."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for name in (ENGINE, VERDICT, RESULTS_LOG, RESULTS_JSON, WAITING):
-            (self.root / name).unlink(missing_ok=True)
-        shutil.rmtree(self.root / CANDIDATES, ignore_errors=True)
+        with open(self.root / LOCK, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip()
+                raise WorkspaceBusy(f"another run is using the workspace {self.root}"
+                                    + (f" (pid {holder})" if holder.isdigit() else "")
+                                    + ": wait for it, stop it, or give this run another --workspace") from None
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def reset(self) -> str | None:
+        """Start a new run: the last run's engine, verdict, logs and candidates are moved, as they
+        are, to previous/ (replacing the run before it; accepted engines also stay in the git
+        history), and any temporary file a kill left behind is removed. A second run had deleted
+        the first run's engine before it had a better one, and a Ctrl-C then left none (a new-user
+        walkthrough, thirty-third session). The moves are renames, resumed by the next reset if a
+        kill cuts them. Returns a line saying what was moved, or None."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        incoming, previous, old = (self.root / name for name in (PREVIOUS_INCOMING, PREVIOUS, PREVIOUS_OLD))
+        shutil.rmtree(old, ignore_errors=True)
+        present = [name for name in RUN_FILES if (self.root / name).exists()]
+        if present or incoming.exists():
+            incoming.mkdir(exist_ok=True)
+            for name in present:
+                os.replace(self.root / name, incoming / name)
+            if previous.exists():
+                os.replace(previous, old)
+            os.replace(incoming, previous)
+            shutil.rmtree(old, ignore_errors=True)
         self.clear_leftovers()
+        if (previous / ENGINE).exists():
+            return f"the last run's engine, log and candidates are in {previous}/ (bash run.sh --resume continues a run)"
+        return None
 
     def clear_leftovers(self) -> None:
         """Remove the temporary files a kill left behind (never a finished file), and make sure

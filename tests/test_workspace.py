@@ -13,7 +13,8 @@ import pytest
 
 from agent import judge as judge_mod
 from agent.judge import JudgeSettings, judge
-from agent.workspace import TMP_PREFIX, Workspace, atomic_write
+from agent.workspace import PREVIOUS, RESULTS_LOG, TMP_PREFIX, Workspace, WorkspaceBusy, atomic_write
+from evaluator.common import REPO_ROOT
 
 
 def test_atomic_write_replaces_whole_files(tmp_path):
@@ -37,16 +38,69 @@ def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["engine.py"]
 
 
-def test_reset_clears_the_previous_run_and_kill_leftovers(tmp_path):
+def test_reset_moves_the_last_run_aside_and_clears_kill_leftovers(tmp_path):
+    """A new run starts from an empty workspace, the last run's engine, verdict, log and candidates
+    kept as they were in previous/ (the run before that replaced): a second run had deleted the
+    first's engine before it had a better one (a new-user walkthrough, thirty-third session)."""
     ws = Workspace(tmp_path)
-    ws.reset()
+    assert ws.reset() is None
     ws.install_engine("engine one\n", {"index": 1, "result": {"status": "passed"}})
+    (ws.root / RESULTS_LOG).write_text("run one\n")
     (ws.root / f"{TMP_PREFIX}engine.py.abc").write_text("half")
     (ws.candidate_dir(1, "recompute") / "engine.py").write_text("x")
-    ws.reset()
+    assert "previous" in ws.reset()
     assert not ws.engine.exists() and ws.installed_verdict() is None
     assert list((ws.root / "candidates").iterdir()) == []
     assert not list(ws.root.glob(TMP_PREFIX + "*"))
+    assert Workspace(ws.root / PREVIOUS).installed_verdict()["index"] == 1
+    assert (ws.root / PREVIOUS / RESULTS_LOG).read_text() == "run one\n"
+    assert (ws.root / PREVIOUS / "candidates" / "001-recompute" / "engine.py").exists()
+    ws.install_engine("engine two\n", {"index": 2})
+    ws.reset()
+    assert Workspace(ws.root / PREVIOUS).installed_verdict()["index"] == 2   # the run before that: replaced
+    assert sorted(p.name for p in ws.root.iterdir()) == ["candidates", PREVIOUS]
+
+
+def test_a_reset_cut_by_a_kill_is_finished_by_the_next(tmp_path, monkeypatch):
+    ws = Workspace(tmp_path)
+    ws.reset()
+    ws.install_engine("engine one\n", {"index": 1})
+    (ws.root / RESULTS_LOG).write_text("run one\n")
+    real, moves = os.replace, []
+
+    def killed_on_the_third_move(src, dst):
+        moves.append(src)
+        if len(moves) == 3:
+            raise KeyboardInterrupt
+        real(src, dst)
+    monkeypatch.setattr(os, "replace", killed_on_the_third_move)
+    with pytest.raises(KeyboardInterrupt):
+        ws.reset()
+    monkeypatch.setattr(os, "replace", real)
+    ws.reset()
+    assert Workspace(ws.root / PREVIOUS).installed_verdict()["index"] == 1
+    assert (ws.root / PREVIOUS / RESULTS_LOG).read_text() == "run one\n"
+
+
+def test_a_second_run_on_a_held_workspace_is_refused(tmp_path):
+    """Two runs on one workspace interleaved their engines and logs (a new-user walkthrough): the
+    run holds a lock while it lasts, and a second one gets a line naming the holder."""
+    ws = Workspace(tmp_path / "ws")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom agent.workspace import Workspace\n"
+                               "with Workspace(sys.argv[1]).locked():\n    print('held', flush=True)\n"
+                               "    time.sleep(30)", str(ws.root)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(WorkspaceBusy, match=rf"another run is using the workspace .*\(pid {holder.pid}\)"):
+            with ws.locked():
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with ws.locked():   # free again once its holder is gone
+        with pytest.raises(WorkspaceBusy):
+            with Workspace(ws.root).locked():
+                pass
 
 
 def test_verdict_must_match_the_engine_on_disk(tmp_path):
