@@ -112,6 +112,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in the workspace (same config, weights and device): "
                         "candidates already judged are not judged again, the best so far is kept")
+    given = sys.argv[1:] if argv is None else argv
+    for name, kind in (("budget", float), ("seed", int), ("max_candidates", int), ("parallel", int)):
+        flag, value = "--" + name.replace("_", "-"), env(name)
+        if value is None or any(arg == flag or arg.startswith(flag + "=") for arg in given):
+            continue
+        try:   # argparse would name the flag, not the variable the value came from
+            kind(value)
+        except ValueError:
+            p.error(f"{ENV[name]}={value!r}: not {'a number' if kind is float else 'a whole number'}")
     args = p.parse_args(argv)
     args.device = "cuda" if str(args.device).startswith("cuda:") else args.device   # DEVICE=cuda:0
     for name, choices in (("device", DEVICES), ("provider", NAMES), ("builtin_walk", BUILTIN_WALKS)):

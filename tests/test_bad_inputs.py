@@ -158,3 +158,16 @@ def test_evaluate_ends_with_one_line_and_exit_2(tmp_path, case):
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert_one_line(done.stderr, expected, str(config))
+
+
+@pytest.mark.parametrize("variable,value,words", [("BUDGET", "abc", "not a number"),
+                                                  ("SEED", "1.5", "not a whole number")])
+def test_a_bad_number_in_the_environment_is_named_by_its_variable(monkeypatch, capsys, variable, value, words):
+    """`BUDGET=abc bash run.sh` said "argument --budget: invalid float value", naming a flag the
+    user never typed (a new-user walkthrough); a flag given on the command line wins over it."""
+    from agent import cli
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args([])
+    assert e.value.code == 2 and f"{variable}={value!r}: {words}" in capsys.readouterr().err
+    assert cli.parse_args([f"--{variable.lower()}", "7"]) is not None
