@@ -209,7 +209,13 @@ def selftest_commands(cfg: RunConfig) -> list[str]:
 def closing_lines(ws: Workspace, entries: list[Entry], cfg: RunConfig) -> list[str]:
     verdict = ws.installed_verdict()
     if verdict is None:
-        return ["result: no candidate passed; workspace/engine.py was not written"]
+        # a budget too short for even the conservative engine's verdict read as a broken engine
+        # ("verify: FAILED at unknown (timeout)"; a new-user walkthrough, thirty-third session)
+        ran_out = bool(entries) and all(e.result is None or e.result.unfinished or e.result.error_kind == "timeout"
+                                        for e in entries)
+        why = (f": the budget ({cfg.budget:.0f} s) ended before a verdict did; give the run more (--budget)"
+               if ran_out else "")
+        return [f"result: no candidate passed{why}; workspace/engine.py was not written"]
     result = EvalResult.from_dict(verdict["result"])
     conservative = entries[0].result if entries and entries[0].result and entries[0].result.passed else None
     ratio = acceptance.speedup(result, conservative) if conservative and verdict["index"] != 1 else None

@@ -636,3 +636,19 @@ def test_the_best_s_final_runs_before_a_candidate_that_would_leave_it_no_time(tm
     assert installed_key(ws) == b.key()
     log = (ws.root / "results.log").read_text()
     assert log.index("the final it won in its contest") < log.index("#004")
+
+
+def test_a_run_whose_budget_ended_before_any_verdict_says_so(tmp_path):
+    """`--budget 20` ended with "verify: FAILED at unknown (timeout)" and "no candidate passed",
+    which read as a broken engine (a new-user walkthrough): the closing line names the budget."""
+    from types import SimpleNamespace
+
+    from agent import cli
+    from agent.workspace import Workspace
+    ws = Workspace(tmp_path)
+    ws.reset()
+    cfg = SimpleNamespace(budget=20.0)
+    timed_out = SimpleNamespace(result=EvalResult(status="failed", stage="unknown", error_kind="timeout"))
+    wrong = SimpleNamespace(result=EvalResult(status="failed", stage="public", error_kind="wrong_result"))
+    assert "the budget (20 s) ended before a verdict did" in cli.closing_lines(ws, [timed_out], cfg)[0]
+    assert "budget" not in cli.closing_lines(ws, [timed_out, wrong], cfg)[0]
