@@ -121,6 +121,11 @@ async def bench(args: argparse.Namespace) -> dict:
         report = {"url": args.url, "model": model, "max_context": max_context, "input_len": input_len,
                   "output_len": output_len, "clipped": (input_len, output_len) != (args.input_len, args.output_len),
                   "levels": [], "classes": {}}
+        print(f"{model}: {len(args.concurrency)} concurrency levels ({','.join(map(str, args.concurrency))}), each "
+              f"{args.warmup} + {args.requests} requests of {input_len} tokens in and {output_len} out: "
+              f"{len(args.concurrency) * (args.warmup + args.requests) * output_len} tokens to generate before the "
+              f"latency classes (a CPU server takes hours; a quick look: --concurrency 1,4 --requests 4 "
+              f"--input-len 64 --output-len 16 --classes short)", flush=True)
         for level in args.concurrency:
             await run_level(client, model, [prompt(input_len) for _ in range(args.warmup)], output_len, level)
             results, wall = await run_level(client, model, [prompt(input_len) for _ in range(args.requests)],
