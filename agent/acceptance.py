@@ -188,6 +188,7 @@ def _verdict(samples: list[float], final: bool, remaining: int = 0, why: str = "
     if p <= ALPHA:
         return Decision(True, f"{ACCEPTED}: {percent(ratio)}, {counted}", ratio, p)
     if final or sign_p(wins + remaining, n + remaining) > ALPHA:
-        return Decision(False, f"within noise (p={p:.3g}): {percent(ratio)}, {wins}/{n} paired timings faster"
+        return Decision(False, f"within noise: {percent(ratio)}, but {wins}/{n} paired timings faster is not "
+                               f"enough to tell (sign test p={p:.3g} > {ALPHA:g})"
                         + (f"; {why}" if why else ""), ratio, p)
     return None

@@ -123,7 +123,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
             if provisional_best(state, report) is not None and others() < expected_seconds(state):
                 due()   # after one more candidate its final would no longer fit
             if state.history and left() < expected_seconds(state):
-                report.line(f"budget: {left():.0f}s left, not enough for another evaluation; stopping")
+                report.line(f"budget: {max(left(), 0):.0f}s left, not enough for another evaluation; stopping")
                 break
             index = len(state.history) + 1
             entry = judge_one(index, candidate, state, judge, ws, report, others,
