@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -48,8 +49,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def can_listen(host: str, port: int) -> str | None:
+    """None if (host, port) can be listened on now, else why not. Checked before the engine loads:
+    a busy port had surfaced as uvicorn's error after the whole load (a new-user walkthrough)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+            s.bind(infos[0][4])
+    except OSError as e:
+        return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    busy = can_listen(args.host, args.port)
+    if busy:
+        print(f"error: {busy} (another server there? pick one with --port)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         source = resolve_source(args.engine, args.weights, args.config)
         print(f"serve: loading {source.engine} for {source.config} / {source.weights}", file=sys.stderr, flush=True)

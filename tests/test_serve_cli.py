@@ -101,3 +101,18 @@ def test_serve_bad_inputs_exit_2(tmp_path, tiny_model):
                            "--weights", str(tiny_model.weight_dir)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("error: no engine at")
+
+
+def test_a_busy_port_is_one_line_before_the_engine_loads(tmp_path, tiny_model, recompute_engine_path):
+    """A second server on a port in use had loaded its engine, then failed among uvicorn's lines
+    (a new-user walkthrough): it says so first, in one line, exit 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "serve", "--engine", str(recompute_engine_path), "--weights",
+                               str(tiny_model.weight_dir), "--port", str(port)], capture_output=True, text=True,
+                              timeout=60)
+    assert done.returncode == 2 and "loading" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use (another server there? pick one with --port)"]
