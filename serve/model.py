@@ -22,6 +22,7 @@ from serve.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_ENGINE = Path("workspace/engine.py")
 RESULTS_JSON = "results.json"   # beside the engine: the run's record (agent/workspace.py)
+PREVIOUS = "previous"           # beside the engine: the last run, moved aside by a new one (agent/workspace.py)
 CONFIG_NAMES = ("config.json", "model_config.json")   # in the weights folder, in this order
 COURSE_CONFIG = "model_config.json"
 DEFAULT_MAX_CONTEXT = 4096      # a config without max_position_embeddings (the engines' own default)
@@ -47,7 +48,9 @@ class ModelSource:
 def resolve_source(engine: Path | None, weights: Path | None, config: Path | None) -> ModelSource:
     engine = (engine or DEFAULT_ENGINE).resolve()
     if not engine.is_file():
-        raise ModelError(f"no engine at {engine}: run `bash run.sh` first, or pass --engine")
+        last = engine.parent / PREVIOUS / engine.name   # a new run moved the last one aside (agent/workspace.py)
+        raise ModelError(f"no engine at {engine}: run `bash run.sh` first, or pass --engine"
+                         + (f" (the last run's: --engine {last})" if last.is_file() else ""))
     if weights is None:
         if config is not None:
             raise ModelError("--config needs --weights")

@@ -151,3 +151,12 @@ def test_source_from_the_runs_record(tmp_path, tiny_model):
     assert resolve_source(engine, hf, None).config == hf / "config.json"
     with pytest.raises(ModelError, match="no engine"):
         resolve_source(tmp_path / "missing.py", None, None)
+
+
+def test_a_missing_engine_points_at_the_last_runs_when_a_new_run_moved_it_aside(tmp_path):
+    with pytest.raises(ModelError, match="run `bash run.sh` first, or pass --engine$"):
+        resolve_source(tmp_path / "engine.py", None, None)
+    (tmp_path / "previous").mkdir()
+    (tmp_path / "previous" / "engine.py").write_text("# the last run's engine\n")
+    with pytest.raises(ModelError, match=r"\(the last run's: --engine .*previous/engine\.py\)"):
+        resolve_source(tmp_path / "engine.py", None, None)
