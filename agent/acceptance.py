@@ -154,6 +154,9 @@ def contest(screen: EvalResult, incumbent: EvalResult | None, time_challenger: T
             theirs = None
         if mine is not None and not mine.passed:
             return Decision(False, f"a repeated timing failed: {mine.stage}/{mine.error_kind}", failure=mine)
+        if mine is not None and not mine.safe():   # its timed runs took another path (EvalResult.margin)
+            return Decision(False, f"a repeated timing's margin {mine.margin():.2f} is below the "
+                                   f"{mine.required_margin():.2f} asked for")
         if mine is None or theirs is None or not theirs.passed:
             no_time = theirs is None or mine is None
             decision = _verdict(samples, final=True, why=("no time left for another pair" if no_time else

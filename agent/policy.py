@@ -78,7 +78,8 @@ BANNED_EVERYWHERE = {
     # helper, thirty-third session; the judge now also reports the timed runs' margin).
     "torch.utils.benchmark": "timer tricks", "torch.profiler": "timer tricks",
     "torch.autograd.profiler": "timer tricks", "triton.testing": "timer tricks",
-    "torch.cuda.Event": "events (timer tricks)",
+    "torch.cuda.Event": "events (timer tricks)", "torch.cuda.streams.Event": "events (timer tricks)",
+    "torch.Event": "events (timer tricks)", "os.times": "timer tricks",
 }
 
 # Refused in a kernel, allowed in an engine (graph capture, weight loading, setup syncs).

@@ -36,6 +36,11 @@ MIN_SAFETY_MARGIN = 0.5
 # asked is the judge's own against fp32, an engine as close to the judge as the judge is to the
 # exact answer, but never less than this: the checks then still leave 1.4x the worst error seen.
 MARGIN_FLOOR = 0.3
+# A benchmark case's timed runs' margin counts in an engine's margin where it is this much below
+# the same case's checked pass (same traces, checked call by call): an engine exact where it is
+# checked and looser where it is timed (EvalResult.margin). An honest engine's few timed rows
+# are no worse than its many checked ones but by chance; fp16 rounding moves a margin ~0.1.
+PATH_SLACK = 0.1
 ACCEPTED = "faster"   # how an accepting decision begins (agent/acceptance.py)
 
 
@@ -101,11 +106,16 @@ class EvalResult:
 
     def margin(self) -> float | None:
         """The worst margin on the real weights, or None if the verdict carries none: the checked
-        calls' (public sequence, the stress suite's target) and the timed runs' outputs checked
-        after the clock (a path taken only where the engine is timed is held to it too)."""
+        calls' (public sequence, the stress suite's target), and a benchmark case's timed runs'
+        (checked after the clock) where they show another path than its checked pass (PATH_SLACK):
+        an engine can tell a timed trace from checked calls, and one exact where it was checked
+        ran bf16 linears ~20% faster where it was timed (red-team helper, thirty-third session)."""
         margins = [part.get(key) for part, key in ((self.public, "worst_margin"), (self.stress, "target_margin"))
                    if part and part.get(key) is not None]
-        margins += [case["timed_margin"] for case in self.benchmark if case.get("timed_margin") is not None]
+        for case in self.benchmark:
+            timed, checked = case.get("timed_margin"), case.get("checked_margin")
+            if timed is not None and (checked is None or timed < checked - PATH_SLACK):
+                margins.append(timed)
         return min(margins, default=None)
 
     def required_margin(self) -> float:

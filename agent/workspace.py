@@ -107,13 +107,14 @@ class Workspace:
         are, to previous/ (replacing the run before it; accepted engines also stay in the git
         history), and any temporary file a kill left behind is removed. A second run had deleted
         the first run's engine before it had a better one, and a Ctrl-C then left none (a new-user
-        walkthrough, thirty-third session). The moves are renames, resumed by the next reset if a
-        kill cuts them. Returns a line saying what was moved, or None."""
+        walkthrough, thirty-third session). A run that left no engine is dropped instead, so that
+        two runs stopped early in a row do not push out the last engine. The moves are renames,
+        resumed by the next reset if a kill cuts them. Returns a line saying what was moved, or None."""
         self.root.mkdir(parents=True, exist_ok=True)
         incoming, previous, old = (self.root / name for name in (PREVIOUS_INCOMING, PREVIOUS, PREVIOUS_OLD))
         shutil.rmtree(old, ignore_errors=True)
         present = [name for name in RUN_FILES if (self.root / name).exists()]
-        if present or incoming.exists():
+        if incoming.exists() or self.engine.exists():
             incoming.mkdir(exist_ok=True)
             for name in present:
                 os.replace(self.root / name, incoming / name)
@@ -121,9 +122,15 @@ class Workspace:
                 os.replace(previous, old)
             os.replace(incoming, previous)
             shutil.rmtree(old, ignore_errors=True)
+        else:   # a run that left no engine (stopped early): previous/ keeps the last one that did
+            for path in (self.root / name for name in present):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
         self.clear_leftovers()
         if (previous / ENGINE).exists():
-            return f"the last run's engine, log and candidates are in {previous}/ (bash run.sh --resume continues a run)"
+            return f"the last run's engine, log and candidates are in {previous}/"
         return None
 
     def clear_leftovers(self) -> None:

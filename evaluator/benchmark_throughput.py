@@ -201,25 +201,31 @@ def _create(module: ModuleType, config: dict, weight_dir: str, device: str, case
 
 
 def _warm_up(module: ModuleType, config: dict, weight_dir: str, device: str, cases: list[_Case], warmup: int,
-             reference: ReferenceModel | None, tol: Tolerance, threads: ThreadWatch) -> None:
+             reference: ReferenceModel | None, tol: Tolerance, threads: ThreadWatch) -> dict[str, float]:
     """One warm-up engine runs each case's trace `warmup` times, case after case (each trace ends
     with nothing live); with a reference, each case's first pass (an extra one when warmup is 0)
-    is checked call by call (one random row of each output)."""
+    is checked call by call (one random row of each output). The checked passes' worst margins,
+    by case."""
     passes = max(warmup, 1) if reference is not None else warmup
+    margins: dict[str, float] = {}
     if passes == 0 or not cases:
-        return
+        return margins
     vocab = int(config["vocab_size"])
     engine = _create(module, config, weight_dir, device, ",".join(case.name for case in cases))
     for case in cases:
         for i in range(passes):
             if i == 0 and reference is not None:
-                CheckedSession(engine, reference, case.gen, tol, label=f"benchmark case {case.name} (checked pass): ",
-                               threads=threads, rows_per_call=CHECKED_ROWS_PER_CALL).run(case.trace)
+                session = CheckedSession(engine, reference, case.gen, tol, threads=threads,
+                                         label=f"benchmark case {case.name} (checked pass): ",
+                                         rows_per_call=CHECKED_ROWS_PER_CALL)
+                session.run(case.trace)
+                margins[case.name] = session.stats.worst_margin
             else:
                 timed_run(engine, case.trace, _draw_trace(case.trace, case.gen, vocab, device), device, case.name,
                           vocab, False, threads)
     del engine
     release_device_memory(device)
+    return margins
 
 
 def _time_case(module: ModuleType, config: dict, weight_dir: str, device: str, case: _Case, repeat: int,
@@ -284,8 +290,9 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
     # count in the timed runs' peak memory.
     reference = (ReferenceModel.load(config, weight_dir, device, tol.reference_dtype)
                  if verify_outputs and measured else None)
+    checked: dict[str, float] = {}   # each case's checked pass: its worst margin
     for group in ([measured] if shared_warm_up else [[case] for case in measured]):
-        _warm_up(module, config, str(weight_dir), device, group, warmup, reference, tol, identities.threads)
+        checked |= _warm_up(module, config, str(weight_dir), device, group, warmup, reference, tol, identities.threads)
         identities.check(f"after warming up benchmark case {','.join(case.name for case in group)}")
     del reference
     release_device_memory(device)
@@ -313,6 +320,7 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
             "floor_fraction": floor_s / median.seconds,
             "runs_ms": [r.seconds * 1e3 for r in runs],
             "warm_up": "shared" if shared_warm_up else "case",   # its warm-up engine: one for all cases, or its own
+            **({"checked_margin": checked[case.name]} if case.name in checked else {}),
             **({"worker_runs_ms": [r.inner_seconds * 1e3 for r in runs],
                 "judge_clock_ms": [r.raw_seconds * 1e3 for r in runs],
                 "split_ms": [[(b - a) * 1e3 for a, b in zip(r.moments, r.moments[1:])] for r in runs]}

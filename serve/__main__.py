@@ -52,11 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def can_listen(host: str, port: int) -> str | None:
     """None if (host, port) can be listened on now, else why not. Checked before the engine loads:
     a busy port had surfaced as uvicorn's error after the whole load (a new-user walkthrough)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
-            s.bind(infos[0][4])
+    try:   # every address, as asyncio's create_server (uvicorn's) binds them
+        for family, kind, proto, _, address in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind(address)
     except OSError as e:
         return f"cannot listen on {host}:{port}: {e.strerror or e}"
     return None

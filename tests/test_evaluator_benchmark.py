@@ -142,11 +142,15 @@ def test_timed_outputs_report_their_margin_and_a_looser_timed_path_shows_in_the_
     assert all(r["timed_margin"] > 0.9 for r in exact)
     engine = write_engine(broken_source("timed_path_looser", recompute_source))
     looser = run_benchmark(engine, tiny_model.config, tiny_model.weight_dir, "cpu", cases=["decode", "prefill"],
-                           warmup=0, repeat=1, hardware=H100)
+                           warmup=0, repeat=1, hardware=H100, shared_warm_up=True)   # one checked engine, the first
     assert all(0 < r["timed_margin"] < 0.5 for r in looser)
+    assert all(r["checked_margin"] > 0.9 for r in looser)   # exact where checked call by call
     verdict = EvalResult(status="passed", stage="done", public={"worst_margin": 1.0}, benchmark=looser)
     assert verdict.margin() == min(r["timed_margin"] for r in looser) and not verdict.safe()
     assert EvalResult(status="passed", stage="done", public={"worst_margin": 1.0}, benchmark=exact).safe()
+    # the same margins where checked and timed (no other path): the checked calls' margin decides
+    same = [{**r, "checked_margin": r["timed_margin"]} for r in looser]
+    assert EvalResult(status="passed", stage="done", public={"worst_margin": 1.0}, benchmark=same).margin() == 1.0
 
 
 def test_cli_prints_a_json_list(recompute_engine_path, tiny_model):

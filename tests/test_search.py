@@ -381,6 +381,18 @@ def test_a_clear_win_in_every_case_needs_no_rounds_and_no_time_falls_back_to_the
     assert not mixed.accepted and mixed.cut and not clear.cut
 
 
+def test_a_repeated_timing_that_took_another_path_loses_its_contest():
+    """A challenger whose repeated timing's timed runs are much looser than its checked pass
+    (EvalResult.margin) loses the contest, however fast."""
+    def looser(label):
+        result = timed(1.5, [1, 1, 1])
+        result.benchmark[0].update(timed_margin=0.2, checked_margin=0.9)
+        return result
+    decision = acceptance.contest(timed(1.02, [1.02, 1.02, 0.99]), timed(1.0, [1, 1, 1]), looser,
+                                  lambda label: timed(1.0, [1, 1, 1]))
+    assert not decision.accepted and "margin 0.20 is below" in decision.reason
+
+
 def test_a_challenger_within_noise_is_rejected_as_such_and_a_slow_one_screened_out():
     # each pair: two cases a little faster, one a little slower: a mean gain the sign test cannot trust
     pattern = iter([[1.0, 1.0, 1.0]] + [[1.0, 1.0, 1.0], [1.02, 1.02, 0.99]] * acceptance.MAX_ROUNDS)

@@ -59,6 +59,11 @@ def test_reset_moves_the_last_run_aside_and_clears_kill_leftovers(tmp_path):
     ws.reset()
     assert Workspace(ws.root / PREVIOUS).installed_verdict()["index"] == 2   # the run before that: replaced
     assert sorted(p.name for p in ws.root.iterdir()) == ["candidates", PREVIOUS]
+    (ws.root / RESULTS_LOG).write_text("a run stopped before its first engine\n")
+    ws.reset()
+    ws.reset()   # two runs stopped early in a row: the last engine stays in previous/
+    assert Workspace(ws.root / PREVIOUS).installed_verdict()["index"] == 2
+    assert not (ws.root / RESULTS_LOG).exists()
 
 
 def test_a_reset_cut_by_a_kill_is_finished_by_the_next(tmp_path, monkeypatch):
