@@ -43,7 +43,7 @@ def test_skipped_benchmark_calls_are_caught_by_the_checked_pass(recompute_source
         benchmark_throughput.run_benchmark(engine, tiny_model.config, tiny_model.weight_dir, "cpu", ["decode"],
                                            warmup=0, repeat=1, hardware=HW)
     # Without the checked pass the cheat passes: its last output (step 16) is right.
-    monkeypatch.setattr(benchmark_throughput, "_warm_up", lambda *args: None)
+    monkeypatch.setattr(benchmark_throughput, "_warm_up", lambda *args: {})   # no checked pass, no margins
     (result,) = benchmark_throughput.run_benchmark(engine, tiny_model.config, tiny_model.weight_dir, "cpu",
                                                    ["decode"], warmup=0, repeat=1, hardware=HW)
     assert result["decode_tokens"] == 128
