@@ -9,6 +9,7 @@ the files alone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -34,6 +35,7 @@ PREVIOUS_OLD = ".previous-old"             # ... the run before that, while it i
 # What a run leaves in the workspace, moved aside as a whole when a new run starts (Workspace.reset)
 RUN_FILES = (ENGINE, VERDICT, RESULTS_LOG, RESULTS_JSON, WAITING, "search.png", CANDIDATES)
 LOCK = ".lock"          # held (flock) by the run using the workspace
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)   # flock's answers where a filesystem has none
 GIT_IGNORE = f"{CANDIDATES}/\n{TMP_PREFIX}*\n{PREVIOUS}/\n{PREVIOUS_INCOMING}/\n{PREVIOUS_OLD}/\n{LOCK}\n"
 # Temporary files a kill can leave: ours (atomic_write) and the evaluator's verdict in progress.
 LEFTOVERS = (f"{TMP_PREFIX}*", f"{CANDIDATES}/**/{TMP_PREFIX}*", f"{CANDIDATES}/**/*.tmp[0-9]*")
@@ -93,6 +95,13 @@ class Workspace:
                 raise WorkspaceBusy(f"another run is using the workspace {self.root}"
                                     + (f" (pid {holder})" if holder.isdigit() else "")
                                     + ": wait for it, stop it, or give this run another --workspace") from None
+            except OSError as e:   # a filesystem without locks: the run goes on, unguarded
+                if e.errno not in NO_LOCKS:
+                    raise
+                self.warn(f"the workspace {self.root} cannot be locked ({e.strerror}): "
+                          "nothing stops a second run from using it at the same time")
+                yield
+                return
             f.seek(0)
             f.truncate()
             f.write(str(os.getpid()))

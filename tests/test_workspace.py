@@ -207,3 +207,17 @@ def _is_sleeper(proc: Path) -> bool:
         return "time.sleep(60)" in (proc / "cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
+
+
+def test_a_workspace_whose_filesystem_has_no_locks_is_used_with_a_warning(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    ws, warned = Workspace(tmp_path), []
+    ws.warn = warned.append
+    with ws.locked():
+        pass
+    assert len(warned) == 1 and "cannot be locked" in warned[0]
