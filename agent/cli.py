@@ -237,24 +237,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: kill the evaluator
-    ws = Workspace(cfg.workspace)
-    with contextlib.ExitStack() as held:
-        try:
-            held.enter_context(ws.locked())
-        except WorkspaceBusy as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        except OSError as e:
-            print(f"error: cannot write the workspace {cfg.workspace}: {e}", file=sys.stderr)
-            return EXIT_WRITE_FAILED
-        return run_in(ws, cfg, args, spec, started)
+    with contextlib.ExitStack() as held:   # the workspace's lock, until the run ends
+        return run_in(Workspace(cfg.workspace), cfg, args, spec, started, held)
 
 
-def run_in(ws: Workspace, cfg: RunConfig, args: argparse.Namespace, spec: ModelSpec, started: float) -> int:
-    """The run, in the workspace it holds (main); the exit code."""
+def run_in(ws: Workspace, cfg: RunConfig, args: argparse.Namespace, spec: ModelSpec, started: float,
+           held: contextlib.ExitStack) -> int:
+    """The run, in the workspace it takes and holds (on `held`); the exit code."""
     try:
+        held.enter_context(ws.locked())
         previous, notes = open_workspace(ws, cfg, args.resume)
         report = Reporter(cfg.workspace)
+    except WorkspaceBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except ResumeError as e:
         print(f"error: cannot resume: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
