@@ -36,6 +36,10 @@ WATCH_SECONDS = 0.2            # how often a wait looks at the worker's health
 MESSAGE_SECONDS = 60.0         # for the rest of a message once its first byte arrived
 EXIT_GRACE_SECONDS = 2.0       # for a worker whose channel closed to show its exit code
 FIRST_BUFFER_BYTES = 1 << 22
+# A timed trace's moments: the judge's two ends around the worker's own (evaluator/worker.py `trace`);
+# the steps between them are a verdict's split_ms (evaluator/benchmark_throughput.py).
+TRACE_MOMENTS = ("judge sent", "worker received", "calls start", "tokens on the device", "calls returned",
+                 "device synced", "digest read", "answer sent", "judge has the answer")
 NAN_BYTE = b"\xff"             # 0xFFFFFFFF is a NaN as fp32: rows the worker never wrote show
 
 
@@ -62,7 +66,7 @@ class TraceRun:
     inner_seconds: float               # what the worker measured around the same calls (its own claim)
     peak_memory_mb: float              # the worker's claim
     outputs: list[torch.Tensor | None]  # per op: [B, vocab] fp32 (CPU, the judge's copy), None for remove
-    moments: list[float]               # judge sent, worker received/started/ended/answered, judge has the answer
+    moments: list[float]               # TRACE_MOMENTS, on the machine-wide monotonic clock
 
 
 class Worker:
@@ -351,6 +355,8 @@ class RemoteEngine:
                 outputs.append(None)
         inner = answer.get("inner_seconds")
         theirs = answer.get("moments")
-        theirs = [float(t) for t in theirs] if isinstance(theirs, list) and len(theirs) == 4 else [math.nan] * 4
+        mine = len(TRACE_MOMENTS) - 2   # the worker's: all but the judge's two ends
+        theirs = ([float(t) for t in theirs] if isinstance(theirs, list) and len(theirs) == mine
+                  and all(isinstance(t, (int, float)) for t in theirs) else [math.nan] * mine)
         return TraceRun(seconds, end - start, float(inner) if isinstance(inner, (int, float)) and math.isfinite(inner) else math.nan,
                         float(peak) if isinstance(peak, (int, float)) else 0.0, outputs, [start, *theirs, end])

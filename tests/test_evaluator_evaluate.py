@@ -12,6 +12,7 @@ import pytest
 
 from evaluator.common import REPO_ROOT
 from evaluator.evaluate import evaluate, score
+from evaluator.remote import TRACE_MOMENTS
 
 from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import broken_source
@@ -112,6 +113,19 @@ def test_patching_the_timer_in_the_worker_is_harmless(recompute_source, write_en
     (bench,) = r["benchmark"]
     assert bench["worker_runs_ms"] == [0.0]          # the patch took effect where the engine runs
     assert bench["elapsed_ms"] > 0.1 and bench["judge_clock_ms"][0] > 0.1
+
+
+def test_a_timed_runs_split_covers_the_judges_clock_step_by_step(recompute_source, write_engine, tiny_model):
+    """split_ms: one entry a step between TRACE_MOMENTS (the worker's token upload, calls, sync and
+    digest among them), each a real duration, together the judge's whole clock."""
+    r = evaluate(write_engine(recompute_source), tiny_model.config, tiny_model.weight_dir, "cpu", stress="off",
+                 cases=["prefill"], warmup=0, repeat=1, bandwidth_gbs=100.0, peak_tflops=1.0)
+    (bench,) = r["benchmark"]
+    (split,) = bench["split_ms"]
+    assert len(split) == len(TRACE_MOMENTS) - 1 and all(math.isfinite(s) and s >= 0 for s in split)
+    assert sum(split) == pytest.approx(bench["judge_clock_ms"][0], rel=1e-6)
+    calls = TRACE_MOMENTS.index("calls returned") - 1   # the step that ends when the calls returned
+    assert split[calls] == max(split)   # on a CPU the recompute engine's calls are the time
 
 
 def test_score_is_the_geometric_mean_of_floor_fractions():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from evaluator.benchmark_throughput import run_benchmark
 from evaluator.common import load_config
-from evaluator.remote import RemoteModule, Worker
+from evaluator.remote import TRACE_MOMENTS, RemoteModule, Worker
 from scripts.gpu.common import (FINAL_PLAN, PUBLIC_CASES, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights, geomean,
                                 library_plans, out_dir, print_table, render_to_file)
 
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> None:
                      f"{100 * fl / ip:.1f}%", f"{100 * fl / jd:.1f}%"])
     print_table(["case", "in-process ms", "judge ms", "clock ms", "worker ms", "overhead", "% floor in-proc",
                  "% floor judge"], rows)
-    print("where the judge's extra time goes (median ms):")
-    print_table(["case", "send->worker has it", "->calls start", "calls", "->answer sent", "->judge has answer"],
-                [[case, *(f"{statistics.median(p[i] for p in c['split']):.3f}" for i in range(5))]
+    print("where the judge's extra time goes (median ms from the moment before; the worker's steps are its claim):")
+    print_table(["case", *(f"->{m}" for m in TRACE_MOMENTS[1:])],
+                [[case, *(f"{statistics.median(p[i] for p in c['split']):.3f}" for i in range(len(TRACE_MOMENTS) - 1))]
                  for case, c in runs.items()])
     print(f"geometric mean % of floor: in-process {100 * geomean(fractions['inproc']):.1f}, "
           f"through the worker {100 * geomean(fractions['judge']):.1f}")
