@@ -60,32 +60,46 @@ class MaskedTokens:
     to come. Views of one token tensor had handed an engine every later call's tokens through
     untyped_storage(), and an engine reading ahead there was timed ~9x faster on decode by answering
     later steps from one pass over their tokens (a red-team helper, twenty-ninth session). The keys
-    ride to the device as kernel arguments (a scalar XOR): one small kernel a call, as a copy."""
+    ride to the device as kernel arguments (a scalar XOR): one small kernel a call, as a copy.
 
-    def __init__(self, torch, payload: bytes, device: str, counts: list[int]):
-        host = (torch.frombuffer(bytearray(payload), dtype=torch.int64) if payload
-                else torch.empty(0, dtype=torch.int64))
+    Made in two steps so that a timed trace pays only the second inside the judge's clock: the
+    keys, their per-token mask and the buffers (pinned on the host, on the device) are made from
+    the calls' token counts before the clock (`arm`); `fill` then masks the payload into the pinned
+    buffer, one XOR, and copies it to the device without a sync. Made inside the clock, with a
+    pageable copy, that had cost a timed trace 0.66-0.80 ms in the worker on an H200, most of the
+    prefill case's 0.7 ms (python3 -m scripts.gpu judge-split, thirty-fourth session)."""
+
+    def __init__(self, torch, device: str, counts: list[int]):
         self.keys = [secrets.randbits(62) for _ in counts]
         self.starts = [0, *itertools.accumulate(counts)]
-        mask = torch.repeat_interleave(torch.tensor(self.keys, dtype=torch.int64),
-                                       torch.tensor(counts, dtype=torch.int64))
-        self.masked = (host ^ mask).to(device)
+        self.mask = torch.repeat_interleave(torch.tensor(self.keys, dtype=torch.int64),
+                                            torch.tensor(counts, dtype=torch.int64))
+        on_device = device != "cpu"
+        self.host = torch.empty(self.starts[-1], dtype=torch.int64, pin_memory=on_device)
+        self.masked = torch.empty(self.starts[-1], dtype=torch.int64, device=device) if on_device else self.host
+
+    def fill(self, torch, payload: bytes) -> "MaskedTokens":
+        """The calls' tokens (int64 bytes, the counts' total) masked into place."""
+        if len(payload) != 8 * self.host.numel():
+            raise ValueError(f"{len(payload)} bytes of tokens for {self.host.numel()} tokens")
+        if payload:
+            torch.bitwise_xor(torch.frombuffer(bytearray(payload), dtype=torch.int64), self.mask, out=self.host)
+        if self.masked is not self.host:
+            self.masked.copy_(self.host, non_blocking=True)   # pinned: asynchronous, in stream order
+        return self
 
     def of(self, index: int):
         return self.masked[self.starts[index]:self.starts[index + 1]] ^ self.keys[index]
 
 
-def warm_trace_buffers(torch, output_digest, counts: list[int], device: str, staging, key) -> None:
+def warm_trace_buffers(tokens: MaskedTokens, output_digest, staging, key) -> None:
     """Allocate and free, before the clock, the buffers a timed trace's own steps will take inside
-    it (the masked tokens, each call's unmasked ones, the digest's temporaries over every staging
-    row), so that torch's caching allocator hands them back from its cache there: the judge's
-    release before each engine empties that cache, and an allocation it then cannot serve asks
-    CUDA for a segment inside the clock. Those steps cost a timed run 0.5-0.9 ms more than the
-    official method's (prefill 0.70 -> 1.59 ms) on an H200, an idle device's few tens of us
-    (python3 -m scripts.gpu timed-path, docs/benchmarks.md thirty-fourth session). The payload is
-    zeros: nothing secret exists yet."""
-    tokens = MaskedTokens(torch, bytes(8 * sum(counts)), device, counts)
-    for index in range(len(counts)):
+    it (each call's unmasked tokens, the digest's temporaries over every staging row), so that
+    torch's caching allocator hands them back from its cache there: the judge's release before
+    each engine empties that cache, and an allocation it then cannot serve asks CUDA for memory
+    inside the clock (python3 -m scripts.gpu timed-path, docs/benchmarks.md thirty-fourth
+    session). The tokens are not filled yet: nothing secret exists."""
+    for index in range(len(tokens.keys)):
         tokens.of(index)
     output_digest(staging, key)
 
@@ -147,6 +161,8 @@ class Worker:
         self.staging = None       # a timed trace's outputs, on the device
         self.key = None           # its digest key
         self.trace_request = None  # its shape, from the arm request
+        self.trace_tokens = None   # its tokens' keys and buffers (MaskedTokens), filled by the timed request
+        self.digest_host = None    # its digests' pinned landing place
         self.armed = False        # spin for the next request (a timed trace is coming)
 
     # ---- requests ----
@@ -209,7 +225,8 @@ class Worker:
             self.torch.cuda.empty_cache()
 
     def _tokens(self, payload: bytes, device: str, ops: list[dict]) -> "MaskedTokens":
-        return MaskedTokens(self.torch, payload, device, [_token_count(op) for op in ops])
+        """The calls' tokens in one step, for an untimed request."""
+        return MaskedTokens(self.torch, device, [_token_count(op) for op in ops]).fill(self.torch, payload)
 
     def _bind(self, engine, op: dict, tokens: "MaskedTokens", index: int):
         """(method, args, rows) of call `index` of a trace, its tokens unmasked into a tensor of
@@ -263,8 +280,9 @@ class Worker:
         for dtype in WARM_OUTPUT_DTYPES:
             self.staging[:1].copy_(torch.zeros(1, vocab, dtype=getattr(torch, dtype), device=device))
         self.guards.output_digest(self.staging[:1], self.key).cpu()
-        warm_trace_buffers(torch, self.guards.output_digest, [_token_count(op) for op in req["ops"]], device,
-                           self.staging, self.key)
+        self.trace_tokens = MaskedTokens(torch, device, [_token_count(op) for op in req["ops"]])
+        self.digest_host = torch.empty(int(req["rows"]), dtype=torch.int64, pin_memory=device != "cpu")
+        warm_trace_buffers(self.trace_tokens, self.guards.output_digest, self.staging, self.key)
         self.trace_request = req   # the trace's shape now, its tokens with the timed request
         self.common.synchronize(device)
         if device == "cuda":
@@ -284,7 +302,7 @@ class Worker:
         ops, staging = req["ops"], self.staging
         with torch.no_grad():
             start = time.perf_counter()
-            tokens = self._tokens(payload, device, ops)
+            tokens, self.trace_tokens = self.trace_tokens.fill(torch, payload), None   # one trace per arm
             uploaded = time.perf_counter()
             row = 0
             for index, op in enumerate(ops):
@@ -298,7 +316,10 @@ class Worker:
             returned = time.perf_counter()
             self.common.synchronize(device)
             synced = time.perf_counter()
-            digests = self.guards.output_digest(staging[:row], self.key).cpu().numpy().tobytes()
+            digests = self.digest_host[:row]
+            digests.copy_(self.guards.output_digest(staging[:row], self.key), non_blocking=True)   # pinned
+            self.common.synchronize(device)
+            digests = digests.numpy().tobytes()
             seconds = time.perf_counter() - start
         # Moments on the machine-wide monotonic clock, for the judge's overhead breakdown (TRACE_MOMENTS).
         return {"inner_seconds": seconds, "moments": [received, start, uploaded, returned, synced, start + seconds,

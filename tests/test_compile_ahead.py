@@ -169,7 +169,8 @@ def test_the_process_and_what_it_started_are_killed_before_a_timing(in_process_w
         assert "stand-in: the plan is here" in worker.stop_ahead()["said"]   # for the verdict's log
     elif stop == "arm":   # a timed trace's arm request (on CPU), as the judge sends it
         vocab = 8
-        worker.arm({"device": "cpu", "vocab": vocab, "rows": 1},
+        worker.arm({"device": "cpu", "vocab": vocab, "rows": 1,
+                    "ops": [{"kind": "decode", "ids": [0], "lengths": []}]},
                    torch.zeros(2, vocab, dtype=torch.int64).numpy().tobytes())
     else:
         channel.send(judge_end, {"op": "exit"})

@@ -709,7 +709,10 @@ def test_the_trace_tokens_in_memory_hold_no_call_in_the_clear():
     from evaluator.worker import MaskedTokens
     counts = [12, 0, 3, 3, 5]
     plain = torch.randint(0, 1000, (sum(counts),), dtype=torch.int64)
-    tokens = MaskedTokens(torch, plain.numpy().tobytes(), "cpu", counts)
+    tokens = MaskedTokens(torch, "cpu", counts)   # before the clock: keys and buffers, no token yet
+    with pytest.raises(ValueError, match="bytes of tokens"):
+        tokens.fill(torch, plain[:-1].numpy().tobytes())
+    assert tokens.fill(torch, plain.numpy().tobytes()) is tokens
     start = 0
     for index, count in enumerate(counts):
         mine = tokens.of(index)

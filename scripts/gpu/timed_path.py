@@ -4,28 +4,34 @@
         [--cases prefill,decode,mixed] [--out DIR]
 
 Why: the judge times an engine in its worker (evaluator/worker.py `trace`), and the worker's own
-clock read 1.0 ms more than the official in-process method on the 0.75 ms prefill case and
-0.4-0.7 ms more on the others (docs/benchmarks.md, thirteenth session); which step costs it was
-never measured. The agent ranks candidates on that clock, so a fixed cost inside it hides most of
-a prefill gain. Here the same engine is timed (a fresh engine a run, as the official method) with
-the worker's steps added one by one to the official timed region:
+clock read 1.0-1.5 ms more than the official in-process method on the 0.7 ms prefill case and
+0.4-1.5 ms more on the others (docs/benchmarks.md, thirteenth and thirty-fourth sessions). The
+agent ranks candidates on that clock, so a fixed cost inside it hides most of a prefill gain.
+Here the same engine is timed (a fresh engine a run, as the official method) with the worker's
+steps added one at a time to the official timed region:
 
   official  tokens drawn on the device before the clock, one tensor a prompt (the course's method)
   views     each call's tokens one device tensor made before the clock; prompts are its split views
-  unmask    the trace's tokens masked on the device before the clock (evaluator/worker.py
+  unmask    the tokens masked and on the device before the clock (evaluator/worker.py
             MaskedTokens), each call's unmasked inside it as the call is made
-  upload    the same, the masking and the copy to the device inside the clock (as the worker does)
   staging   + each call's logits copied into fp32 staging rows as it returns
-  worker    + one sync and the keyed digest of every row, read back (the worker's whole `trace`)
-  warmed    the same, the trace's own buffers allocated and freed before the clock
-            (evaluator/worker.py warm_trace_buffers, as the worker's `arm` does since this script)
+  worker    the worker's `trace` since the thirty-fourth session: keys, buffers and the allocator
+            made ready before the clock (its `arm`), inside it the tokens masked into pinned
+            memory and copied to the device, the calls and their staging copies, one sync, the
+            keyed digest of every row read back into pinned memory
+  before    the worker's `trace` before then: the keys, the masking and a pageable copy to the
+            device inside the clock, its buffers first allocated there, the digest read back
+            into pageable memory
 
-Variants rotate within a round; medians over rounds. Writes timed_path.json.
+Variants rotate within a round; medians over rounds. On a CPU it only checks that it runs.
+Writes timed_path.json.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import secrets
 import statistics
 import time
 from pathlib import Path
@@ -40,102 +46,77 @@ from evaluator.traces import DECODE, PREFILL, benchmark_trace
 from evaluator.worker import MaskedTokens, warm_trace_buffers
 from scripts.gpu.common import FINAL_PLAN, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights, library_plans, out_dir, render_to_file
 
-VARIANTS = ("official", "views", "unmask", "upload", "staging", "worker", "warmed")
+VARIANTS = ("official", "views", "unmask", "staging", "worker", "before")
 
 
-def _official(engine, trace, drawn) -> None:
-    for op, tokens in zip(trace, drawn):
-        ids = list(op.request_ids)
-        if op.kind == PREFILL:
-            engine.prefill(ids, tokens)
-        elif op.kind == DECODE:
-            engine.decode(ids, tokens[0])
-        else:
-            engine.remove(ids)
+def _call(engine, op, tokens, lengths):
+    ids = list(op.request_ids)
+    if op.kind == PREFILL:
+        return engine.prefill(ids, list(tokens.split(lengths)))
+    if op.kind == DECODE:
+        return engine.decode(ids, tokens)
+    engine.remove(ids)
+    return None
 
 
-def _worker_like(engine, trace, drawn, device: str, variant: str, key, staging) -> float:
-    """Seconds of the worker's `trace` up to `variant`'s step (VARIANTS' order)."""
+def _before_upload(payload: bytes, device: str, counts: list[int]):
+    """The worker's tokens before the thirty-fourth session, made inside the clock: (keys, starts,
+    masked tokens on the device)."""
+    host = torch.frombuffer(bytearray(payload), dtype=torch.int64)
+    keys = [secrets.randbits(62) for _ in counts]
+    mask = torch.repeat_interleave(torch.tensor(keys, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64))
+    return keys, [0, *itertools.accumulate(counts)], (host ^ mask).to(device)
+
+
+def timed(engine, trace, drawn, device: str, variant: str, key, staging, digest_host) -> float:
+    """Seconds of one run of `trace` as `variant` times it."""
     level = VARIANTS.index(variant)
-    flat = [t for tokens in drawn for t in tokens]
     counts = [sum(int(t.numel()) for t in tokens) for tokens in drawn]
-    joined = [torch.cat(tokens) if tokens else None for tokens in drawn]   # made before the clock
-    payload = torch.cat(flat).cpu().numpy().tobytes() if flat else b""
-    synchronize(device)
-    early = MaskedTokens(torch, payload, device, counts) if level == VARIANTS.index("unmask") else None
-    if variant == "warmed":
-        warm_trace_buffers(torch, output_digest, counts, device, staging[:sum(len(op.request_ids) for op in trace
-                                                                                  if op.kind in (PREFILL, DECODE))], key)
+    lengths = [[int(t.numel()) for t in tokens] for tokens in drawn]
+    joined = [torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.int64, device=device) for tokens in drawn]
+    payload = torch.cat(joined).cpu().numpy().tobytes()
+    rows = sum(len(op.request_ids) for op in trace if op.kind in (PREFILL, DECODE))
+    masked = None
+    if variant in ("unmask", "staging"):
+        masked = MaskedTokens(torch, device, counts).fill(torch, payload)
+    elif variant == "worker":   # the worker's arm
+        masked = MaskedTokens(torch, device, counts)
+        warm_trace_buffers(masked, output_digest, staging[:rows], key)
     synchronize(device)
     start = time.perf_counter()
-    masked = MaskedTokens(torch, payload, device, counts) if level >= VARIANTS.index("upload") else early
+    if variant == "worker":
+        masked.fill(torch, payload)
+    elif variant == "before":
+        keys, starts, on_device = _before_upload(payload, device, counts)
     row = 0
     for index, op in enumerate(trace):
-        ids = list(op.request_ids)
-        tokens = masked.of(index) if masked is not None else joined[index]
-        if op.kind == PREFILL:
-            out = engine.prefill(ids, list(tokens.split([int(t.numel()) for t in drawn[index]])))
-        elif op.kind == DECODE:
-            out = engine.decode(ids, tokens)
+        if variant == "before":
+            tokens = on_device[starts[index]:starts[index + 1]] ^ keys[index]
         else:
-            engine.remove(ids)
-            continue
-        if level >= VARIANTS.index("staging"):
-            staging[row:row + len(ids)].copy_(out.detach())
-            row += len(ids)
+            tokens = masked.of(index) if masked is not None else joined[index]
+        out = _call(engine, op, tokens, lengths[index])
+        if out is not None and level >= VARIANTS.index("staging"):
+            staging[row:row + out.shape[0]].copy_(out.detach())
+            row += out.shape[0]
     synchronize(device)
-    if level >= VARIANTS.index("worker"):
+    if variant == "worker":
+        digest_host[:row].copy_(output_digest(staging[:row], key), non_blocking=True)
+        synchronize(device)
+    elif variant == "before":
         output_digest(staging[:row], key).cpu()
     return time.perf_counter() - start
 
 
-def time_variant(module, config, weight_dir, device, case, variant, gen, key, staging) -> float:
+def time_variant(module, config, weight_dir, device, case, variant, gen, key, staging, digest_host) -> float:
     """Milliseconds of one timed run of `case` on a fresh engine, as `variant` times it."""
-    vocab = int(config["vocab_size"])
     trace = benchmark_trace(case)
     engine = module.create_engine(config, weight_dir, device)
-    drawn = [draw_op_tokens(op, gen, vocab, device) for op in trace]
+    drawn = [draw_op_tokens(op, gen, int(config["vocab_size"]), device) for op in trace]
     with torch.no_grad():
-        if variant == "official":
-            synchronize(device)
-            start = time.perf_counter()
-            _official(engine, trace, drawn)
-            synchronize(device)
-            seconds = time.perf_counter() - start
-        else:
-            seconds = _worker_like(engine, trace, drawn, device, variant, key, staging)
+        seconds = timed(engine, trace, drawn, device, variant, key, staging, digest_host)
     del engine
     release_device_memory(device)
     return seconds * 1e3
-
-
-def mask_steps(device: str, counts: list[int], repeat: int = 50) -> dict[str, float]:
-    """Median us of each step of MaskedTokens on an idle device, each step synced on both sides
-    (`steps` in timed_path.json): where the upload variant's extra time goes."""
-    import itertools
-    import secrets
-    payload = torch.randint(0, 4096, (sum(counts),), dtype=torch.int64).numpy().tobytes()
-    steps: dict[str, list[float]] = {}
-
-    def step(name, fn):
-        synchronize(device)
-        t = time.perf_counter()
-        value = fn()
-        synchronize(device)
-        steps.setdefault(name, []).append((time.perf_counter() - t) * 1e6)
-        return value
-
-    for _ in range(repeat):
-        host = step("frombuffer", lambda: torch.frombuffer(bytearray(payload), dtype=torch.int64))
-        keys = step("keys", lambda: [secrets.randbits(62) for _ in counts])
-        step("starts", lambda: [0, *itertools.accumulate(counts)])
-        mask = step("repeat_interleave", lambda: torch.repeat_interleave(torch.tensor(keys, dtype=torch.int64),
-                                                                          torch.tensor(counts, dtype=torch.int64)))
-        masked_host = step("xor on host", lambda: host ^ mask)
-        masked = step("to device", lambda: masked_host.to(device))
-        step("whole constructor", lambda: MaskedTokens(torch, payload, device, counts))
-        step("of(0)", lambda: masked[:counts[0]] ^ keys[0])
-    return {name: statistics.median(v) for name, v in steps.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,22 +137,23 @@ def main(argv: list[str] | None = None) -> None:
     gen = make_generator(0, a.device)
     key = digest_key(vocab, torch.Generator().manual_seed(1)).to(a.device)
     staging = torch.empty(4096, vocab, dtype=torch.float32, device=a.device)
+    digest_host = torch.empty(4096, dtype=torch.int64, pin_memory=a.device != "cpu")
     output_digest(staging[:1], key).cpu()   # the digest's kernels loaded before any clock, as the worker's arm does
-    steps = mask_steps(a.device, [128, 128, 128, 128])
-    print("MaskedTokens, us a step (idle device, synced): " + "  ".join(f"{k} {v:.1f}" for k, v in steps.items()), flush=True)
     results: dict[str, dict[str, list[float]]] = {}
     for case in [c for c in a.cases.split(",") if c]:
         runs = results[case] = {v: [] for v in VARIANTS}
         for variant in VARIANTS:   # warm: every kernel and code path of every variant once
-            time_variant(module, config, PUBLIC_WEIGHTS, a.device, case, variant, gen, key, staging)
+            time_variant(module, config, PUBLIC_WEIGHTS, a.device, case, variant, gen, key, staging, digest_host)
         for r in range(a.rounds):
             for i in range(len(VARIANTS)):
                 variant = VARIANTS[(i + r) % len(VARIANTS)]
-                runs[variant].append(time_variant(module, config, PUBLIC_WEIGHTS, a.device, case, variant, gen, key, staging))
+                runs[variant].append(time_variant(module, config, PUBLIC_WEIGHTS, a.device, case, variant, gen, key,
+                                                  staging, digest_host))
         base = statistics.median(runs["official"])
         print(f"{case}: " + "  ".join(f"{v} {statistics.median(runs[v]):.3f} ms ({statistics.median(runs[v]) - base:+.3f})"
                                        for v in VARIANTS), flush=True)
-    (out / "timed_path.json").write_text(json.dumps({"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "runs_ms": results, "steps_us": steps}, indent=1))
+    device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    (out / "timed_path.json").write_text(json.dumps({"device": device, "runs_ms": results}, indent=1))
 
 
 if __name__ == "__main__":
