@@ -200,3 +200,20 @@ def test_a_jail_closing_in_another_thread_leaves_the_evaluator_beside_it_alone()
         evaluator.kill()
         evaluator.wait()
         sweep.forget_child(evaluator.pid)
+
+
+def test_a_gpu_worker_gets_libgomps_own_wait_policy_and_a_cpu_worker_sleeping_threads(tmp_path, monkeypatch):
+    """The judge's own OMP_WAIT_POLICY=PASSIVE default (QUIET_THREADS) reaches a CPU worker, where
+    spinning waiters beside a busy judge took its cores, and not a GPU worker, where each small
+    parallel region of an engine's host work paid ~50 us to wake them inside the clock; a
+    caller's own choice reaches both."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(isolation, "_DEFAULTED", set())
+    isolation.quiet_threads()   # as the judge does at its start
+    assert isolation.worker_env(tmp_path, "cpu")["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in isolation.worker_env(tmp_path, "cuda")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")   # the caller's
+    monkeypatch.setattr(isolation, "_DEFAULTED", set())
+    isolation.quiet_threads()
+    assert isolation.worker_env(tmp_path, "cpu")["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert isolation.worker_env(tmp_path, "cuda")["OMP_WAIT_POLICY"] == "ACTIVE"
