@@ -226,22 +226,25 @@ def poison_free_device_memory(device: str) -> None:
     del taken
 
 
-# Digest keys are below 2**KEY_BITS and digits are 16 bits, so a row's sum stays below 2**53
-# up to a vocabulary of 2**(53 - 16 - KEY_BITS) = 131072 * 4 (no integer overflow on any device).
+# Digest keys are below 2**KEY_BITS and digits are signed 16-bit halves (|h| <= 2**15), two a
+# value, so a row's sum stays below 2**53 up to a vocabulary of 2**(53 - 15 - KEY_BITS - 1) =
+# 262144 (no integer overflow, and exact in any order, on any device).
 DIGEST_KEY_BITS = 19
 
 
 def digest_key(vocab: int, gen: torch.Generator) -> torch.Tensor:
-    """A fresh [2, vocab] int64 key for output_digest."""
-    return torch.randint(0, 2**DIGEST_KEY_BITS, (2, vocab), generator=gen, dtype=torch.int64)
+    """A fresh [2 * vocab] int64 key for output_digest: one a 16-bit half of a row's values."""
+    return torch.randint(0, 2**DIGEST_KEY_BITS, (2 * vocab,), generator=gen, dtype=torch.int64)
 
 
 def output_digest(rows: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """A keyed digest of each row's exact fp32 bit patterns: sum over v of key[0, v] * low 16 bits
-    + key[1, v] * high 16 bits. The worker sends these with a timed trace's answer, before the
-    outputs themselves travel (after the clock): it cannot produce them without every bit of every
-    output, and the bits are not linear in anything cheaper (unlike a plain sum of logits, which a
-    cheat could get from the final hidden state and a column sum of lm_head)."""
-    bits = rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    """A keyed digest of each row's exact fp32 bit patterns: the sum over the row's 16-bit halves
+    (each value's two, read as signed) of half * its key. The worker sends these with a timed
+    trace's answer, before the outputs themselves travel (after the clock): it cannot produce
+    them without every bit of every output, and the bits are not linear in anything cheaper
+    (unlike a plain sum of logits, which a cheat could get from the final hidden state and a
+    column sum of lm_head). Three kernels on a GPU (the widening, the products, the sums): it
+    runs inside the judge's clock; an earlier form of masks and shifts took nine."""
+    halves = rows.contiguous().view(torch.int16).to(torch.int64)
     # Products and sums, not a matmul: CUDA has no integer matmul.
-    return ((bits & 0xFFFF) * key[0]).sum(dim=1) + ((bits >> 16) * key[1]).sum(dim=1)
+    return (halves * key).sum(dim=1)

@@ -273,7 +273,7 @@ class Worker:
         torch, device = self.torch, req["device"]
         vocab = int(req["vocab"])
         self.staging = torch.empty(int(req["rows"]), vocab, dtype=torch.float32, device=device)
-        self.key = torch.frombuffer(bytearray(payload), dtype=torch.int64).view(2, vocab).to(device)
+        self.key = torch.frombuffer(bytearray(payload), dtype=torch.int64).view(2 * vocab).to(device)
         # The judge's own kernels of the timed region run once here, outside the clock: CUDA loads a
         # kernel at its first use, and the digest's were first used inside a worker's first timed
         # trace, ~60 ms charged to the engine (a screen's prefill case on an H100, twenty-second session).
