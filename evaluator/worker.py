@@ -98,9 +98,12 @@ def warm_trace_buffers(tokens: MaskedTokens, output_digest, staging, key) -> Non
     torch's caching allocator hands them back from its cache there: the judge's release before
     each engine empties that cache, and an allocation it then cannot serve asks CUDA for memory
     inside the clock (python3 -m scripts.gpu timed-path, docs/benchmarks.md thirty-fourth
-    session). The tokens are not filled yet: nothing secret exists."""
-    for index in range(len(tokens.keys)):
-        tokens.of(index)
+    session). The unmasking is warmed with throwaway keys, never the calls' own: a call's real key
+    applied to the buffer's stale bytes would leave, in a freed block an engine can read by
+    address, what unmasks that call's tokens once they are filled in (a red-team helper, this
+    session)."""
+    for start, end in zip(tokens.starts, tokens.starts[1:]):
+        tokens.masked[start:end] ^ secrets.randbits(62)   # of()'s kernel at of()'s sizes
     output_digest(staging, key)
 
 
@@ -297,12 +300,15 @@ class Worker:
         around this request; the digests are its answer's payload, the outputs travel afterwards
         (`flush`)."""
         received = time.perf_counter()
+        tokens, self.trace_tokens = self.trace_tokens, None   # one trace per arm, even if fill raises
+        if tokens is None:
+            raise Refusal(self.common.CRASH, "a trace request without its arm")
         torch, req = self.torch, self.trace_request
         engine, device, vocab = self.engines.get(req["engine"]), req["device"], int(req["vocab"])
         ops, staging = req["ops"], self.staging
         with torch.no_grad():
             start = time.perf_counter()
-            tokens, self.trace_tokens = self.trace_tokens.fill(torch, payload), None   # one trace per arm
+            tokens.fill(torch, payload)
             uploaded = time.perf_counter()
             row = 0
             for index, op in enumerate(ops):

@@ -724,6 +724,61 @@ def test_the_trace_tokens_in_memory_hold_no_call_in_the_clear():
         start += count
 
 
+def test_warming_a_trace_before_the_clock_computes_nothing_from_its_keys():
+    """The worker's arm warms the allocator with each call's unmasking (evaluator/worker.py
+    warm_trace_buffers) while the token buffer holds stale bytes an engine may control; with the
+    calls' real keys that left, in freed blocks an engine can read by address, each key applied to
+    known bytes, so a later call's tokens could be read before it is made (a red-team helper,
+    thirty-fourth session). Every int64 tensor the warm-up computes is recorded: none holds a key."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from evaluator import guards
+    from evaluator.worker import MaskedTokens, warm_trace_buffers
+
+    class Record(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.values: set[int] = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.int64 and out.numel():
+                self.values |= set(out.flatten().tolist())
+            return out
+
+    counts = [256, 4, 4, 256, 6, 0, 128, 8, 8, 0]   # the mixed case's calls
+    tokens = MaskedTokens(torch, "cpu", counts)
+    tokens.masked.zero_()   # the stale bytes, as an engine could have left them
+    with Record() as seen:
+        warm_trace_buffers(tokens, guards.output_digest, torch.zeros(40, 64),
+                           guards.digest_key(64, torch.Generator().manual_seed(1)))
+    assert not [i for i, key in enumerate(tokens.keys) if counts[i] and key in seen.values]
+
+
+def test_a_trace_without_its_arm_is_refused_and_one_arm_serves_one_trace():
+    """A trace's keys are used once: a trace request with no arm before it, or after a trace whose
+    tokens did not fit, is a crash verdict, never the same keys again."""
+    import socket
+
+    import torch
+
+    from evaluator.worker import Worker
+    ours, theirs = socket.socketpair()
+    worker = Worker(ours)
+    arm = {"device": "cpu", "vocab": 8, "rows": 1, "engine": 0, "what": "t",
+           "ops": [{"kind": "decode", "ids": [0], "lengths": []}]}
+    with pytest.raises(Exception, match="without its arm"):
+        worker.trace({}, bytes(8))
+    worker.arm(arm, torch.zeros(16, dtype=torch.int64).numpy().tobytes())
+    with pytest.raises(ValueError, match="bytes of tokens"):
+        worker.trace({}, bytes(16))   # two tokens for one
+    with pytest.raises(Exception, match="without its arm"):
+        worker.trace({}, bytes(8))
+    ours.close()
+    theirs.close()
+
+
 # Returns zeros and fills in the real logits from a raw thread 50 ms later (or the reverse).
 LATE_WRITER = '''
 import _thread
