@@ -123,3 +123,16 @@ def test_first_run_reads_each_timed_runs_delivery_from_the_judges_moments():
     bench = [{"case_name": "prefill", "split_ms": [[2.76, 0.04, 1.35, 0.004, 0.14], [0.03, 0.03, 1.3, 0.004, 0.1]]},
              {"case_name": "mixed", "split_ms": [[3.96, 0.03, 7.96, 0.005, 0.15]]}, {"case_name": "decode"}]
     assert deliveries(bench) == {"prefill": [2.76, 0.03], "mixed": [3.96], "decode": []}
+
+
+def test_session_reads_the_judges_floor_fractions_of_the_engine_the_run_left(tmp_path):
+    """Beside the official % of floor, the session prints what the run's judge read for the same
+    engine: its `best` candidate's verdict, not another candidate's."""
+    from scripts.gpu.session import judged_fractions
+    bench = lambda f: [{"case_name": "prefill", "floor_fraction": f}, {"case_name": "decode", "floor_fraction": f / 2}]
+    run = {"best": 2, "candidates": [{"index": 1, "result": {"benchmark": bench(0.5)}},
+                                     {"index": 2, "result": {"benchmark": bench(0.1)}},
+                                     {"index": 3, "result": None}]}
+    (tmp_path / "results.json").write_text(json.dumps(run))
+    assert judged_fractions(tmp_path / "results.json") == pytest.approx({"prefill": 10.0, "decode": 5.0})
+    assert judged_fractions(tmp_path / "missing.json") == {}
