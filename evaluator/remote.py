@@ -38,7 +38,7 @@ EXIT_GRACE_SECONDS = 2.0       # for a worker whose channel closed to show its e
 FIRST_BUFFER_BYTES = 1 << 22
 # A timed trace's moments: the judge's two ends around the worker's own (evaluator/worker.py `trace`);
 # the steps between them are a verdict's split_ms (evaluator/benchmark_throughput.py).
-TRACE_MOMENTS = ("judge sent", "worker received", "calls start", "tokens on the device", "calls returned",
+TRACE_MOMENTS = ("judge sent", "worker received", "worker's clock starts", "tokens on the device", "calls returned",
                  "device synced", "digest read", "answer sent", "judge has the answer")
 NAN_BYTE = b"\xff"             # 0xFFFFFFFF is a NaN as fp32: rows the worker never wrote show
 

@@ -65,7 +65,7 @@ class MaskedTokens:
     Made in two steps so that a timed trace pays only the second inside the judge's clock: the
     keys, their per-token mask and the buffers (pinned on the host, on the device) are made from
     the calls' token counts before the clock (`arm`); `fill` then masks the payload into the pinned
-    buffer, one XOR, and copies it to the device without a sync. Made inside the clock, with a
+    buffer, one XOR, and copies it to the device (a DMA from pinned memory, no staging). Made inside the clock, with a
     pageable copy, that had cost a timed trace 0.66-0.80 ms in the worker on an H200, most of the
     prefill case's 0.7 ms (python3 -m scripts.gpu judge-split, thirty-fourth session)."""
 
@@ -85,7 +85,9 @@ class MaskedTokens:
         if payload:
             torch.bitwise_xor(torch.frombuffer(bytearray(payload), dtype=torch.int64), self.mask, out=self.host)
         if self.masked is not self.host:
-            self.masked.copy_(self.host, non_blocking=True)   # pinned: asynchronous, in stream order
+            # From pinned memory, and synchronous: on the device before any call, whatever stream
+            # an engine then makes current (an asynchronous copy is ordered on one stream only).
+            self.masked.copy_(self.host)
         return self
 
     def of(self, index: int):
@@ -279,10 +281,10 @@ class Worker:
         self.key = torch.frombuffer(bytearray(payload), dtype=torch.int64).view(2 * vocab).to(device)
         # The judge's own kernels of the timed region run once here, outside the clock: CUDA loads a
         # kernel at its first use, and the digest's were first used inside a worker's first timed
-        # trace, ~60 ms charged to the engine (a screen's prefill case on an H100, twenty-second session).
+        # trace, ~60 ms charged to the engine (a screen's prefill case on an H100, twenty-second
+        # session). The staging copies here, the digest's in warm_trace_buffers.
         for dtype in WARM_OUTPUT_DTYPES:
             self.staging[:1].copy_(torch.zeros(1, vocab, dtype=getattr(torch, dtype), device=device))
-        self.guards.output_digest(self.staging[:1], self.key).cpu()
         self.trace_tokens = MaskedTokens(torch, device, [_token_count(op) for op in req["ops"]])
         self.digest_host = torch.empty(int(req["rows"]), dtype=torch.int64, pin_memory=device != "cpu")
         warm_trace_buffers(self.trace_tokens, self.guards.output_digest, self.staging, self.key)

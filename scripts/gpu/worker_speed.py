@@ -1,4 +1,4 @@
-"""Why the judge's worker runs torch's small host steps slower: the same steps timed here, in a plain process with the worker's environment, and inside a real worker.
+"""Why the judge's worker runs torch's small host steps slower: the same steps timed in this process's environment, in a plain process with the worker's environment, and inside a real worker.
 
     python3 -m scripts.gpu worker-speed [--repeat 30] [--out DIR]
 
@@ -6,9 +6,10 @@ Why: inside a confined worker (evaluator/worker.py) small torch steps took 1.5-4
 in the judge's process (repeat_interleave 152 us against 41, a CUDA kernel launch and sync 62
 against 33; docs/benchmarks.md, thirty-fourth session), and an engine's own calls in a timed
 trace pay that too. The worker differs from the judge's process in its environment (only
-evaluator/isolation.py ENV_KEEP, OMP_WAIT_POLICY=PASSIVE, Python in isolated mode) and in its
-confinement (own uid, namespaces, rlimits). Timing the same steps in the three places tells the
-environment from the confinement. Also lists the environment variables the worker does not get.
+evaluator/isolation.py ENV_KEEP, OMP_WAIT_POLICY=PASSIVE on a CPU and, before the thirty-fourth
+session, on a GPU too; Python in isolated mode) and in its confinement (own uid, namespaces,
+rlimits). Timing the same steps in the three places tells the environment from the confinement.
+Also lists the environment variables the worker does not get.
 Writes worker_speed.json.
 """
 from __future__ import annotations
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     places: dict[str, dict] = {}
     here = subprocess.run([sys.executable, str(probe), str(a.repeat)], capture_output=True, text=True, check=True,
                           cwd=ROOT)
-    places["judge's environment"] = _read(here.stdout)
+    places["this process's environment"] = _read(here.stdout)
     with tempfile.TemporaryDirectory() as home:
         (Path(home) / "tmp").mkdir()
         clean = subprocess.run([sys.executable, "-I", str(probe), str(a.repeat)], capture_output=True, text=True,
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # noqa: BLE001 - the probe answers by raising
             places["inside a worker"] = _read(str(e))
         layers = worker.layers
-    names = list(places["judge's environment"])
+    names = list(places["this process's environment"])
     width = max(map(len, names))
     print(f"{'us (median)':<{width}}  " + "  ".join(f"{place:>30}" for place in places))
     for name in names:
