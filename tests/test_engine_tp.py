@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agent import policy
 from agent.plan import Plan, engines, skeletons
 from agent.render import render_engine
 from agent.spec import load_spec
@@ -177,7 +178,10 @@ def test_the_ranks_do_not_outlive_a_killed_caller(tmp_path, tiny_model):
 
 
 def test_the_tp_skeleton_renders_and_is_not_searched():
-    """Rendered by hand only: the search's engines leave it out (docs/design.md says why)."""
+    """Rendered by hand only: the search's engines leave it out, and the static policy refuses its
+    processes and process group (docs/design.md, "The tp skeleton")."""
     assert "tp" in skeletons() and "tp" not in engines()
     source = render_engine(Plan("tp", {}, {"tp_degree": 4}))
     assert source.startswith("# engine: tp\n") and "TP_DEGREE = 4\n" in source
+    refused = {v.message for v in policy.check_engine(source)}
+    assert any("torch.multiprocessing" in m for m in refused) and any("torch.distributed" in m for m in refused)
