@@ -150,6 +150,19 @@ def test_a_dead_rank_makes_the_next_call_raise_naming_it(tmp_path, tiny_model):
         engine.remove([1])
 
 
+def test_a_rank_that_fails_inside_a_call_breaks_it_without_a_hang(tmp_path, tiny_model):
+    """A rank that raises while rank 0 waits in a collective: gloo sees its sockets close, the
+    call raises naming it. The failure is staged by a call only rank 1 receives (a decode of an
+    id it does not hold), queued ahead of the real one."""
+    engine = create(tmp_path, tiny_model)
+    engine.prefill([1], [torch.tensor([4, 5])])
+    engine.ranks[0][1].send(("decode", [404], [[1]]))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 exited with code 1"):
+        engine.decode([1], torch.tensor([6]))
+    assert time.monotonic() - start < EXIT_WAIT_S
+
+
 ORPHAN = """
 import sys, time
 from evaluator.common import load_engine_module
