@@ -5,8 +5,8 @@ judge's own session (evaluator/session.py CheckedSession, the harness tolerance)
 suite's churn and wide scenarios (ragged prompts, shuffled decode subsets, id reuse, a live id
 replaced, unknown ids removed, everything removed then reused), and through the official public
 sequence; in fp32 a sharded sum is only a reordering, so the worst error must also stay tiny. The
-engine's ranks are processes it owns: they are gone once it is released, or once its caller is
-killed, and a rank that dies makes the next call raise instead of hanging.
+engine's ranks are processes it owns: they are gone once it is released, or once its caller exits
+or is killed, and a rank that dies makes the next call raise instead of hanging.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def test_a_rank_that_fails_inside_a_call_breaks_it_without_a_hang(tmp_path, tiny
     assert time.monotonic() - start < EXIT_WAIT_S
 
 
-ORPHAN = """
+CALLER = """
 import sys, time
 from evaluator.common import load_engine_module
 from tests.conftest import TINY_CONFIG
@@ -171,19 +171,24 @@ from tests.conftest import TINY_CONFIG
 if __name__ == "__main__":
     engine = load_engine_module(sys.argv[1]).create_engine(TINY_CONFIG, sys.argv[2], "cpu")
     print(*engine.rank_pids, flush=True)
-    time.sleep(600)
+    if sys.argv[3] == "kill":
+        time.sleep(600)
 """
 
 
-def test_the_ranks_do_not_outlive_a_killed_caller(tmp_path, tiny_model):
-    """kill -9 of the caller runs no finalizer: each rank sees its pipe close and exits."""
+@pytest.mark.parametrize("end", ["exit", "kill"])
+def test_the_ranks_do_not_outlive_their_caller(tmp_path, tiny_model, end):
+    """A caller that exits holding the engine stops its ranks (weakref.finalize at exit); a caller
+    killed with -9 runs no finalizer, and each rank exits when its pipe closes."""
     script = tmp_path / "caller.py"
-    script.write_text(ORPHAN)
-    caller = subprocess.Popen([sys.executable, str(script), str(write_engine(tmp_path)), str(tiny_model.weight_dir)],
+    script.write_text(CALLER)
+    caller = subprocess.Popen([sys.executable, str(script), str(write_engine(tmp_path)), str(tiny_model.weight_dir), end],
                               cwd=REPO, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:
         pids = [int(p) for p in caller.stdout.readline().split()]
         assert len(pids) == DEGREE - 1, pids
+        if end == "exit":
+            assert caller.wait(EXIT_WAIT_S) == 0
     finally:
         caller.kill()
         caller.wait()
