@@ -165,8 +165,24 @@ def engine_models(engine: str) -> tuple[str, ...]:
     return ("course",)
 
 
-def engines() -> list[str]:
+_NOT_SEARCHED = re.compile(r"\{#\s*search:\s*no\b")
+
+
+def skeletons() -> list[str]:
+    """Every engine skeleton on disk, those the search leaves alone included (render_engine renders any)."""
     return sorted(p.name.removesuffix(".py.j2") for p in ENGINES.glob("*.py.j2"))
+
+
+def searched(engine: str) -> bool:
+    """Whether the search may propose the skeleton: False where one of its first lines says
+    `{# search: no (why) #}` (the tp skeleton: its ranks are processes the judge's jail and the
+    static policy refuse, docs/design.md)."""
+    return not any(map(_NOT_SEARCHED.search, (ENGINES / f"{engine}.py.j2").read_text().splitlines()[:5]))
+
+
+def engines() -> list[str]:
+    """The skeletons the search proposes: the builtin walk, the model's menu and its answers' check."""
+    return [e for e in skeletons() if searched(e)]
 
 
 def reference_slots() -> dict[str, str]:

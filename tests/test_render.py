@@ -154,8 +154,8 @@ def test_every_hf_skeleton_prints_the_shared_hf_part():
     import re
     part = plan_module.ENGINES / "hf" / "weights.py.j2"
     macros = re.findall(r"{% macro (\w+)\(", part.read_text())
-    hf_engines = [e for e in plan_module.engines() if "hf" in plan_module.engine_models(e)]
-    assert macros and set(hf_engines) == {"paged", "recompute"}
+    hf_engines = [e for e in plan_module.skeletons() if "hf" in plan_module.engine_models(e)]
+    assert macros and set(hf_engines) == {"paged", "recompute", "tp"}
     for engine in hf_engines:
         text = (plan_module.ENGINES / f"{engine}.py.j2").read_text()
         alias = re.search(r'{% import "engine/hf/weights.py.j2" as (\w+)', text)
