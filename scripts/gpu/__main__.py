@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, str] = {
     "hf": "hf_models", "scripted-search": "scripted_search", "engine-cost": "engine_cost",
     "persistent-probe": "persistent_probe", "bf16-probe": "bf16_probe",
     "first-run": "first_run", "megakernel-probe": "megakernel_probe", "compile-probe": "compile_probe",
-    "verdict-split": "verdict_split", "menu-compile": "menu_compile", "timed-path": "timed_path", "worker-speed": "worker_speed",
+    "verdict-split": "verdict_split", "menu-compile": "menu_compile", "timed-path": "timed_path", "worker-speed": "worker_speed", "tp-check": "tp_check",
 }
 
 

@@ -47,6 +47,12 @@ SHAPES = {
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False)),
+    "llama-3.1-8b": ("LlamaForCausalLM", dict(   # issue 26's 8B shape (python3 -m scripts.gpu tp-check)
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192})),
 }
 # --tiny: the same architectures and conventions at a size a loaded CPU runs in seconds.
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
