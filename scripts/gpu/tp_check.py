@@ -16,7 +16,9 @@ skeleton"):
      tp engine and for the single-GPU paged engine of the library plan (FINAL_PLAN), each against
      the floor of its GPUs (evaluator/floor.py; N GPUs: N times the bandwidth and the FLOP/s).
 --tiny builds tiny models of the same architectures on the CPU (gloo, fp32, the course's
-criterion), to prove the plumbing. Writes tp_check.json; a table last.
+criterion), to prove the plumbing (~20 s). On the GPU the 8B model alone (16 GB of bf16 weights
+to build and write, its fp32 reference for the criterion) may take most of a 10-minute device
+call: run one model a call where both do not fit. Writes tp_check.json; a table last.
 """
 from __future__ import annotations
 
