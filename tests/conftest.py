@@ -6,11 +6,14 @@ session-scoped and read-only: a test that needs other weights writes its own wit
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
 import itertools
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -88,12 +91,21 @@ def make_model_dir(root: Path, config: dict, scale: float = TOY_SCALE, norm_spre
 _sources_loaded = itertools.count()
 
 
+@functools.cache
+def _sources_dir() -> Path:
+    """One folder a test process for the sources it loads, removed when the process exits (the
+    files stay while their modules may still be read: Triton and tracebacks read them)."""
+    folder = tempfile.mkdtemp(prefix="loaded-sources-")
+    atexit.register(shutil.rmtree, folder, True)
+    return Path(folder)
+
+
 def load_source(source: str, prefix: str = "module_under_test") -> ModuleType:
     """Import `source` as a fresh module: from a file of its own (Triton compiles only functions
     defined in a file), under a new name registered in sys.modules (dataclasses need it there),
     so that two loads never share module state."""
     name = f"{prefix}_{next(_sources_loaded)}"
-    path = Path(tempfile.mkdtemp(prefix=f"{prefix}-")) / f"{name}.py"
+    path = _sources_dir() / f"{name}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

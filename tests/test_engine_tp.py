@@ -176,23 +176,27 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("end", ["exit", "kill"])
-def test_the_ranks_do_not_outlive_their_caller(tmp_path, tiny_model, end):
+def test_the_ranks_do_not_outlive_their_caller(tmp_path, tiny_model):
     """A caller that exits holding the engine stops its ranks (weakref.finalize at exit); a caller
-    killed with -9 runs no finalizer, and each rank exits when its pipe closes."""
+    killed with -9 runs no finalizer, and each rank exits when its pipe closes. Both callers run
+    side by side (each starts its ranks: seconds of a 2-core machine)."""
     script = tmp_path / "caller.py"
     script.write_text(CALLER)
-    caller = subprocess.Popen([sys.executable, str(script), str(write_engine(tmp_path)), str(tiny_model.weight_dir), end],
-                              cwd=REPO, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    engine = str(write_engine(tmp_path))
+    callers = {end: subprocess.Popen([sys.executable, str(script), engine, str(tiny_model.weight_dir), end], cwd=REPO,
+                                     stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+               for end in ("exit", "kill")}
+    pids = {}
     try:
-        pids = [int(p) for p in caller.stdout.readline().split()]
-        assert len(pids) == DEGREE - 1, pids
-        if end == "exit":
-            assert caller.wait(EXIT_WAIT_S) == 0
+        for end, caller in callers.items():
+            pids[end] = [int(p) for p in caller.stdout.readline().split()]
+            assert len(pids[end]) == DEGREE - 1, (end, pids[end])
+        assert callers["exit"].wait(EXIT_WAIT_S) == 0
     finally:
-        caller.kill()
-        caller.wait()
-    assert wait_gone(pids), pids
+        for caller in callers.values():
+            caller.kill()
+            caller.wait()
+    assert all(wait_gone(p) for p in pids.values()), pids
 
 
 def test_the_tp_skeleton_renders_and_is_not_searched():
