@@ -13,7 +13,8 @@ it over a socket (evaluator/channel.py). The jail stacks layers; each says what 
   Where the kernel refuses a mount namespace, the worker keeps CAP_DAC_READ_SEARCH instead
   (it then reads what root can read, and still writes only what its uid owns).
 - **No network, no shared System V IPC**: network and IPC namespaces of its own (as root;
-  otherwise inside a user namespace where the kernel allows one).
+  otherwise inside a user namespace where the kernel allows one); the namespace's own loopback
+  is up, for a tensor-parallel engine's ranks, and reaches nothing of the host's.
 - **No new privileges** (PR_SET_NO_NEW_PRIVS): no setuid binary gives anything back.
 - **Limits** (rlimits): file size, core dumps, processes of its uid, and on CPU with a CPU build
   of torch its address space; and always the judge watches the resident memory of every
@@ -34,13 +35,16 @@ layers, and says which ones it lacks.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import random
 import resource
 import shutil
 import signal
+import socket
 import stat
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -62,6 +66,8 @@ CAP_DAC_READ_SEARCH, CAP_LAST = 2, 40
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWIPC, CLONE_NEWNS = 0x40000000, 0x10000000, 0x08000000, 0x00020000
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1   # netdevice(7): an interface's flags
+IFREQ_FLAGS = "16sH14x"   # struct ifreq with ifr_flags (its name, then a short, padded to 32 bytes)
 
 FILE_SIZE_LIMIT = 512 * 2**20     # bytes one file of the worker may reach
 PROCESS_LIMIT = 2048              # processes and threads of the worker's uid
@@ -214,6 +220,22 @@ def _set_capabilities(keep: int | None) -> None:
         raise OSError(ctypes.get_errno(), "raising the ambient capability failed")
 
 
+def _loopback_up() -> bool:
+    """Bring up the loopback interface of the worker's own network namespace (a new namespace
+    has it down): a tensor-parallel engine's ranks meet over it (gloo and NCCL rendezvous by TCP,
+    templates/engine/tp.py.j2). It is the namespace's own: the host's 127.0.0.1 (a model server,
+    another worker) is another interface in another namespace, out of reach. False where the
+    kernel refuses."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            request = struct.pack(IFREQ_FLAGS, b"lo", 0)
+            flags = struct.unpack(IFREQ_FLAGS, fcntl.ioctl(s, SIOCGIFFLAGS, request))[1]
+            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack(IFREQ_FLAGS, b"lo", flags | IFF_UP))
+    except OSError:
+        return False
+    return True
+
+
 def _blocked_ancestors(path: Path) -> list[Path]:
     """The folders on the way to `path` (itself included) that others may not search."""
     return [p for p in [*reversed(path.parents), path] if p.is_dir() and not os.stat(p).st_mode & stat.S_IXOTH]
@@ -262,7 +284,7 @@ def enter(spec: JailSpec) -> list[str]:
     root = os.geteuid() == 0
     flags = CLONE_NEWNET | CLONE_NEWIPC if root else CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWIPC
     if _libc.unshare(flags) == 0:
-        held.append("no network (own network namespace)")
+        held.append("no network (own network namespace" + (", its own loopback up)" if _loopback_up() else ")"))
         held.append("own System V IPC")
     keep = None
     if spec.reach:

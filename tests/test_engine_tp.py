@@ -207,3 +207,18 @@ def test_the_tp_skeleton_renders_and_is_not_searched():
     assert source.startswith("# engine: tp\n") and "TP_DEGREE = 4\n" in source
     refused = {v.message for v in policy.check_engine(source)}
     assert any("torch.multiprocessing" in m for m in refused) and any("torch.distributed" in m for m in refused)
+
+
+def test_the_judge_runs_a_tp_engine_in_its_worker(tmp_path, tiny_model):
+    """The judge's own evaluation (evaluator/evaluate.py: a confined worker, its own network
+    namespace) of a 2-rank engine: its ranks start inside the jail, meet over the namespace's own
+    loopback, and pass the public sequence and a timed case; none outlives the verdict (the jail
+    kills its uid's processes). The agent's policy still refuses this engine (above): the search
+    does not reach it."""
+    from evaluator.evaluate import evaluate
+    result = evaluate(write_engine(tmp_path), tiny_model.config, tiny_model.weight_dir, stress="off",
+                      cases=("prefill",), warmup=0, repeat=1, device="cpu", bandwidth_gbs=100.0, peak_tflops=1.0)
+    if "no network" in (result["isolation"] or "") and "loopback" not in result["isolation"]:
+        pytest.skip("this machine's worker namespace has no loopback to bring up")
+    assert result["status"] == "passed", result["error"]
+    assert result["public"]["max_abs_err"] < FP32_SHARDED_ATOL
