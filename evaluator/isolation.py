@@ -67,7 +67,7 @@ LINUX_CAPABILITY_VERSION_3 = 0x20080522
 CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWIPC, CLONE_NEWNS = 0x40000000, 0x10000000, 0x08000000, 0x00020000
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1   # netdevice(7): an interface's flags
-IFREQ_FLAGS = "16sH14x"   # struct ifreq with ifr_flags (its name, then a short, padded to 32 bytes)
+IFREQ_FLAGS = "16sH22x"   # struct ifreq with ifr_flags (its name, then a short, padded to 40 bytes)
 
 FILE_SIZE_LIMIT = 512 * 2**20     # bytes one file of the worker may reach
 PROCESS_LIMIT = 2048              # processes and threads of the worker's uid

@@ -146,7 +146,7 @@ def test_the_worker_has_no_network(recompute_source, write_engine, tiny_model):
     """`opens_socket` connects, at import, to a server listening on this machine's 127.0.0.1: in the
     worker's own network namespace 127.0.0.1 is its own loopback (up, for a tensor-parallel
     engine's ranks), where nothing listens, so the connection is refused and the server sees
-    nobody. It raises if it reaches the server."""
+    nobody. It raises if it reaches the server, or sees an interface beside the loopback."""
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
