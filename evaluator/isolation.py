@@ -75,7 +75,9 @@ UID_RANGE = (3_000_000, 2**31 - 2)  # fresh uids are drawn here: far above any a
 # What of the judge's environment the worker may see (everything else is dropped).
 ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
             "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES",
-            "NVIDIA_DRIVER_CAPABILITIES", "TRITON_PTXAS_PATH", "TRITON_INTERPRET", "TORCH_CUDA_ARCH_LIST")
+            "NVIDIA_DRIVER_CAPABILITIES", "TRITON_PTXAS_PATH", "TRITON_INTERPRET", "TORCH_CUDA_ARCH_LIST",
+            # NVLink multicast kept off where the machine says so (a tensor-parallel engine's NCCL)
+            "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 # OpenMP threads that sleep, not spin, while they wait: with the judge and the worker each
 # holding a pool of torch threads on a CPU, spinning waiters take the cores from the threads
 # doing the work, and one busy process beside them made a CPU evaluation 9x slower (103 s

@@ -230,3 +230,21 @@ def test_the_judge_runs_a_tp_engine_in_its_worker(tmp_path, tiny_model):
         pytest.skip("this machine's worker namespace has no loopback to bring up")
     assert result["status"] == "passed", result["error"]
     assert result["public"]["max_abs_err"] < FP32_SHARDED_ATOL
+
+
+def test_an_interrupt_inside_a_call_stops_the_engine_instead_of_leaving_ranks_waiting(tmp_path, tiny_model):
+    """Ctrl-C in rank 0 while the other ranks wait in a collective: the interrupt propagates, the
+    ranks are stopped, and the next call says why at once instead of hanging in the collective."""
+    engine = create(tmp_path, tiny_model)
+    pids = engine.rank_pids
+
+    def interrupted(partial):
+        raise KeyboardInterrupt
+
+    engine.shard._all_reduce = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.prefill([1], [torch.tensor([4, 5])])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="stopped after an earlier failure: prefill"):
+        engine.prefill([2], [torch.tensor([6])])
+    assert time.monotonic() - start < 1.0 and wait_gone(pids)

@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in [m for m in a.models.split(",") if m]:
         folder = out / name / "weights"
         config = build(folder, name, a.tiny)
-        engines = {f"tp{a.degree}": (render(Plan("tp", {}, {"tp_degree": a.degree}), folder, out / name, "tp"), a.degree),
+        tp = render(Plan("tp", {}, {"tp_degree": a.degree}), folder, out / name, "tp")
+        ranks = load_engine_module(tp).usable_degree(config, a.degree)   # fewer where the model does not split
+        engines = {f"tp{ranks}": (tp, ranks),
                    "paged (1 GPU)": (render(library_plans()[FINAL_PLAN], folder, out / name, "paged"), 1)}
         dims = ModelDims.from_config(config)
         hw = detect_hardware(device, compute_dtype(config, device))
