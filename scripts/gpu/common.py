@@ -61,6 +61,17 @@ def render_to_file(plan: Plan, tag: str, extra: dict | None = None) -> Path:
     return path
 
 
+def add_engine_arguments(p) -> None:
+    """--engine FILE, or --plan NAME rendered (engine_file): the engine a subcommand measures."""
+    p.add_argument("--engine", help="an engine file (default: render --plan)")
+    p.add_argument("--plan", default=FINAL_PLAN, help="a name from scripts.gpu.common.library_plans")
+
+
+def engine_file(a) -> str:
+    """The path of the engine add_engine_arguments' flags name: --engine, else --plan rendered."""
+    return a.engine or str(render_to_file(library_plans()[a.plan], a.plan))
+
+
 def ensure_toy_weights(config: str = PUBLIC_CONFIG, weight_dir: str = PUBLIC_WEIGHTS,
                        norm_spread: float = 0.0) -> Path:
     """`<weight_dir>/model.pt` for `config`, written by the toy init (evaluator.weights, the one

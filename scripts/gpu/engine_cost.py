@@ -37,8 +37,8 @@ import torch
 from evaluator.benchmark_throughput import release_device_memory, run_benchmark
 from evaluator.common import load_config, load_engine_module
 from evaluator.test_correctness import run_public_sequence
-from scripts.gpu.common import (FINAL_PLAN, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights, library_plans, out_dir,
-                                render_to_file, run)
+from scripts.gpu.common import (PUBLIC_CONFIG, PUBLIC_WEIGHTS, add_engine_arguments, engine_file, ensure_toy_weights,
+                                library_plans, out_dir, render_to_file, run)
 
 WRAPPED = ("_capture_prefill", "_capture_decode", "_warm_up")   # Engine methods timed by part
 OTHER_PLAN = "lib split"   # the final plan with the torch linear variant: one slot's block differs
@@ -105,8 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     """Time create_engine (--repeat + 1 times), the public sequence, and the mixed case at repeat 3 and 1;
     with --judge, the judge's verdicts on a shared cache instead."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", help="an engine file (default: render --plan)")
-    p.add_argument("--plan", default=FINAL_PLAN, help="a name from scripts.gpu.common.library_plans")
+    add_engine_arguments(p)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--triton-cache", help="a Triton cache to start from (default: a fresh one, cold)")
     p.add_argument("--judge", action="store_true", help="the judge's verdicts on a shared cache (see above)")
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     cold = None if a.triton_cache else tempfile.mkdtemp(prefix="engine-cost-triton-")
     os.environ["TRITON_CACHE_DIR"] = a.triton_cache or cold
     ensure_toy_weights()
-    engine_path = a.engine or str(render_to_file(library_plans()[a.plan], a.plan))
+    engine_path = engine_file(a)
     config = load_config(PUBLIC_CONFIG)
     module = load_engine_module(engine_path)
     parts = timed_parts(module)

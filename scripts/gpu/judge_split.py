@@ -22,14 +22,13 @@ from pathlib import Path
 from evaluator.benchmark_throughput import run_benchmark
 from evaluator.common import load_config
 from evaluator.remote import TRACE_MOMENTS, RemoteModule, Worker
-from scripts.gpu.common import (FINAL_PLAN, PUBLIC_CASES, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights, geomean,
-                                library_plans, out_dir, print_table, render_to_file)
+from scripts.gpu.common import (PUBLIC_CASES, PUBLIC_CONFIG, PUBLIC_WEIGHTS, add_engine_arguments, engine_file,
+                                ensure_toy_weights, geomean, out_dir, print_table)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", help="an engine file (default: render --plan)")
-    p.add_argument("--plan", default=FINAL_PLAN, help="a name from scripts.gpu.common.library_plans")
+    add_engine_arguments(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default=PUBLIC_CASES)
     p.add_argument("--out", default=out_dir("judge-split-out"))
@@ -37,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ensure_toy_weights()
-    engine = a.engine or str(render_to_file(library_plans()[a.plan], a.plan))
+    engine = engine_file(a)
     config = load_config(PUBLIC_CONFIG)
     cases = [c for c in a.cases.split(",") if c]
     runs: dict[str, dict[str, list[float]]] = {

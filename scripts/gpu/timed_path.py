@@ -44,7 +44,7 @@ from evaluator.guards import digest_key, output_digest
 from evaluator.session import draw_op_tokens
 from evaluator.traces import DECODE, PREFILL, benchmark_trace
 from evaluator.worker import MaskedTokens, warm_trace_buffers
-from scripts.gpu.common import FINAL_PLAN, PUBLIC_CONFIG, PUBLIC_WEIGHTS, ensure_toy_weights, library_plans, out_dir, render_to_file
+from scripts.gpu.common import PUBLIC_CONFIG, PUBLIC_WEIGHTS, add_engine_arguments, engine_file, ensure_toy_weights, out_dir
 
 VARIANTS = ("official", "views", "unmask", "staging", "worker", "before")
 
@@ -134,8 +134,7 @@ def time_variant(module, config, weight_dir, device, case, variant, gen, key, st
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", help="an engine file (default: render --plan)")
-    p.add_argument("--plan", default=FINAL_PLAN, help="a name from scripts.gpu.common.library_plans")
+    add_engine_arguments(p)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--cases", default="prefill,decode,mixed")
     p.add_argument("--device", default="cuda", help="cpu only checks that it runs")
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     ensure_toy_weights()
     config = load_config(PUBLIC_CONFIG)
     vocab = int(config["vocab_size"])
-    module = load_engine_module(a.engine or str(render_to_file(library_plans()[a.plan], a.plan)))
+    module = load_engine_module(engine_file(a))
     gen = make_generator(0, a.device)
     key = digest_key(vocab, torch.Generator().manual_seed(1)).to(a.device)
     staging = torch.empty(4096, vocab, dtype=torch.float32, device=a.device)
