@@ -78,6 +78,8 @@ class TimedRun:
     inner_seconds: float | None = None   # the worker's own clock around the same calls
     raw_seconds: float | None = None     # the judge's clock before the round trip is subtracted
     moments: list[float] | None = None   # evaluator.remote.TraceRun.moments
+    cpu_ms: list[float] | None = None    # evaluator.remote.TraceRun.cpu_ms
+    device_calls_ms: float | None = None
 
 
 def _draw_trace(trace: list[Op], gen: torch.Generator, vocab: int, device: str) -> list[list[torch.Tensor]]:
@@ -142,7 +144,8 @@ def remote_timed_run(engine: RemoteEngine, trace: list[Op], tokens: list[list[to
     TIMED_ROWS_CHECKED rows drawn at random from all of them are kept for the reference."""
     trace_run = engine.run_trace(trace, tokens, f"benchmark case {case}")
     run = TimedRun(trace_run.seconds, trace_run.peak_memory_mb, inner_seconds=trace_run.inner_seconds,
-                   raw_seconds=trace_run.raw_seconds, moments=trace_run.moments)
+                   raw_seconds=trace_run.raw_seconds, moments=trace_run.moments, cpu_ms=trace_run.cpu_ms,
+                   device_calls_ms=trace_run.device_calls_ms)
     rows = []
     for index, (op, out) in enumerate(zip(trace, trace_run.outputs)):
         if out is None:
@@ -323,7 +326,8 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
             **({"checked_margin": checked[case.name]} if case.name in checked else {}),
             **({"worker_runs_ms": [r.inner_seconds * 1e3 for r in runs],
                 "judge_clock_ms": [r.raw_seconds * 1e3 for r in runs],
-                "split_ms": [[(b - a) * 1e3 for a, b in zip(r.moments, r.moments[1:])] for r in runs]}
+                "split_ms": [[(b - a) * 1e3 for a, b in zip(r.moments, r.moments[1:])] for r in runs],
+                "split_cpu_ms": [r.cpu_ms for r in runs], "device_calls_ms": [r.device_calls_ms for r in runs]}
                if median.inner_seconds is not None else {}),
         })
     for owner, margin in zip(owners, verify(checks, config, str(weight_dir), device, tol)):

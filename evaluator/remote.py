@@ -40,6 +40,8 @@ FIRST_BUFFER_BYTES = 1 << 22
 # the steps between them are a verdict's split_ms (evaluator/benchmark_throughput.py).
 TRACE_MOMENTS = ("judge sent", "worker received", "worker's clock starts", "tokens on the device", "calls returned",
                  "device synced", "digest read", "answer sent", "judge has the answer")
+# The steps between the worker's moments inside its clock, whose thread CPU time it reports (cpu_ms).
+WORKER_STEPS = TRACE_MOMENTS[2:7]
 NAN_BYTE = b"\xff"             # 0xFFFFFFFF is a NaN as fp32: rows the worker never wrote show
 
 
@@ -67,6 +69,8 @@ class TraceRun:
     peak_memory_mb: float              # the worker's claim
     outputs: list[torch.Tensor | None]  # per op: [B, vocab] fp32 (CPU, the judge's copy), None for remove
     moments: list[float]               # TRACE_MOMENTS, on the machine-wide monotonic clock
+    cpu_ms: list[float]                # the worker's claim: its thread's CPU ms in each of its WORKER_STEPS
+    device_calls_ms: float             # the worker's claim, with `Worker(diagnose=True)`: the calls' device time
 
 
 class Worker:
@@ -79,8 +83,9 @@ class Worker:
     candidate code runs before the judge, waiting on it and watching its memory, asks it to load one."""
 
     def __init__(self, device: str, memory_bytes: int | None = None, log: Callable[[str], None] = lambda s: None,
-                 triton_cache: Path | None = None, cache_scope: tuple[str, ...] = ()):
+                 triton_cache: Path | None = None, cache_scope: tuple[str, ...] = (), diagnose: bool = False):
         self.device = device
+        self.diagnose = diagnose          # the worker times its calls on the device too (two events in the clock)
         self.memory_bytes = memory_bytes
         self.log = log
         self.jail = Jail(device, memory_bytes, triton_cache, tuple(cache_scope))
@@ -326,7 +331,7 @@ class RemoteEngine:
         # The trace's shape goes before the clock (also freeing released engines); only its tokens,
         # the secret part, go with the timed request.
         w.request({"op": "arm", "engine": self.id, "ops": ops, "device": self.device, "vocab": self.vocab,
-                   "rows": rows, "what": what}, key.numpy().tobytes(), what=what)
+                   "rows": rows, "what": what, "diagnose": w.diagnose}, key.numpy().tobytes(), what=what)
         spin = self.device == "cuda"   # on a CPU the judge's spinning would take a core from the engine
         gc.collect()
         gc_was = gc.isenabled()
@@ -356,7 +361,16 @@ class RemoteEngine:
         inner = answer.get("inner_seconds")
         theirs = answer.get("moments")
         mine = len(TRACE_MOMENTS) - 2   # the worker's: all but the judge's two ends
-        theirs = ([float(t) for t in theirs] if isinstance(theirs, list) and len(theirs) == mine
-                  and all(isinstance(t, (int, float)) for t in theirs) else [math.nan] * mine)
-        return TraceRun(seconds, end - start, float(inner) if isinstance(inner, (int, float)) and math.isfinite(inner) else math.nan,
-                        float(peak) if isinstance(peak, (int, float)) else 0.0, outputs, [start, *theirs, end])
+        cpu = _numbers(answer.get("cpu_moments"), len(WORKER_STEPS) + 1)
+        calls_ms = _numbers([answer.get("device_calls_ms")], 1)[0]
+        return TraceRun(seconds, end - start, _numbers([inner], 1)[0],
+                        float(peak) if isinstance(peak, (int, float)) else 0.0, outputs,
+                        [start, *_numbers(theirs, mine), end], [(b - a) * 1e3 for a, b in zip(cpu, cpu[1:])], calls_ms)
+
+
+def _numbers(claimed, count: int) -> list[float]:
+    """A worker's claimed list of `count` finite numbers, or NaNs where it is not one."""
+    if isinstance(claimed, list) and len(claimed) == count and all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in claimed):
+        return [float(t) for t in claimed]
+    return [math.nan] * count

@@ -12,7 +12,7 @@ import pytest
 
 from evaluator.common import REPO_ROOT
 from evaluator.evaluate import evaluate, score
-from evaluator.remote import TRACE_MOMENTS
+from evaluator.remote import TRACE_MOMENTS, WORKER_STEPS
 
 from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import broken_source
@@ -126,6 +126,10 @@ def test_a_timed_runs_split_covers_the_judges_clock_step_by_step(recompute_sourc
     assert sum(split) == pytest.approx(bench["judge_clock_ms"][0], rel=1e-6)
     calls = TRACE_MOMENTS.index("calls returned") - 1   # the step that ends when the calls returned
     assert split[calls] == max(split)   # on a CPU the recompute engine's calls are the time
+    (cpu,) = bench["split_cpu_ms"]      # the worker thread's CPU time in each of its own steps, at most the wall's
+    first = TRACE_MOMENTS.index(WORKER_STEPS[0]) - 1
+    assert len(cpu) == len(WORKER_STEPS) and all(0 <= c <= w + 0.05 for c, w in zip(cpu, split[first:]))
+    assert math.isnan(bench["device_calls_ms"][0])   # only when the judge diagnoses a CUDA worker
 
 
 def test_score_is_the_geometric_mean_of_floor_fractions():

@@ -10,7 +10,8 @@ median elapsed time of the same engine under the official in-process method
 (evaluator/benchmark_throughput.py) and through the worker (the judge's clock less the channel's
 round trip, as the agent scores it; the clock as read; the worker's own clock around the same
 calls), the overhead in %, the % of the physical floor each gives,
-where the judge's extra time goes, and the worker's isolation layers. Writes split.json.
+where the judge's extra time goes (with the worker thread's CPU time a step and its calls' time on the
+device), and the worker's isolation layers. Writes split.json.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from evaluator.benchmark_throughput import run_benchmark
 from evaluator.common import load_config
-from evaluator.remote import TRACE_MOMENTS, RemoteModule, Worker
+from evaluator.remote import TRACE_MOMENTS, WORKER_STEPS, RemoteModule, Worker
 from scripts.gpu.common import (PUBLIC_CASES, PUBLIC_CONFIG, PUBLIC_WEIGHTS, add_engine_arguments, engine_file,
                                 ensure_toy_weights, geomean, out_dir, print_table)
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     layers, round_trip = None, None
     for r in range(a.rounds):
         local = run_benchmark(engine, config, PUBLIC_WEIGHTS, "cuda", cases, warmup=1, repeat=3)
-        with Worker("cuda", log=lambda line: None) as worker:
+        with Worker("cuda", log=lambda line: None, diagnose=True) as worker:
             worker.request({"op": "load", "engine": worker.readable(engine)}, what="import")
             remote = run_benchmark(RemoteModule(worker), config, PUBLIC_WEIGHTS, "cuda", cases, warmup=1, repeat=3, seed=r + 1)
             layers, round_trip = worker.layers, worker.round_trip
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
             c["worker"].append(statistics.median(re["worker_runs_ms"]))
             c["floor"].append(lo["floor_ms"])
             c.setdefault("split", []).extend(re["split_ms"])
+            c.setdefault("cpu", []).extend(re["split_cpu_ms"])
+            c.setdefault("device_calls", []).extend(re["device_calls_ms"])
         print(f"round {r + 1} done", flush=True)
     print(layers)
     print(f"the channel's round trip (subtracted): {round_trip * 1e3:.3f} ms")
@@ -73,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     print_table(["case", *(f"->{m}" for m in TRACE_MOMENTS[1:])],
                 [[case, *(f"{statistics.median(p[i] for p in c['split']):.3f}" for i in range(len(TRACE_MOMENTS) - 1))]
                  for case, c in runs.items()])
+    print("of which the worker's thread ran on a CPU (median CPU ms a step; a step it spent waiting or descheduled "
+          "reads less than above), and the calls' time on the device (two CUDA events, the worker's claim):")
+    print_table(["case", *(f"->{m}" for m in WORKER_STEPS), "calls on the device"],
+                [[case, *(f"{statistics.median(p[i] for p in c['cpu']):.3f}" for i in range(len(WORKER_STEPS))),
+                  f"{statistics.median(c['device_calls']):.3f}"] for case, c in runs.items()])
     print(f"geometric mean % of floor: in-process {100 * geomean(fractions['inproc']):.1f}, "
           f"through the worker {100 * geomean(fractions['judge']):.1f}")
     (out / "split.json").write_text(json.dumps({"engine": engine, "layers": layers,
