@@ -9,6 +9,9 @@ trace pay that too. The worker differs from the judge's process in its environme
 evaluator/isolation.py ENV_KEEP, OMP_WAIT_POLICY=PASSIVE on a CPU and, before the thirty-fourth
 session, on a GPU too; Python in isolated mode) and in its confinement (own uid, namespaces,
 rlimits). Timing the same steps in the three places tells the environment from the confinement.
+Some steps are timed again right after 2 ms of what a worker does while it awaits a timed trace
+(a busy loop of poll(0) calls on its socket), of a pure Python busy loop, and of a sleep: a
+worker's first steps of a trace ran 3-10x slower than here (judge-split, thirty-fifth session).
 Also lists the environment variables the worker does not get.
 Writes worker_speed.json.
 """
@@ -31,8 +34,32 @@ from scripts.gpu.common import ROOT, out_dir
 # Runs as a script (a plain process) and as an engine module (inside a worker, whose create_engine
 # raises the timings: the one channel back a worker has for an engine's own text).
 PROBE = '''
-import json, secrets, statistics, time
+import json, select, secrets, socket, statistics, time
 import torch
+
+SPIN_SECONDS = 0.002
+
+
+def spin_on_a_socket():
+    """What a worker does while it waits for a timed trace (evaluator/channel.py spin_until_readable)."""
+    a, b = socket.socketpair()
+    poller = select.poll()
+    poller.register(a, select.POLLIN)
+    end = time.perf_counter() + SPIN_SECONDS
+    while not poller.poll(0) and time.perf_counter() < end:
+        pass
+    a.close(), b.close()
+
+
+def spin_in_python():
+    end = time.perf_counter() + SPIN_SECONDS
+    while time.perf_counter() < end:
+        pass
+
+
+def few_bytecodes():
+    x = {"engine": 1, "ops": [1, 2]}
+    return [x.get("engine"), len(x["ops"]), x.get("absent")] * 3
 
 
 def steps(repeat):
@@ -43,8 +70,10 @@ def steps(repeat):
     pinned = torch.empty(512, dtype=torch.int64, pin_memory=device == "cuda")
     out = {}
 
-    def step(name, fn):
+    def step(name, fn, before=None):
         sync()
+        if before is not None:
+            before()
         t = time.perf_counter()
         value = fn()
         sync()
@@ -64,6 +93,12 @@ def steps(repeat):
         step("ten kernels", lambda: [dev.add_(1) for _ in range(10)])
         step("to host, pageable", lambda: dev.cpu())
         step("python loop 1e4", lambda: sum(i * i for i in range(10000)))
+        step("few bytecodes", few_bytecodes)
+        for wait, before in (("a socket spin", spin_on_a_socket), ("a python spin", spin_in_python),
+                             ("a sleep", lambda: time.sleep(SPIN_SECONDS))):
+            step(f"few bytecodes after {wait}", few_bytecodes, before)
+            step(f"cpu xor after {wait}", lambda: host ^ mask, before)
+            step(f"to device, pinned, after {wait}", lambda: dev.copy_(pinned), before)
     return {name: round(statistics.median(v), 1) for name, v in out.items()}
 
 
