@@ -89,6 +89,12 @@ ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "OMP_NUM_THREADS", "MKL_
 # region ~50 us (repeat_interleave of 4 counts 12 -> 64-79 us; python3 -m scripts.gpu
 # worker-speed, thirty-fourth session), inside the judge's clock.
 QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# A GPU worker's torch threads leave this many cores to the judge: its thread spins on the channel
+# through a timed trace, and libgomp's threads spin for a while after each parallel region, so a
+# pool of one thread a core oversubscribed the machine by one spinning thread and the scheduler
+# held a trace's request 0.1-4.7 ms before the worker ran it (H200 host, 16 cores; python3 -m
+# scripts.gpu judge-split, thirty-fifth session). A caller's own OMP_NUM_THREADS is kept.
+JUDGE_CORES = 1
 _DEFAULTED: set[str] = set()   # QUIET_THREADS keys that quiet_threads() set in this process's environment
 # The worker's user name for libraries that ask (getpass.getuser() reads USER/LOGNAME first):
 # a fresh uid has no passwd entry, and torch.profiler's start asked pwd for it and raised
@@ -321,12 +327,15 @@ def enter(spec: JailSpec) -> list[str]:
 
 def worker_env(home: Path, device: str) -> dict[str, str]:
     """The worker's environment: ENV_KEEP of the judge's (on a GPU without the judge's own
-    QUIET_THREADS default), the scratch home's folders, QUIET_THREADS on a CPU."""
+    QUIET_THREADS default), the scratch home's folders, QUIET_THREADS on a CPU, on a GPU a core
+    for the judge (JUDGE_CORES)."""
     cpu = device == "cpu"
     env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ and (cpu or k not in _DEFAULTED)}
     env.setdefault("PATH", os.defpath)
     if cpu:
         quiet_threads(env)
+    else:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - JUDGE_CORES)))
     tmp = home / "tmp"
     env.update(HOME=str(home), TMPDIR=str(tmp), TRITON_CACHE_DIR=str(home / ".triton"),   # Jail.compile_cache
                TRITON_HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), CUDA_CACHE_PATH=str(home / ".nv"),

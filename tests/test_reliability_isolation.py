@@ -217,3 +217,17 @@ def test_a_gpu_worker_gets_libgomps_own_wait_policy_and_a_cpu_worker_sleeping_th
     isolation.quiet_threads()
     assert isolation.worker_env(tmp_path, "cpu")["OMP_WAIT_POLICY"] == "ACTIVE"
     assert isolation.worker_env(tmp_path, "cuda")["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_a_gpu_worker_leaves_the_judge_a_core_unless_the_caller_chose(tmp_path, monkeypatch):
+    """A GPU worker's torch threads leave JUDGE_CORES to the judge, whose thread spins through a
+    timed trace; a caller's OMP_NUM_THREADS reaches both kinds of worker as it is."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(isolation.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert isolation.worker_env(tmp_path, "cuda")["OMP_NUM_THREADS"] == str(16 - isolation.JUDGE_CORES)
+    assert "OMP_NUM_THREADS" not in isolation.worker_env(tmp_path, "cpu")
+    monkeypatch.setattr(isolation.os, "sched_getaffinity", lambda pid: {0})
+    assert isolation.worker_env(tmp_path, "cuda")["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert isolation.worker_env(tmp_path, "cuda")["OMP_NUM_THREADS"] == "3"
+    assert isolation.worker_env(tmp_path, "cpu")["OMP_NUM_THREADS"] == "3"
