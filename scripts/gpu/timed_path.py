@@ -27,6 +27,9 @@ steps added one at a time to the official timed region:
             CUDA events, from the tokens' arrival to the last staging copy), which inside a real
             worker read 0.82 ms on the prefill case whose official run takes 0.69 (thirty-fifth
             session)
+  warm      `idle`, with a tiny kernel launched every WARM_EVERY_SECONDS through the idle gap (the
+            device kept busy, as after create_engine in the official method): if `idle` reads
+            longer than `worker` and `warm` does not, the device's clocks drop while it waits
 
 Variants rotate within a round; medians over rounds. On a CPU it only checks that it runs.
 Writes timed_path.json.
@@ -51,9 +54,10 @@ from evaluator.traces import DECODE, PREFILL, benchmark_trace
 from evaluator.worker import MaskedTokens, warm_trace_buffers
 from scripts.gpu.common import PUBLIC_CONFIG, PUBLIC_WEIGHTS, add_engine_arguments, engine_file, ensure_toy_weights, out_dir
 
-VARIANTS = ("official", "views", "unmask", "staging", "worker", "before", "idle")
+VARIANTS = ("official", "views", "unmask", "staging", "worker", "before", "idle", "warm")
 IDLE_SECONDS = 0.005
-DEVICE_TIMED = ("worker", "idle")   # variants whose calls' device time is read too
+WARM_EVERY_SECONDS = 50e-6
+DEVICE_TIMED = ("worker", "idle", "warm")   # variants whose calls' device time is read too
 
 
 def _call(engine, op, prompts):
@@ -84,6 +88,17 @@ def _before_upload(payload: bytes, device: str, counts: list[int]):
     return keys, [0, *itertools.accumulate(counts)], (host ^ mask).to(device)
 
 
+def _keep_busy(device: str, scratch, seconds: float) -> None:
+    """A tiny kernel every WARM_EVERY_SECONDS for `seconds`, then the device drained."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        scratch.add_(0)
+        next_launch = time.perf_counter() + WARM_EVERY_SECONDS
+        while time.perf_counter() < next_launch:
+            pass
+    synchronize(device)
+
+
 def timed(engine, trace, drawn, device: str, variant: str, key, staging, digest_host) -> tuple[float, float]:
     """(seconds of one run of `trace` as `variant` times it, its calls' device ms or NaN)."""
     level = VARIANTS.index(variant)
@@ -97,14 +112,16 @@ def timed(engine, trace, drawn, device: str, variant: str, key, staging, digest_
     masked = None
     if variant in ("unmask", "staging"):
         masked = MaskedTokens(torch, device, counts).fill(torch, payload)
-    elif variant in ("worker", "idle"):   # the worker's arm
+    elif variant in ("worker", "idle", "warm"):   # the worker's arm
         masked = MaskedTokens(torch, device, counts)
         warm_trace_buffers(masked, output_digest, staging[:rows], key)
     synchronize(device)
     if variant == "idle":
         time.sleep(IDLE_SECONDS)
+    elif variant == "warm":
+        _keep_busy(device, staging[:1], IDLE_SECONDS)
     start = time.perf_counter()
-    if variant in ("worker", "idle"):
+    if variant in ("worker", "idle", "warm"):
         masked.fill(torch, payload)
     if events:
         events[0].record()
@@ -127,7 +144,7 @@ def timed(engine, trace, drawn, device: str, variant: str, key, staging, digest_
     if events:
         events[1].record()
     synchronize(device)
-    if variant in ("worker", "idle"):
+    if variant in ("worker", "idle", "warm"):
         digest_host[:row].copy_(output_digest(staging[:row], key), non_blocking=True)
         synchronize(device)
     elif variant == "before":
