@@ -23,10 +23,10 @@ steps added one at a time to the official timed region:
             device inside the clock, its buffers first allocated there, the digest in its
             nine-kernel form read back into pageable memory
   idle      `worker`, with the device idle IDLE_SECONDS before the clock, as a worker's is while the
-            judge's arm answer and timed request travel; both report the calls' device time (two
-            CUDA events, from the tokens' arrival to the last staging copy), which inside a real
-            worker read 0.82 ms on the prefill case whose official run takes 0.69 (thirty-fifth
-            session)
+            judge's arm answer and timed request travel. It, `worker` and `warm` also report the
+            calls' device time (two CUDA events, from the tokens' arrival to the last staging
+            copy), which inside a real worker read 0.82 ms on the prefill case whose official run
+            takes 0.69 (thirty-fifth session)
   warm      `idle`, with a tiny kernel launched every WARM_EVERY_SECONDS through the idle gap (the
             device kept busy, as after create_engine in the official method): if `idle` reads
             longer than `worker` and `warm` does not, the device's clocks drop while it waits
