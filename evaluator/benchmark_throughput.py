@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import sys
 import time
 import random
@@ -326,9 +327,12 @@ def run_benchmark(engine: ModuleType | str | Path, model_config: dict | str | Pa
             **({"checked_margin": checked[case.name]} if case.name in checked else {}),
             **({"worker_runs_ms": [r.inner_seconds * 1e3 for r in runs],
                 "judge_clock_ms": [r.raw_seconds * 1e3 for r in runs],
-                "split_ms": [[(b - a) * 1e3 for a, b in zip(r.moments, r.moments[1:])] for r in runs],
-                "split_cpu_ms": [r.cpu_ms for r in runs], "device_calls_ms": [r.device_calls_ms for r in runs]}
+                "split_ms": [[(b - a) * 1e3 for a, b in zip(r.moments, r.moments[1:])] for r in runs]}
                if median.inner_seconds is not None else {}),
+            # a diagnosed worker's (evaluator.remote.Worker(diagnose=True)); None where it gave none
+            **({"split_cpu_ms": [r.cpu_ms for r in runs],
+                "device_calls_ms": [None if math.isnan(r.device_calls_ms) else r.device_calls_ms for r in runs]}
+               if any(r.cpu_ms and not math.isnan(r.cpu_ms[0]) for r in runs) else {}),
         })
     for owner, margin in zip(owners, verify(checks, config, str(weight_dir), device, tol)):
         results[owner]["timed_margin"] = min(margin, results[owner].get("timed_margin", margin))

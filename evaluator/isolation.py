@@ -84,7 +84,8 @@ ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "OMP_NUM_THREADS", "MKL_
 # against 11-13 s, docs/benchmarks.md, fifteenth session); unloaded it costs nothing measurable.
 # A default: a caller's own OMP_WAIT_POLICY is kept. Set before torch is imported (libgomp reads
 # it once): by the judge (evaluator/evaluate.py) for itself, here for a CPU worker. A GPU worker
-# gets libgomp's own default, as the course's in-process harness has: there the candidate's host
+# gets libgomp's own wait policy, as the course's in-process harness has (and one thread fewer,
+# JUDGE_CORES): there the candidate's host
 # work is small torch ops between launches, and waking sleeping threads cost each small parallel
 # region ~50 us (repeat_interleave of 4 counts 12 -> 64-79 us; python3 -m scripts.gpu
 # worker-speed, thirty-fourth session), inside the judge's clock.
@@ -93,7 +94,8 @@ QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
 # through a timed trace, and libgomp's threads spin for a while after each parallel region, so a
 # pool of one thread a core oversubscribed the machine by one spinning thread and the scheduler
 # held a trace's request 0.1-4.7 ms before the worker ran it (H200 host, 16 cores; python3 -m
-# scripts.gpu judge-split, thirty-fifth session). A caller's own OMP_NUM_THREADS is kept.
+# scripts.gpu judge-split, thirty-fifth session). A caller's own OMP_NUM_THREADS or MKL_NUM_THREADS
+# (torch reads either) is kept.
 JUDGE_CORES = 1
 _DEFAULTED: set[str] = set()   # QUIET_THREADS keys that quiet_threads() set in this process's environment
 # The worker's user name for libraries that ask (getpass.getuser() reads USER/LOGNAME first):
@@ -325,6 +327,15 @@ def enter(spec: JailSpec) -> list[str]:
     return held
 
 
+def default_threads() -> int:
+    """The torch threads a process of this machine gets by default: one a physical core (torch's
+    own count, as this process has it unless someone chose), never more than the cores this
+    process may run on."""
+    cores = len(os.sched_getaffinity(0))
+    torch = sys.modules.get("torch")
+    return min(cores, torch.get_num_threads()) if torch is not None else cores
+
+
 def worker_env(home: Path, device: str) -> dict[str, str]:
     """The worker's environment: ENV_KEEP of the judge's (on a GPU without the judge's own
     QUIET_THREADS default), the scratch home's folders, QUIET_THREADS on a CPU, on a GPU a core
@@ -334,8 +345,8 @@ def worker_env(home: Path, device: str) -> dict[str, str]:
     env.setdefault("PATH", os.defpath)
     if cpu:
         quiet_threads(env)
-    else:
-        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - JUDGE_CORES)))
+    elif "OMP_NUM_THREADS" not in env and "MKL_NUM_THREADS" not in env:   # torch reads either
+        env["OMP_NUM_THREADS"] = str(max(1, default_threads() - JUDGE_CORES))
     tmp = home / "tmp"
     env.update(HOME=str(home), TMPDIR=str(tmp), TRITON_CACHE_DIR=str(home / ".triton"),   # Jail.compile_cache
                TRITON_HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), CUDA_CACHE_PATH=str(home / ".nv"),

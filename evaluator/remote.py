@@ -15,6 +15,7 @@ import secrets
 import select
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,8 @@ FIRST_BUFFER_BYTES = 1 << 22
 # the steps between them are a verdict's split_ms (evaluator/benchmark_throughput.py).
 TRACE_MOMENTS = ("judge sent", "worker received", "worker's clock starts", "tokens on the device", "calls returned",
                  "device synced", "digest read", "answer sent", "judge has the answer")
-# The steps between the worker's moments inside its clock, whose thread CPU time it reports (cpu_ms).
+# The worker's own steps (from its receiving the request to its digest read), whose thread CPU time
+# it reports when the judge diagnoses its clock (cpu_ms).
 WORKER_STEPS = TRACE_MOMENTS[2:7]
 NAN_BYTE = b"\xff"             # 0xFFFFFFFF is a NaN as fp32: rows the worker never wrote show
 
@@ -69,8 +71,8 @@ class TraceRun:
     peak_memory_mb: float              # the worker's claim
     outputs: list[torch.Tensor | None]  # per op: [B, vocab] fp32 (CPU, the judge's copy), None for remove
     moments: list[float]               # TRACE_MOMENTS, on the machine-wide monotonic clock
-    cpu_ms: list[float]                # the worker's claim: its thread's CPU ms in each of its WORKER_STEPS
-    device_calls_ms: float             # the worker's claim, with `Worker(diagnose=True)`: the calls' device time
+    cpu_ms: list[float]                # with `Worker(diagnose=True)`, the worker's claims (else NaN): its
+    device_calls_ms: float             # thread's CPU ms in each of WORKER_STEPS; the calls' device time
 
 
 class Worker:
@@ -85,7 +87,8 @@ class Worker:
     def __init__(self, device: str, memory_bytes: int | None = None, log: Callable[[str], None] = lambda s: None,
                  triton_cache: Path | None = None, cache_scope: tuple[str, ...] = (), diagnose: bool = False):
         self.device = device
-        self.diagnose = diagnose          # the worker times its calls on the device too (two events in the clock)
+        self.diagnose = diagnose          # the worker reports its thread's CPU time a step and its calls'
+                                          # device time (two events): a few us more inside the clock
         self.memory_bytes = memory_bytes
         self.log = log
         self.jail = Jail(device, memory_bytes, triton_cache, tuple(cache_scope))
@@ -367,13 +370,14 @@ class RemoteEngine:
         cpu = _numbers(answer.get("cpu_moments"), len(WORKER_STEPS) + 1)
         calls_ms = _numbers([answer.get("device_calls_ms")], 1)[0]
         return TraceRun(seconds, end - start, _numbers([inner], 1)[0],
-                        float(peak) if isinstance(peak, (int, float)) else 0.0, outputs,
+                        0.0 if math.isnan(peak := _numbers([peak], 1)[0]) else peak, outputs,
                         [start, *_numbers(theirs, mine), end], [(b - a) * 1e3 for a, b in zip(cpu, cpu[1:])], calls_ms)
 
 
 def _numbers(claimed, count: int) -> list[float]:
-    """A worker's claimed list of `count` finite numbers, or NaNs where it is not one."""
+    """A worker's claimed list of `count` finite numbers, or NaNs where it is not one. (Compared,
+    not converted: JSON carries integers too large for a float, and math.isfinite raised on them.)"""
     if isinstance(claimed, list) and len(claimed) == count and all(
-            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in claimed):
+            isinstance(t, (int, float)) and not isinstance(t, bool) and abs(t) <= sys.float_info.max for t in claimed):
         return [float(t) for t in claimed]
     return [math.nan] * count

@@ -167,7 +167,8 @@ class Worker:
         self.key = None           # its digest key
         self.trace_request = None  # its shape, from the arm request
         self.trace_tokens = None   # its tokens' keys and buffers (MaskedTokens), filled by the timed request
-        self.trace_events = None   # arm's two CUDA events when the judge diagnoses its clock
+        self.diagnose = False      # arm's: the judge diagnoses its clock (CPU time a step, device time)
+        self.trace_events = None   # arm's two CUDA events when it does, on CUDA
         self.digest_host = None    # its digests' pinned landing place
         self.armed = False        # spin for the next request (a timed trace is coming)
 
@@ -290,9 +291,15 @@ class Worker:
         self.digest_host = torch.empty(int(req["rows"]), dtype=torch.int64, pin_memory=device != "cpu")
         warm_trace_buffers(self.trace_tokens, self.guards.output_digest, self.staging, self.key)
         self.trace_request = req   # the trace's shape now, its tokens with the timed request
-        # scripts.gpu judge-split's diagnosis: the calls' time on the device, by two events inside the clock
-        self.trace_events = ([torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                             if req.get("diagnose") and device == "cuda" else None)
+        # scripts.gpu judge-split's diagnosis: the thread's CPU time at each moment and, on CUDA, the
+        # calls' device time by two events, each recorded once here (CUDA makes an event at its first
+        # record: not inside the clock).
+        self.diagnose = bool(req.get("diagnose"))
+        self.trace_events = None
+        if self.diagnose and device == "cuda":
+            self.trace_events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            for event in self.trace_events:
+                event.record()
         self.common.synchronize(device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -305,7 +312,9 @@ class Worker:
         the official timed region plus those copies and the digest. The judge's clock runs
         around this request; the digests are its answer's payload, the outputs travel afterwards
         (`flush`)."""
-        received, cpu = time.perf_counter(), [time.thread_time()]
+        received = time.perf_counter()
+        cpu_time = time.thread_time if self.diagnose else float   # float() is 0.0: no syscall inside the clock
+        cpu = [cpu_time()]
         tokens, self.trace_tokens = self.trace_tokens, None   # one trace per arm, even if fill raises
         if tokens is None:
             raise Refusal(self.common.CRASH, "a trace request without its arm")
@@ -314,10 +323,10 @@ class Worker:
         ops, staging, events = req["ops"], self.staging, self.trace_events
         with torch.no_grad():
             start = time.perf_counter()
-            cpu.append(time.thread_time())
+            cpu.append(cpu_time())
             tokens.fill(torch, payload)
             uploaded = time.perf_counter()
-            cpu.append(time.thread_time())
+            cpu.append(cpu_time())
             if events:
                 events[0].record()
             row = 0
@@ -330,22 +339,23 @@ class Worker:
                     staging[row:row + rows].copy_(out.detach())
                     row += rows
             returned = time.perf_counter()
-            cpu.append(time.thread_time())
+            cpu.append(cpu_time())
             if events:
                 events[1].record()
             self.common.synchronize(device)
             synced = time.perf_counter()
-            cpu.append(time.thread_time())
+            cpu.append(cpu_time())
             digests = self.digest_host[:row]
             digests.copy_(self.guards.output_digest(staging[:row], self.key), non_blocking=True)   # pinned
             self.common.synchronize(device)
             digests = digests.numpy().tobytes()
             seconds = time.perf_counter() - start
-            cpu.append(time.thread_time())
+            cpu.append(cpu_time())
         # Moments on the machine-wide monotonic clock, for the judge's overhead breakdown (TRACE_MOMENTS);
         # the thread's CPU time at the worker's own (all but "answer sent"): a step it spent off the CPU shows.
         return {"inner_seconds": seconds, "moments": [received, start, uploaded, returned, synced, start + seconds,
-                                                      time.perf_counter()], "cpu_moments": cpu,
+                                                      time.perf_counter()],
+                **({"cpu_moments": cpu} if self.diagnose else {}),
                 **({"device_calls_ms": events[0].elapsed_time(events[1])} if events else {})}, digests
 
     def profile(self, req: dict, payload: bytes) -> dict:

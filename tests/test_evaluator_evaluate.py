@@ -10,9 +10,10 @@ import time
 
 import pytest
 
+from evaluator.benchmark_throughput import run_benchmark
 from evaluator.common import REPO_ROOT
 from evaluator.evaluate import evaluate, score
-from evaluator.remote import TRACE_MOMENTS, WORKER_STEPS
+from evaluator.remote import TRACE_MOMENTS, WORKER_STEPS, RemoteModule, Worker, _numbers
 
 from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import broken_source
@@ -126,10 +127,30 @@ def test_a_timed_runs_split_covers_the_judges_clock_step_by_step(recompute_sourc
     assert sum(split) == pytest.approx(bench["judge_clock_ms"][0], rel=1e-6)
     calls = TRACE_MOMENTS.index("calls returned") - 1   # the step that ends when the calls returned
     assert split[calls] == max(split)   # on a CPU the recompute engine's calls are the time
-    (cpu,) = bench["split_cpu_ms"]      # the worker thread's CPU time in each of its own steps, at most the wall's
+    assert "split_cpu_ms" not in bench and "device_calls_ms" not in bench   # only a diagnosed worker's
+
+
+def test_a_diagnosed_worker_reports_its_threads_cpu_time_a_step(recompute_engine_path, tiny_model):
+    """Worker(diagnose=True), as scripts.gpu judge-split makes it: split_cpu_ms, the worker thread's
+    CPU time in each of its own steps (WORKER_STEPS), at most the wall time of the same step; no
+    device time on a CPU."""
+    with Worker("cpu", diagnose=True) as worker:
+        worker.request({"op": "load", "engine": worker.readable(recompute_engine_path)}, what="import")
+        (bench,) = run_benchmark(RemoteModule(worker), tiny_model.config, tiny_model.weight_dir, "cpu", ["prefill"],
+                                 warmup=0, repeat=1)
+    (split,), (cpu,) = bench["split_ms"], bench["split_cpu_ms"]
     first = TRACE_MOMENTS.index(WORKER_STEPS[0]) - 1
-    assert len(cpu) == len(WORKER_STEPS) and all(0 <= c <= w + 0.05 for c, w in zip(cpu, split[first:]))
-    assert math.isnan(bench["device_calls_ms"][0])   # only when the judge diagnoses a CUDA worker
+    assert len(cpu) == len(WORKER_STEPS)
+    assert all(0 <= c <= w * 1.001 + 0.05 for c, w in zip(cpu, split[first:])), (cpu, split)
+    assert bench["device_calls_ms"] == [None]
+
+
+def test_a_workers_claimed_numbers_are_read_or_dropped_never_raised_on():
+    """A worker's claims (moments, CPU times, peak memory) come as JSON, which carries integers too
+    large for a float: each is a finite number or NaN, and the judge does not raise on any."""
+    assert _numbers([1, 2.5], 2) == [1.0, 2.5]
+    for claimed in ([10**400, 1], [float("inf"), 1], [float("nan"), 1], [True, 1], ["1", 1], [1], None, {"a": 1}):
+        assert all(math.isnan(x) for x in _numbers(claimed, 2)), claimed
 
 
 def test_score_is_the_geometric_mean_of_floor_fractions():

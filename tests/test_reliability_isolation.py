@@ -223,11 +223,15 @@ def test_a_gpu_worker_leaves_the_judge_a_core_unless_the_caller_chose(tmp_path, 
     """A GPU worker's torch threads leave JUDGE_CORES to the judge, whose thread spins through a
     timed trace; a caller's OMP_NUM_THREADS reaches both kinds of worker as it is."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(isolation.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(isolation.os, "sched_getaffinity", lambda pid: set(range(32)))   # 2 threads a core
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)                           # torch's: a core each
     assert isolation.worker_env(tmp_path, "cuda")["OMP_NUM_THREADS"] == str(16 - isolation.JUDGE_CORES)
     assert "OMP_NUM_THREADS" not in isolation.worker_env(tmp_path, "cpu")
     monkeypatch.setattr(isolation.os, "sched_getaffinity", lambda pid: {0})
     assert isolation.worker_env(tmp_path, "cuda")["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("MKL_NUM_THREADS", "5")   # torch reads it before OMP_NUM_THREADS
+    assert "OMP_NUM_THREADS" not in isolation.worker_env(tmp_path, "cuda")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert isolation.worker_env(tmp_path, "cuda")["OMP_NUM_THREADS"] == "3"
     assert isolation.worker_env(tmp_path, "cpu")["OMP_NUM_THREADS"] == "3"

@@ -104,6 +104,8 @@ def timed(engine, trace, drawn, device: str, variant: str, key, staging, digest_
     level = VARIANTS.index(variant)
     events = ([torch.cuda.Event(enable_timing=True) for _ in range(2)]
               if variant in DEVICE_TIMED and device == "cuda" else None)
+    for event in events or []:
+        event.record()   # CUDA makes an event at its first record: here, not inside the clock
     counts = [sum(int(t.numel()) for t in tokens) for tokens in drawn]
     lengths = [[int(t.numel()) for t in tokens] for tokens in drawn]
     joined = [torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.int64, device=device) for tokens in drawn]
@@ -123,10 +125,10 @@ def timed(engine, trace, drawn, device: str, variant: str, key, staging, digest_
     start = time.perf_counter()
     if variant in ("worker", "idle", "warm"):
         masked.fill(torch, payload)
-    if events:
-        events[0].record()
     elif variant == "before":
         keys, starts, on_device = _before_upload(payload, device, counts)
+    if events:
+        events[0].record()
     row = 0
     for index, op in enumerate(trace):
         if variant == "official":
