@@ -8,6 +8,9 @@
 # target/), makes toy weights for the repository's own target if absent, and runs the search.
 # Exit code 0 only when workspace/engine.py holds an engine that passed verification.
 set -uo pipefail
+# Python runs from the repository; the agent and the server then resolve relative paths in their
+# flags (and MODEL_CONFIG, WEIGHT_DIR, AGENT_WORKSPACE) against the caller's folder, as a shell would.
+export RUN_SH_CALLER_DIR="$PWD"
 cd "$(dirname "${BASH_SOURCE[0]}")" || exit 2
 
 has_torch() { "$1" -c "import torch" >/dev/null 2>&1; }

@@ -1,5 +1,14 @@
 """`python3 -m agent`: the same as `bash run.sh` once Python and the packages are there."""
+import os
 import sys
+
+# run.sh runs Python from the repository: relative paths on its command line are the caller's.
+_caller = os.environ.pop("RUN_SH_CALLER_DIR", None)
+if _caller:
+    try:
+        os.chdir(_caller)
+    except OSError:   # the caller's folder is gone: relative paths then read from the repository
+        pass
 
 try:
     from agent.cli import main

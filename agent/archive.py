@@ -135,7 +135,7 @@ class Archive:
         result: a contest may have found it within noise of the best (the log's summary says which
         is installed)."""
         passing, variants = self.passing(), self.variants()
-        best = (f"highest score #{passing[0].index:03d} ({passing[0].score:.4g})" if passing
-                else "none passing")
+        best = (f"highest score #{passing[0].index:03d} ({passing[0].score:.4g}: one verdict's timing; paired "
+                f"contests decide the engine kept)" if passing else "none passing")
         return (f"archive: {len(passing)} passing engines of {len(self.members)}, "
                 f"{len(variants)} model-written variants; {best}")

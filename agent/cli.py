@@ -201,9 +201,9 @@ def hardware(device: str, config: Path) -> dict:
 def selftest_commands(cfg: RunConfig) -> list[str]:
     common = (f"--engine {shlex.quote(str(cfg.workspace / 'engine.py'))} --model-config {shlex.quote(str(cfg.config))} "
               f"--weight-dir {shlex.quote(str(cfg.weights))} --device {cfg.device}")
-    return [f"python3 evaluator/test_correctness.py {common}",
-            f"python3 evaluator/stress.py {common}",
-            f"python3 evaluator/benchmark_throughput.py {common}"]
+    scripts = REPO / "evaluator"   # absolute: the commands work from any folder
+    return [f"python3 {shlex.quote(str(scripts / name))} {common}"
+            for name in ("test_correctness.py", "stress.py", "benchmark_throughput.py")]
 
 
 def closing_lines(ws: Workspace, entries: list[Entry], cfg: RunConfig) -> list[str]:

@@ -140,6 +140,10 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
                 settle_conservative(state, judge, ws, report, left)
             state.seconds_left = others()   # a model's request must leave its answer's verdict time, not the final's
             candidate = pipeline.next(idle=due)
+            if candidate is None:   # (the pipeline's deadline: MIN_EVAL_SECONDS before the budget's end)
+                why = ("the budget's end is too near to start one" if left() <= MIN_EVAL_SECONDS
+                       else "every proposer has run dry: the builtin walk has tried each variant and parameter")
+                report.line(f"no candidate left to judge ({why}), {max(left(), 0):.0f}s of the budget left; stopping")
     while (pending := provisional_best(state, report)) is not None:   # a failed final may hand back to the one it replaced
         settle_final(state, judge, ws, report, left, pipeline.final)
         if provisional_best(state, report) is pending:

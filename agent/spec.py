@@ -26,6 +26,8 @@ UNSUPPORTED_IF_SET = {
     "mlp_bias": "MLP biases",
 }
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
+# torch_dtype names read without a warning (the stored dtype's, lower case): bf16's select bf16, the rest fp16
+KNOWN_DTYPES = ("float16", "fp16", "half", "bfloat16", "bf16")
 # Bounds on integer sizes: far above any real model (hidden 16384, mlp 53248 for the largest
 # LLaMA), low enough that an absurd value (10**100 from a typo or an attack) is refused here,
 # by name, rather than deep inside torch.
@@ -163,6 +165,12 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
         raise SpecError(f"unsupported feature: odd head_dim {head_dim} (interleaved RoPE rotates pairs; "
                         f"model config key 'head_dim')")
     dtype = stored_dtype_name(config).lower()
+    warnings = [] if conv.hf or "rope_parameters" not in config else [
+        "model config key 'rope_parameters' is not part of the course format: ignored, as the course's "
+        "reference ignores it (RoPE reads 'rope_theta')"]
+    if not conv.hf and dtype not in KNOWN_DTYPES:   # SPEC.md: anything but bf16 is fp16; a typo should not pass unseen
+        warnings.append(f"model config torch_dtype {_shown(config.get('torch_dtype', dtype))} is neither float16 nor "
+                        "bfloat16: the engine computes in float16 on a GPU, as the course's reference does")
     return ModelSpec(
         config_path=config_path, weight_dir=weight_dir, config=config,
         hidden=sizes["hidden_size"], intermediate=sizes["intermediate_size"], layers=sizes["num_hidden_layers"],
@@ -173,9 +181,7 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
                               "rope_theta", DEFAULT_THETA),
         dtype="bfloat16" if dtype in ("bfloat16", "bf16") else "float16",
         conventions=conv,
-        warnings=() if conv.hf or "rope_parameters" not in config else (
-            "model config key 'rope_parameters' is not part of the course format: ignored, as the course's "
-            "reference ignores it (RoPE reads 'rope_theta')",),
+        warnings=tuple(warnings),
     )
 
 

@@ -4,7 +4,8 @@
         --output target/weights/model.pt [--seed 0] [--scale 0.02] [--norm-spread 0]
 
 Every matrix is `randn * scale`, every norm weight one (or uniform in 1 ± norm-spread);
-the same arguments always give the same file. Weights are generated, never committed.
+the same arguments always give the same file. Weights are generated, never committed. A
+config the agent would refuse (agent/spec.py) gets one `error:` line and exit 1, no file.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evaluator.common import load_config  # noqa: E402
+from agent.spec import SpecError, read_config, spec_from_config  # noqa: E402
 from evaluator.weights import DEFAULT_SEED, TOY_SCALE, random_weights, save_weights  # noqa: E402
 
 
@@ -27,7 +28,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--norm-spread", type=float, default=0.0,
                    help="norm weights uniform in 1 ± this (0: all ones, the toy init)")
     a = p.parse_args(argv)
-    weights = random_weights(load_config(a.config), a.seed, a.scale, a.norm_spread)
+    try:   # the agent's own checks: no weights for a config the agent would refuse
+        config = read_config(Path(a.config))
+        spec_from_config(config, Path(a.config), Path(a.output).parent)
+    except SpecError as e:
+        sys.exit(f"error: {e}")
+    weights = random_weights(config, a.seed, a.scale, a.norm_spread)
     out = save_weights(weights, a.output)
     params = sum(t.numel() for t in weights.values())
     print(f"wrote {out}: {len(weights)} tensors, {params / 1e6:.2f}M parameters (seed {a.seed}, scale {a.scale})")

@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
 # The official public run on workspace/engine.py: correctness (SPEC.md §4), then the
-# throughput benchmark (SPEC.md §5). Toy weights are generated first if absent.
+# throughput benchmark (SPEC.md §5). Toy weights are generated first if the repository's own
+# target has none.
 #   PYTHON   interpreter (default python3)
-#   ENGINE   engine file (default workspace/engine.py)
-#   CONFIG   model config (default target/model_config.json)
-#   WEIGHTS  weight directory (default target/weights)
-#   DEVICE   auto | cuda | cpu (default auto)
-# Extra arguments go to the benchmark (e.g. --cases prefill,decode,mixed,decode128,mixed128).
+#   ENGINE   engine file (default $AGENT_WORKSPACE/engine.py, else workspace/engine.py)
+#   CONFIG   model config (default $MODEL_CONFIG, else target/model_config.json)
+#   WEIGHTS  weight directory (default $WEIGHT_DIR, else target/weights)
+#   DEVICE   auto | cuda | cpu (default $DEVICE, else auto)
+# (run.sh's own variables are the fallbacks, so a run set up with them is tested on what it wrote.)
+# Relative paths are the caller's. Extra arguments go to the benchmark (e.g. --cases
+# prefill,decode,mixed,decode128,mixed128).
 set -euo pipefail
+callers() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s' "$PWD/$1" ;; esac; }
+ENGINE="${ENGINE:-${AGENT_WORKSPACE:+$AGENT_WORKSPACE/engine.py}}"
+CONFIG="${CONFIG:-${MODEL_CONFIG:-}}"
+WEIGHTS="${WEIGHTS:-${WEIGHT_DIR:-}}"
+ENGINE="${ENGINE:+$(callers "$ENGINE")}"
+CONFIG="${CONFIG:+$(callers "$CONFIG")}"
+WEIGHTS="${WEIGHTS:+$(callers "$WEIGHTS")}"
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 ENGINE="${ENGINE:-workspace/engine.py}"
@@ -15,7 +25,7 @@ CONFIG="${CONFIG:-target/model_config.json}"
 WEIGHTS="${WEIGHTS:-target/weights}"
 DEVICE="${DEVICE:-auto}"
 
-if [ ! -f "$WEIGHTS/model.pt" ]; then
+if [ "$WEIGHTS" = "target/weights" ] && [ ! -f "$WEIGHTS/model.pt" ]; then
     "$PYTHON" scripts/generate_toy_weights.py --config "$CONFIG" --output "$WEIGHTS/model.pt"
 fi
 "$PYTHON" evaluator/test_correctness.py --engine "$ENGINE" --model-config "$CONFIG" \

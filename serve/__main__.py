@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -15,6 +16,14 @@ from serve.model import DEFAULT_ENGINE, load_model, resolve_source
 from serve.settings import ServeSettings
 
 EXIT_BAD_INPUT = 2
+
+# run.sh runs Python from the repository: relative paths on its command line are the caller's.
+_caller = os.environ.pop("RUN_SH_CALLER_DIR", None)
+if _caller:
+    try:
+        os.chdir(_caller)
+    except OSError:   # the caller's folder is gone: relative paths then read from the repository
+        pass
 
 
 def positive(text: str) -> int:

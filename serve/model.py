@@ -20,7 +20,7 @@ from typing import Any
 
 from serve.tokenizer import Tokenizer, load_tokenizer
 
-DEFAULT_ENGINE = Path("workspace/engine.py")
+DEFAULT_ENGINE = Path(__file__).resolve().parents[1] / "workspace" / "engine.py"   # the agent's default workspace
 RESULTS_JSON = "results.json"   # beside the engine: the run's record (agent/workspace.py)
 PREVIOUS = "previous"           # beside the engine: the last run, moved aside by a new one (agent/workspace.py)
 CONFIG_NAMES = ("config.json", "model_config.json")   # in the weights folder, in this order

@@ -128,6 +128,22 @@ def test_generate_toy_weights_script_writes_the_seeded_toy_weights(tmp_path):
     assert all(torch.equal(written[k], v) for k, v in expected.items())
 
 
+@pytest.mark.parametrize("change, said", [({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+                                         ({"intermediate_size": -640}, "'intermediate_size' must be a positive integer"),
+                                         ({"vocab_size": None}, "missing required key 'vocab_size'")])
+def test_generate_toy_weights_refuses_a_config_the_agent_would_with_one_line(tmp_path, change, said):
+    """It wrote weights for a config run.sh then refused, and met a negative size or a missing key
+    with a raw traceback (a new-user sweep, thirty-fifth session)."""
+    config = {k: v for k, v in {**TINY_CONFIG, **change}.items() if v is not None}
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(config))
+    out = tmp_path / "weights" / "model.pt"
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/generate_toy_weights.py"), "--config", str(cfg),
+                           "--output", str(out)], capture_output=True, text=True, env=SINGLE_THREAD_ENV)
+    assert done.returncode != 0 and not out.exists()
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and said in done.stderr, done.stderr
+
+
 def test_reference_margin_is_the_judges_own_distance_from_fp32(tiny_model, tiny_model_large):
     """evaluator/noise.py: 1.0 where the judge computes in fp32 (the CPU); in bf16 the worst
     margin of the judge against the same model in fp32 over its prompts, computed by hand here,

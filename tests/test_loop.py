@@ -158,6 +158,7 @@ def test_conservative_first_then_keeps_the_fastest(tmp_path, monkeypatch):
     log = (ws.root / "results.log").read_text()
     assert "summary" in log and "FAILED at public (wrong_result)" in log and log.count("ACCEPTED") == 3
     assert log.count("PROVISIONAL") == 1   # a's final at once (the conservative engine on disk), d's deferred
+    assert "no candidate left to judge (every proposer has run dry" in log   # why a run ends before its budget
 
 
 def test_the_conservative_engine_is_judged_once_timed_on_one_case_and_compared_case_for_case(tmp_path, monkeypatch):
@@ -652,3 +653,17 @@ def test_a_run_whose_budget_ended_before_any_verdict_says_so(tmp_path):
     wrong = SimpleNamespace(result=EvalResult(status="failed", stage="public", error_kind="wrong_result"))
     assert "the budget (20 s) ended before a verdict did" in cli.closing_lines(ws, [timed_out], cfg)[0]
     assert "budget" not in cli.closing_lines(ws, [timed_out, wrong], cfg)[0]
+
+
+def test_the_self_test_commands_the_run_prints_work_from_any_folder(tmp_path):
+    """results.log's re-run commands named `evaluator/...` relative to the repository, and failed
+    from any other folder (a new-user sweep): each now names its script by absolute path."""
+    import shlex
+    from types import SimpleNamespace
+
+    from agent import cli
+    cfg = SimpleNamespace(workspace=tmp_path / "ws", config=tmp_path / "m" / "config.json",
+                          weights=tmp_path / "m" / "weights", device="cpu")
+    for command in cli.selftest_commands(cfg):
+        script = Path(shlex.split(command)[1])
+        assert script.is_absolute() and script.is_file(), command

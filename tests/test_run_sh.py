@@ -76,6 +76,21 @@ def test_bad_input_through_run_sh(tmp_path):
     assert not (tmp_path / "ws" / "engine.py").exists()
 
 
+def test_relative_paths_on_run_shs_command_line_are_the_callers(tmp_path):
+    """run.sh runs Python from the repository, yet a relative --config, --weights or --workspace
+    means what it means in the caller's shell (a new-user sweep, thirty-fifth session: they were
+    read from the repository, and a relative workspace was written inside it)."""
+    write_model(tmp_path / "model")
+    (tmp_path / "model" / "weights" / "model.pt").unlink()
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), "--config", "model/config.json", "--weights", "model/weights",
+                           "--device", "cpu", "--workspace", "ws-relative"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: missing weights file") and str(tmp_path / "model" / "weights") in last, last
+    assert not (REPO / "ws-relative").exists()
+
+
 @pytest.mark.slow
 def test_interrupt_then_rerun(tmp_path):
     # 1. Interrupted once the conservative engine is on disk, while later evaluations run.

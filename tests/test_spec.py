@@ -159,6 +159,18 @@ def test_rope_parameters_in_the_course_format_is_a_warning(tmp_path):
     assert any("'rope_parameters' is not part of the course format" in w for w in spec.warnings)
 
 
+@pytest.mark.parametrize("dtype, warned", [("float16", False), ("bfloat16", False), ("bf16", False),
+                                           ("int8", True), ("bfloat61", True)])
+def test_a_torch_dtype_that_is_neither_fp16_nor_bf16_is_said(tmp_path, dtype, warned):
+    """SPEC.md: anything but bf16 computes in fp16, so a typo (`bfloat61`) or `int8` ran as fp16
+    unseen (a new-user sweep, thirty-fifth session); it still runs, and the run says so."""
+    cfg, weights = write_model(tmp_path)
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "torch_dtype": dtype}))
+    spec = load_spec(cfg, weights)
+    assert spec.dtype == ("bfloat16" if dtype.startswith("bf") and dtype != "bfloat61" else "float16")
+    assert any(f"torch_dtype '{dtype}' is neither float16 nor bfloat16" in w for w in spec.warnings) == warned
+
+
 def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path):
     config, weights = _weights_case(tmp_path, _nan)
     ws = tmp_path / "ws"
