@@ -142,7 +142,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
             candidate = pipeline.next(idle=due)
             if candidate is None:   # (the pipeline's deadline: MIN_EVAL_SECONDS before the budget's end)
                 why = ("the budget's end is too near to start one" if left() <= MIN_EVAL_SECONDS
-                       else "every proposer has run dry: the builtin walk has tried each variant and parameter")
+                       else "the proposers have nothing more to try")
                 report.line(f"no candidate left to judge ({why}), {max(left(), 0):.0f}s of the budget left; stopping")
     while (pending := provisional_best(state, report)) is not None:   # a failed final may hand back to the one it replaced
         settle_final(state, judge, ws, report, left, pipeline.final)

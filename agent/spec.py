@@ -168,7 +168,7 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
     warnings = [] if conv.hf or "rope_parameters" not in config else [
         "model config key 'rope_parameters' is not part of the course format: ignored, as the course's "
         "reference ignores it (RoPE reads 'rope_theta')"]
-    if not conv.hf and dtype not in KNOWN_DTYPES:   # SPEC.md: anything but bf16 is fp16; a typo should not pass unseen
+    if not conv.hf and config.get("torch_dtype") is not None and dtype not in KNOWN_DTYPES:   # SPEC.md: anything but bf16 is fp16; a typo should not pass unseen
         warnings.append(f"model config torch_dtype {_shown(config.get('torch_dtype', dtype))} is neither float16 nor "
                         "bfloat16: the engine computes in float16 on a GPU, as the course's reference does")
     return ModelSpec(

@@ -22,8 +22,9 @@ _caller = os.environ.pop("RUN_SH_CALLER_DIR", None)
 if _caller:
     try:
         os.chdir(_caller)
-    except OSError:   # the caller's folder is gone: relative paths then read from the repository
-        pass
+    except OSError as e:   # read from the repository instead, a relative workspace would be written there
+        print(f"error: the folder run.sh was called from cannot be entered: {_caller} ({e.strerror})", file=sys.stderr)
+        sys.exit(2)
 
 
 def positive(text: str) -> int:

@@ -158,7 +158,7 @@ def test_conservative_first_then_keeps_the_fastest(tmp_path, monkeypatch):
     log = (ws.root / "results.log").read_text()
     assert "summary" in log and "FAILED at public (wrong_result)" in log and log.count("ACCEPTED") == 3
     assert log.count("PROVISIONAL") == 1   # a's final at once (the conservative engine on disk), d's deferred
-    assert "no candidate left to judge (every proposer has run dry" in log   # why a run ends before its budget
+    assert "no candidate left to judge (the proposers have nothing more to try)" in log   # why a run ends early
 
 
 def test_the_conservative_engine_is_judged_once_timed_on_one_case_and_compared_case_for_case(tmp_path, monkeypatch):
