@@ -26,6 +26,9 @@ UNSUPPORTED_IF_SET = {
     "mlp_bias": "MLP biases",
 }
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
+# Optional config keys that shape these tensors: a shape mismatch names the one the config left out
+# (a missing num_key_value_heads read as num_attention_heads, and the k_proj error never said so).
+DEFAULTED_SHAPES = {"num_key_value_heads": ("k_proj", "v_proj"), "head_dim": ("q_proj", "k_proj", "v_proj", "o_proj")}
 # torch_dtype names read without a warning (the stored dtype's, lower case): bf16's select bf16, the rest fp16
 KNOWN_DTYPES = ("float16", "fp16", "half", "bfloat16", "bf16")
 # Bounds on integer sizes: far above any real model (hidden 16384, mlp 53248 for the largest
@@ -248,7 +251,10 @@ def check_weights(spec: ModelSpec, state: dict) -> ModelSpec:
         if not t.is_floating_point():
             raise SpecError(f"'{key}' in {path} has dtype {t.dtype}, expected a floating-point tensor")
         if tuple(t.shape) != shape:
-            raise SpecError(f"'{key}' has shape {list(t.shape)}, expected {list(shape)} from the model config")
+            defaulted = [k for k, shaped in DEFAULTED_SHAPES.items()
+                         if spec.config.get(k) is None and any(part in key for part in shaped)]
+            hint = f" (absent from the config, so read as its default: {', '.join(defaulted)})" if defaulted else ""
+            raise SpecError(f"'{key}' has shape {list(t.shape)}, expected {list(shape)} from the model config{hint}")
         if not bool(torch.isfinite(t).all()):
             raise SpecError(f"'{key}' in {path} has non-finite values (nan or inf)")
         params += t.numel()

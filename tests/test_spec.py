@@ -171,6 +171,17 @@ def test_a_torch_dtype_that_is_neither_fp16_nor_bf16_is_said(tmp_path, dtype, wa
     assert any(f"torch_dtype '{dtype}' is neither float16 nor bfloat16" in w for w in spec.warnings) == warned
 
 
+def test_a_shape_mismatch_names_the_config_key_left_out(tmp_path):
+    """A config without num_key_value_heads reads it as num_attention_heads; GQA weights then failed
+    on k_proj's shape with no word of the key (a new-user sweep, thirty-fifth session)."""
+    cfg, weights = write_model(tmp_path, {**TINY_CONFIG, "num_key_value_heads": 2})
+    data = json.loads(cfg.read_text())
+    del data["num_key_value_heads"]
+    cfg.write_text(json.dumps(data))
+    with pytest.raises(SpecError, match=r"k_proj.*read as its default: num_key_value_heads"):
+        load_spec(cfg, weights)
+
+
 def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path):
     config, weights = _weights_case(tmp_path, _nan)
     ws = tmp_path / "ws"
