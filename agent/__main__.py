@@ -1,15 +1,9 @@
 """`python3 -m agent`: the same as `bash run.sh` once Python and the packages are there."""
-import os
 import sys
 
-# run.sh runs Python from the repository: relative paths on its command line are the caller's.
-_caller = os.environ.pop("RUN_SH_CALLER_DIR", None)
-if _caller:
-    try:
-        os.chdir(_caller)
-    except OSError as e:   # read from the repository instead, a relative workspace would be written there
-        print(f"error: the folder run.sh was called from cannot be entered: {_caller} ({e.strerror})", file=sys.stderr)
-        sys.exit(2)
+from agent.caller import enter_callers_folder
+
+enter_callers_folder()   # relative paths on run.sh's command line are the caller's
 
 try:
     from agent.cli import main

@@ -7,25 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 from pathlib import Path
 
+from agent.caller import enter_callers_folder
 from serve.model import DEFAULT_ENGINE, load_model, resolve_source
 from serve.settings import ServeSettings
 
 EXIT_BAD_INPUT = 2
-
-# run.sh runs Python from the repository: relative paths on its command line are the caller's.
-_caller = os.environ.pop("RUN_SH_CALLER_DIR", None)
-if _caller:
-    try:
-        os.chdir(_caller)
-    except OSError as e:   # read from the repository instead, a relative workspace would be written there
-        print(f"error: the folder run.sh was called from cannot be entered: {_caller} ({e.strerror})", file=sys.stderr)
-        sys.exit(2)
-
 
 def positive(text: str) -> int:
     value = int(text)
@@ -76,6 +66,7 @@ def can_listen(host: str, port: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    enter_callers_folder()   # relative paths on run.sh's command line are the caller's
     args = parse_args(argv)
     busy = can_listen(args.host, args.port)
     if busy:

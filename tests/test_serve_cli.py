@@ -103,6 +103,17 @@ def test_serve_bad_inputs_exit_2(tmp_path, tiny_model):
     assert done.stderr.strip().splitlines()[-1].startswith("error: no engine at")
 
 
+def test_a_relative_engine_path_through_run_sh_serve_is_the_callers(tmp_path, tiny_model):
+    """`bash run.sh serve` runs Python from the repository; a relative --engine still names the
+    caller's file (agent/caller.py)."""
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", str(repo / "run.sh"), "serve", "--engine", "none.py", "--weights",
+                           str(tiny_model.weight_dir)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**SINGLE_THREAD_ENV, "PYTHON": sys.executable})
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: no engine at {tmp_path / 'none.py'}"), done.stderr
+
+
 def test_a_busy_port_is_one_line_before_the_engine_loads(tmp_path, tiny_model, recompute_engine_path):
     """A second server on a port in use had loaded its engine, then failed among uvicorn's lines
     (a new-user walkthrough): it says so first, in one line, exit 2."""
