@@ -85,10 +85,9 @@ ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "OMP_NUM_THREADS", "MKL_
 # A default: a caller's own OMP_WAIT_POLICY is kept. Set before torch is imported (libgomp reads
 # it once): by the judge (evaluator/evaluate.py) for itself, here for a CPU worker. A GPU worker
 # gets libgomp's own wait policy, as the course's in-process harness has (and one thread fewer,
-# JUDGE_CORES): there the candidate's host
-# work is small torch ops between launches, and waking sleeping threads cost each small parallel
-# region ~50 us (repeat_interleave of 4 counts 12 -> 64-79 us; python3 -m scripts.gpu
-# worker-speed, thirty-fourth session), inside the judge's clock.
+# JUDGE_CORES): there the candidate's host work is small torch ops between launches, and waking
+# sleeping threads cost each small parallel region ~50 us (repeat_interleave of 4 counts 12 ->
+# 64-79 us; python3 -m scripts.gpu worker-speed, thirty-fourth session), inside the judge's clock.
 QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
 # A GPU worker's torch threads leave this many cores to the judge: its thread spins on the channel
 # through a timed trace, and libgomp's threads spin for a while after each parallel region, so a
