@@ -38,9 +38,10 @@ from pathlib import Path
 import pytest
 
 from evaluator import benchmark_throughput, isolation, sweep
-from evaluator.common import REPO_ROOT, load_engine_module
+from evaluator.common import REPO_ROOT, load_engine_module, make_generator
 from evaluator.evaluate import evaluate
 from evaluator.floor import Hardware
+from evaluator.session import draw_op_tokens
 from evaluator.traces import DECODE, benchmark_trace
 
 from tests.conftest import SINGLE_THREAD_ENV, make_model_dir
@@ -945,18 +946,26 @@ def create_engine(model_config, weight_dir, device="cuda"):
 '''
 
 
+def honest_decode_ms(engine_file: Path, model) -> float:
+    """The decode case's time for `engine_file` in this process, under the official method."""
+    vocab = int(model.config["vocab_size"])
+    trace = benchmark_trace("decode")
+    gen = make_generator(0, "cpu")
+    tokens = [draw_op_tokens(op, gen, vocab, "cpu") for op in trace]
+    engine = load_engine_module(engine_file).create_engine(model.config, str(model.weight_dir), "cpu")
+    return benchmark_throughput.timed_run(engine, trace, tokens, "cpu", "decode", vocab, keep_last=False).seconds * 1e3
+
+
 def test_outputs_computed_after_the_clock_and_fitted_to_the_digest_are_charged(recompute_source, write_engine,
                                                                                 tiny_model):
     """The outputs pass (every sampled row within tolerance, the digests match), but the work done
-    in the handover is counted: the engine is no faster than the honest one it wraps."""
-    honest = evaluate(write_engine(recompute_source, "honest"), tiny_model.config, tiny_model.weight_dir,
-                      **{**QUICK, "cases": ["decode"]})
+    in the handover is counted: the engine is no faster than the honest one it wraps (timed here,
+    in this process: cheaper than a second verdict)."""
+    honest_ms = honest_decode_ms(write_engine(recompute_source, "honest"), tiny_model)
     deferring = evaluate(write_engine(attacking_engine(recompute_source, at_import=DEFERS_TO_THE_HANDOVER), "defers"),
                          tiny_model.config, tiny_model.weight_dir, **{**QUICK, "cases": ["decode"]})
-    assert honest["status"] == "passed", honest["error"]
     if deferring["status"] == "passed":
-        assert deferring["benchmark"][0]["elapsed_ms"] >= 0.5 * honest["benchmark"][0]["elapsed_ms"], \
-            (deferring["benchmark"][0], honest["benchmark"][0])
+        assert deferring["benchmark"][0]["elapsed_ms"] >= 0.5 * honest_ms, (deferring["benchmark"][0], honest_ms)
 
 
 # ---- the judge's memory, environment and descriptors; env tricks; writes through mmap ----
