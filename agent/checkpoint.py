@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from agent.spec import defaulted_hint
 from evaluator.checkpoint import HF_PREFIX, CheckpointError, TensorInfo, list_tensors, read_tensor
 
 # Stored dtypes an engine casts from: safetensors' names and torch's.
@@ -41,7 +42,7 @@ def check_hf_weights(spec, error: type[Exception]):
             raise error(f"'{info.name}' in {info.file} has dtype {info.dtype}, expected bf16, fp16 or fp32")
         if info.shape != shape:
             raise error(f"'{info.name}' in {info.file} has shape {list(info.shape)}, expected {list(shape)} "
-                        f"from the model config")
+                        f"from the model config{defaulted_hint(spec, key)}")
         params += _numel(shape)
     _check_finite([tensors[k] for k in expected], error)
     if spec.conventions.tied and "lm_head.weight" in tensors:

@@ -6,12 +6,14 @@ before anything is written to the workspace.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from evaluator.checkpoint import CheckpointError, Conventions, conventions, rope_parameters, stored_dtype_name
+from evaluator.checkpoint import (SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, CheckpointError, Conventions, conventions,
+                                 rope_parameters, stored_dtype_name, with_config_defaults)
 
 WEIGHTS_FILE = "model.pt"
 REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
@@ -26,6 +28,7 @@ UNSUPPORTED_IF_SET = {
     "mlp_bias": "MLP biases",
 }
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
+HF_WEIGHT_FILES = (SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN)   # a folder holding one is an HF folder
 # Optional config keys that shape these tensors: a shape mismatch names the one the config left out
 # (a missing num_key_value_heads read as num_attention_heads, and the k_proj error never said so).
 DEFAULTED_SHAPES = {"num_key_value_heads": ("k_proj", "v_proj"), "head_dim": ("q_proj", "k_proj", "v_proj", "o_proj")}
@@ -143,6 +146,7 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
     """Sizes and numerics from the config, with SPEC's defaults, refusing what the reference cannot
     run: for the course format any key of UNSUPPORTED_IF_SET, for an HF config whatever its
     conventions cannot express (evaluator/checkpoint.py)."""
+    config = with_config_defaults(config)   # load_config's already; a caller's own dict too
     try:
         conv = conventions(config)
     except CheckpointError as e:
@@ -163,7 +167,8 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
     kv_heads = _positive_int(config, "num_key_value_heads", heads)
     if heads % kv_heads:
         raise SpecError(f"unsupported feature: num_attention_heads {heads} is not a multiple of "
-                        f"num_key_value_heads {kv_heads} (model config key 'num_key_value_heads')")
+                        f"num_key_value_heads {kv_heads} (model config key 'num_key_value_heads')"
+                        f"{_defaulted(config, _left_out(config_path, ['num_key_value_heads']))}")
     if head_dim % 2:
         raise SpecError(f"unsupported feature: odd head_dim {head_dim} (interleaved RoPE rotates pairs; "
                         f"model config key 'head_dim')")
@@ -212,7 +217,10 @@ def load_state_dict(weight_dir: Path) -> dict:
         raise SpecError(f"weights directory not found: {weight_dir}")
     path = weight_dir / WEIGHTS_FILE
     if not path.is_file():
-        raise SpecError(f"missing weights file: {path}")
+        held = [name for name in HF_WEIGHT_FILES if (weight_dir / name).is_file()]
+        why = (f" ({weight_dir} holds {held[0]}: a Hugging Face folder's config.json names its class in "
+               "'architectures', e.g. [\"LlamaForCausalLM\"], and this one has no such key)") if held else ""
+        raise SpecError(f"missing weights file: {path}{why}")
     try:
         state = load_course_file(path)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle is the same user-facing problem
@@ -251,10 +259,8 @@ def check_weights(spec: ModelSpec, state: dict) -> ModelSpec:
         if not t.is_floating_point():
             raise SpecError(f"'{key}' in {path} has dtype {t.dtype}, expected a floating-point tensor")
         if tuple(t.shape) != shape:
-            defaulted = [k for k, shaped in DEFAULTED_SHAPES.items()
-                         if spec.config.get(k) is None and any(part in key for part in shaped)]
-            hint = f" (absent from the config, so read as its default: {', '.join(defaulted)})" if defaulted else ""
-            raise SpecError(f"'{key}' has shape {list(t.shape)}, expected {list(shape)} from the model config{hint}")
+            raise SpecError(f"'{key}' has shape {list(t.shape)}, expected {list(shape)} from the model config"
+                            f"{defaulted_hint(spec, key)}")
         if not bool(torch.isfinite(t).all()):
             raise SpecError(f"'{key}' in {path} has non-finite values (nan or inf)")
         params += t.numel()
@@ -266,6 +272,30 @@ def check_weights(spec: ModelSpec, state: dict) -> ModelSpec:
         why = f" (layers beyond num_hidden_layers={spec.layers}?)" if beyond else ""
         warnings.append(f"{len(extra)} unexpected tensor(s) ignored{why}, e.g. '{extra[0]}'")
     return replace(spec, parameters=params, warnings=tuple(warnings))
+
+
+def _left_out(config_path: Path, keys) -> list[str]:
+    """Which of `keys` the config file as written leaves out (or sets null): read as defaults."""
+    try:
+        written = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [k for k in keys if not isinstance(written, dict) or written.get(k) is None]
+
+
+def _defaulted(config: dict, keys: list[str]) -> str:
+    """' (absent from the config, so read as its default: ...)' for those keys, or ""."""
+    if not keys:
+        return ""
+    return " (absent from the config, so read as its default: " + ", ".join(
+        f"{k} {config[k]}" if config.get(k) is not None else k for k in keys) + ")"
+
+
+def defaulted_hint(spec: ModelSpec, tensor: str) -> str:
+    """For a tensor whose shape the config did not predict: the keys shaping it that the config file
+    leaves out (read as a default: the course's derivation, or an HF architecture's own), or ""."""
+    shaping = [k for k, shaped in DEFAULTED_SHAPES.items() if any(part in tensor for part in shaped)]
+    return _defaulted(spec.config, _left_out(spec.config_path, shaping))
 
 
 def load_spec(config_path: str | Path, weight_dir: str | Path) -> ModelSpec:

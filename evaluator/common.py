@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from evaluator.checkpoint import is_hf, load_hf_weights, rope_theta, stored_dtype_name
+from evaluator.checkpoint import is_hf, load_hf_weights, rope_theta, stored_dtype_name, with_config_defaults
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WEIGHT_FILE = "model.pt"
@@ -118,9 +118,10 @@ def load_config(config: dict | str | Path) -> dict:
     """A config dict, from a dict or a JSON file. Every way the file can be unusable (missing, a
     directory, unreadable, too large, not UTF-8, not JSON, an integer past Python's 4300-digit
     limit, nested past the recursion limit, not an object) raises ConfigError with one line, so
-    that an entry point can end with that line and exit code 2 rather than a traceback."""
+    that an entry point can end with that line and exit code 2 rather than a traceback. An HF
+    config comes with its architecture's defaults for the keys it leaves out (with_config_defaults)."""
     if isinstance(config, dict):
-        return dict(config)
+        return with_config_defaults(config)
     path = Path(config)
     try:
         with path.open("rb") as f:
@@ -146,7 +147,7 @@ def load_config(config: dict | str | Path) -> dict:
         raise ConfigError(f"model config {path} cannot be parsed: {str(e).split(';')[0]}") from None
     if not isinstance(parsed, dict):
         raise ConfigError(f"model config {path} must be a JSON object, got {type(parsed).__name__}")
-    return parsed
+    return with_config_defaults(parsed)
 
 
 def resolve_device(device: str) -> str:

@@ -3,6 +3,7 @@ random-initialised checkpoints of each supported architecture (fp32, CPU), read 
 folder as the judge reads it (evaluator/common.load_weights)."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -65,3 +66,73 @@ def test_stray_biases_of_a_llama_folder_are_ignored_as_transformers_does(tmp_pat
     with torch.no_grad():
         want = transformers_model(model.folder)(tokens).logits[0].float()
     torch.testing.assert_close(ref.logits(tokens[0]).float(), want, atol=ATOL, rtol=RTOL)
+
+
+# Config keys a config.json may leave out, whose transformers default is its architecture's own
+# (evaluator/checkpoint.py CONFIG_DEFAULTS), with a model built at those values (unseen-checkpoints
+# sweep, thirty-sixth session: the engines had computed a Llama without rms_norm_eps at 1e-5).
+LEFT_OUT = {
+    "LlamaForCausalLM": dict(rms_norm_eps=1e-6, num_key_value_heads=4, head_dim=16),   # 4 heads of hidden 64
+    "MistralForCausalLM": dict(rms_norm_eps=1e-6, num_attention_heads=8, num_key_value_heads=8, head_dim=8),
+    "Qwen3ForCausalLM": dict(rms_norm_eps=1e-6, num_attention_heads=32, num_key_value_heads=32, head_dim=128),
+}
+LEFT_OUT_KEYS = ("rms_norm_eps", "num_key_value_heads", "head_dim")
+
+
+@pytest.mark.parametrize("arch", list(LEFT_OUT))
+def test_keys_a_config_leaves_out_take_the_architectures_defaults(tmp_path, arch):
+    """The spec, the reference (the config as the judge reads it) and an engine (the config.json as
+    written, as a user passes it) all match transformers on a folder whose config lacks the keys."""
+    from agent.plan import Plan
+    from agent.render import render_engine
+    from agent.spec import load_spec
+    from evaluator.common import load_config, load_engine_module
+
+    seed = random.randrange(2**31)
+    model = build(tmp_path / "m", arch, seed=seed, **LEFT_OUT[arch])
+    path = model.folder / "config.json"
+    written = {k: v for k, v in json.loads(path.read_text()).items() if k not in LEFT_OUT_KEYS}
+    path.write_text(json.dumps(written))
+    spec = load_spec(path, model.folder)
+    assert (spec.eps, spec.kv_heads, spec.head_dim) == tuple(
+        LEFT_OUT[arch].get(k, model.config.get(k)) for k in LEFT_OUT_KEYS)
+    tokens = torch.randint(0, model.config["vocab_size"], (1, 48), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = transformers_model(model.folder)(tokens).logits[0].float()
+    config = load_config(path)
+    torch.testing.assert_close(ReferenceModel(config, load_weights(model.folder, config), "cpu").logits(tokens[0]).float(),
+                               want, atol=ATOL, rtol=RTOL, msg=lambda m: f"reference, seed {seed}: {m}")
+    engine_file = tmp_path / "engine.py"
+    engine_file.write_text(render_engine(Plan("recompute"), None, spec.conventions))
+    engine = load_engine_module(engine_file).create_engine(written, str(model.folder), "cpu")
+    last = engine.prefill([0], [tokens[0]])[0].float()
+    torch.testing.assert_close(last, want[-1], atol=ATOL, rtol=RTOL, msg=lambda m: f"engine, seed {seed}: {m}")
+    course = dict(config, rms_norm_eps=1e-5)   # the course's default, as before: the comparison can fail
+    assert (ReferenceModel(course, load_weights(model.folder, course), "cpu").logits(tokens[0]).float()
+            - want).abs().max() > ATOL
+
+
+def test_a_folder_with_both_a_single_file_and_shards_is_read_as_transformers_reads_it(tmp_path):
+    """model.safetensors wins over an index and its shards (transformers 4.x and 5.x): the shards
+    of another model beside it had been what the reference and the engines read."""
+    from agent.plan import Plan
+    from agent.render import render_engine
+    from agent.spec import load_spec
+    from evaluator.common import load_engine_module
+
+    seed = random.randrange(2**31)
+    model = build(tmp_path / "m", seed=seed)
+    other = build(tmp_path / "other", seed=seed + 1, sharded=True)
+    for f in other.folder.glob("model-*"):
+        (model.folder / f.name).write_bytes(f.read_bytes())
+    (model.folder / "model.safetensors.index.json").write_bytes((other.folder / "model.safetensors.index.json").read_bytes())
+    spec = load_spec(model.folder / "config.json", model.folder)
+    tokens = torch.randint(0, model.config["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = transformers_model(model.folder)(tokens).logits[0].float()
+    torch.testing.assert_close(ReferenceModel(model.config, load_weights(model.folder, model.config), "cpu")
+                               .logits(tokens[0]).float(), want, atol=ATOL, rtol=RTOL)
+    engine_file = tmp_path / "engine.py"
+    engine_file.write_text(render_engine(Plan("recompute"), None, spec.conventions))
+    engine = load_engine_module(engine_file).create_engine(model.config, str(model.folder), "cpu")
+    torch.testing.assert_close(engine.prefill([0], [tokens[0]])[0].float(), want[-1], atol=ATOL, rtol=RTOL)

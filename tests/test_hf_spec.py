@@ -98,6 +98,12 @@ BROKEN = {
     "no weights at all": ("llama", lambda d: (d / "model.safetensors").unlink(), "holds no model.safetensors"),
     "shard without index": ("sharded", lambda d: (d / "model.safetensors.index.json").unlink(),
                             "no model.safetensors.index.json"),
+    "no 'architectures' key": ("llama", lambda d: _drop_key(d, "architectures"),
+                               "holds model.safetensors: a Hugging Face folder's config.json names its class"),
+    "a Qwen2 config without num_key_value_heads (32 in transformers)": (
+        "sharded", lambda d: _drop_key(d, "num_key_value_heads"),
+        "num_key_value_heads 32 (model config key 'num_key_value_heads') (absent from the config, so read as its "
+        "default: num_key_value_heads 32)"),
     "missing tensor": ("bin", lambda d: torch.save({k: v for k, v in torch.load(d / "pytorch_model.bin").items()
                                                     if "q_norm" not in k}, d / "pytorch_model.bin"),
                        "missing tensor 'model.layers.0.self_attn.q_norm.weight'"),

@@ -160,7 +160,7 @@ def test_every_hf_skeleton_prints_the_shared_hf_part():
         text = (plan_module.ENGINES / f"{engine}.py.j2").read_text()
         alias = re.search(r'{% import "engine/hf/weights.py.j2" as (\w+)', text)
         assert alias, f"{engine} does not import the hf part"
-        assert all(f"{{{{ {alias.group(1)}.{m}() }}}}" in text for m in macros), engine
+        assert all(f"{{{{ {alias.group(1)}.{m}(" in text for m in macros), engine
 
 
 def jit_kernel_lines(source: str) -> dict[str, int]:
