@@ -12,12 +12,11 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from evaluator.checkpoint import (SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, CheckpointError, Conventions, conventions,
-                                 rope_parameters, stored_dtype_name, with_config_defaults)
+from evaluator.checkpoint import (COURSE_EPS, SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, CheckpointError, Conventions,
+                                 conventions, rope_parameters, stored_dtype_name, with_config_defaults)
 
 WEIGHTS_FILE = "model.pt"
 REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
-DEFAULT_EPS = 1e-5
 DEFAULT_THETA = 10000.0
 DEFAULT_MAX_POSITIONS = 4096
 # Config keys that change the math the reference implements: present and not null/false → refuse.
@@ -184,7 +183,7 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
         hidden=sizes["hidden_size"], intermediate=sizes["intermediate_size"], layers=sizes["num_hidden_layers"],
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab=sizes["vocab_size"],
         max_positions=_positive_int(config, "max_position_embeddings", DEFAULT_MAX_POSITIONS),
-        eps=_positive_float(config, "rms_norm_eps", DEFAULT_EPS),
+        eps=_positive_float(config, "rms_norm_eps", COURSE_EPS),
         theta=_positive_float(rope_parameters(config) if conv.hf and "rope_theta" not in config else config,
                               "rope_theta", DEFAULT_THETA),
         dtype="bfloat16" if dtype in ("bfloat16", "bf16") else "float16",

@@ -52,6 +52,7 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 # Config keys that mean experts (mixture of experts): the reference runs dense MLPs only.
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 DEFAULT_THETA = 10000.0
+COURSE_EPS = 1e-5        # SPEC.md's rms_norm_eps where a course config has none
 
 
 class CheckpointError(ValueError):
@@ -276,8 +277,14 @@ CONVENTION_KEYS = ("architectures", "tie_word_embeddings", "rope_scaling", "rope
 
 def with_conventions_of(config: dict, target: dict) -> dict:
     """`config`'s sizes with `target`'s conventions; its own RoPE base (or the default) goes
-    where the target keeps its base, so that one rule reads it (rope_theta)."""
-    out = dict(config, **{k: target[k] for k in CONVENTION_KEYS if k in target})
+    where the target keeps its base, so that one rule reads it (rope_theta). The keys whose default
+    an architecture sets (CONFIG_DEFAULTS) are written out as `config` means them (its own value, or
+    the course's derivation), so that taking the target's architecture does not change its shapes."""
+    heads = config["num_attention_heads"]
+    out = {"rms_norm_eps": COURSE_EPS, "num_key_value_heads": heads, **config,
+           **{k: target[k] for k in CONVENTION_KEYS if k in target}}
+    if out.get("head_dim") is None:
+        out["head_dim"] = config["hidden_size"] // heads
     if "rope_parameters" in target:
         out["rope_parameters"] = dict(target["rope_parameters"], rope_theta=out.pop("rope_theta", DEFAULT_THETA))
     out["model_type"] = target.get("model_type", out.get("model_type"))

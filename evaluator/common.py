@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 import torch
 
-from evaluator.checkpoint import is_hf, load_hf_weights, rope_theta, stored_dtype_name, with_config_defaults
+from evaluator.checkpoint import (COURSE_EPS, is_hf, load_hf_weights, rope_theta, stored_dtype_name,
+                                 with_config_defaults)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WEIGHT_FILE = "model.pt"
-DEFAULT_RMS_NORM_EPS = 1e-5
 BF16_NAMES = ("bfloat16", "bf16")
 
 # error_kind values of docs/design.md §2 (timeout is recorded by the judge, never here).
@@ -90,7 +90,7 @@ class ModelDims:
             kv_heads=int(config.get("num_key_value_heads", heads)),
             head_dim=int(config.get("head_dim") or hidden // heads),   # null: as absent (transformers)
             vocab=int(config["vocab_size"]),
-            eps=float(config.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS)),
+            eps=float(config.get("rms_norm_eps", COURSE_EPS)),
             theta=rope_theta(config),
             dtype_name=stored_dtype_name(config),
         )

@@ -209,3 +209,16 @@ def test_an_engine_in_the_judges_process_gets_no_draw_beside_its_calls(test_seed
     assert len(report.cases) > 1 and not any(c.passed for c in report.cases)
     assert seen_drawing and not any(seen_drawing), "a draw ran beside the engine's create_engine"
     assert draw_threads and all(t is threading.main_thread() for t in draw_threads)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_random_models_that_take_a_targets_architecture_keep_their_own_shapes(arch, test_seed):
+    """A random model drawn without head_dim, num_key_value_heads or rms_norm_eps, then given a
+    Hugging Face target's conventions, writes out what it meant by them: its architecture's
+    defaults (a Qwen3 config without head_dim is head_dim 128) would otherwise change its shapes
+    under the engine, which reads them (create_engine broke on every such model on a GPU,
+    thirty-sixth session)."""
+    from evaluator.checkpoint import with_config_defaults
+    target = {"architectures": [arch], "hidden_size": 64, "num_attention_heads": 4}
+    for model in stress_models(random.Random(test_seed), quick=False, device="cpu", target_config=target):
+        assert with_config_defaults(model.config) == model.config, model.name
