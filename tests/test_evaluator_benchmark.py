@@ -177,6 +177,7 @@ def test_a_round_trip_measured_on_a_loaded_machine_cannot_zero_or_shorten_a_timi
     worker.jail = type("Jail", (), {"layers": lambda self, names: "layers: " + ", ".join(names)})()
     worker._answer = lambda deadline, what: ({"layers": ["uid"]}, b"")
     worker._measure_round_trip = lambda: 4.3e-3
+    worker._measure_handover = lambda: (0.0, 0.0)
     worker.ready()
     assert worker.round_trip == remote.ROUND_TRIP_CAP_SECONDS
     assert any("4300 us" in line and "loaded" in line for line in said), said
