@@ -242,10 +242,13 @@ def output_digest(rows: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """A keyed digest of each row's exact fp32 bit patterns: the sum over the row's 16-bit halves
     (each value's two, read as signed) of half * its key. The worker sends these with a timed
     trace's answer, before the outputs themselves travel (after the clock): it cannot produce
-    them without every bit of every output, and the bits are not linear in anything cheaper
+    them for outputs it has not computed, and the bits are not linear in anything cheaper
     (unlike a plain sum of logits, which a cheat could get from the final hidden state and a
     column sum of lm_head). Three kernels on a GPU (the widening, the products, the sums): it
-    runs inside the judge's clock; an earlier form of masks and shifts took nine."""
+    runs inside the judge's clock; an earlier form of masks and shifts took nine. It is linear in the
+    halves, though, and the worker holds the key: outputs computed after the answer can have their
+    low halves fitted to digests sent first, so the handover is timed too (evaluator/remote.py
+    HANDOVER_FACTOR)."""
     halves = rows.contiguous().view(torch.int16).to(torch.int64)
     # Products and sums, not a matmul: CUDA has no integer matmul.
     return (halves * key).sum(dim=1)

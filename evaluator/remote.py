@@ -256,9 +256,10 @@ class Worker:
         """What the worker's own flush costs, before any candidate is imported: (fixed seconds, per byte)."""
         vocab = HANDOVER_CALIBRATION_VOCAB
         rows = FIRST_BUFFER_BYTES // (4 * vocab)
-        base = self._flush_seconds(0, vocab)
+        one = self._flush_seconds(1, vocab)   # one row, not none: an empty copy issues no transfer at all
         full = self._flush_seconds(rows, vocab)
-        return base, max(full - base, 0.0) / (rows * vocab * 4)
+        per_byte = max(full - one, 0.0) / ((rows - 1) * vocab * 4)
+        return max(one - per_byte * vocab * 4, 0.0), per_byte
 
     def handover_allowance(self, nbytes: int) -> float:
         """How long the handover of `nbytes` of outputs may take before the rest is charged to the clock."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from evaluator.checkpoint import COURSE_EPS
 from evaluator.traces import DECODE, PREFILL, benchmark_trace, replay
 
 DEFAULT_FUSED_ROWS = 64    # the paged engine's fused_rows default (templates/engine/paged.py.j2)
@@ -47,7 +48,7 @@ class Dims:
         hidden = int(config["hidden_size"])
         return Dims(hidden, int(config["intermediate_size"]), heads,
                     int(config.get("num_key_value_heads") or heads), int(config.get("head_dim") or hidden // heads),
-                    int(config["num_hidden_layers"]), float(config.get("rms_norm_eps", 1e-5)),
+                    int(config["num_hidden_layers"]), float(config.get("rms_norm_eps", COURSE_EPS)),
                     float(config.get("rope_theta", 10000.0)), int(config.get("max_position_embeddings", 4096)))
 
 

@@ -22,7 +22,6 @@ prints where one engine decode step spends its CPU time (torch.profiler, by op).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,7 +38,7 @@ if str(ROOT) not in sys.path:
 from agent.plan import Plan, engine_params  # noqa: E402
 from agent.render import render_engine  # noqa: E402
 from agent.spec import load_spec  # noqa: E402
-from evaluator.common import ModelDims, load_engine_module  # noqa: E402
+from evaluator.common import ModelDims, load_config, load_engine_module  # noqa: E402
 from evaluator.floor import Hardware, call_costs, measure_hardware  # noqa: E402
 from evaluator.traces import Op  # noqa: E402
 from scripts.gpu.hf_models import SHAPES  # noqa: E402
@@ -175,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"building {a.model} in {folder} (fp32, random weights) ...", flush=True)
         build(folder, a.model)
     a.out.mkdir(parents=True, exist_ok=True)
-    config = json.loads((folder / "config.json").read_text())
+    config = load_config(folder / "config.json")
     print(f"model {a.model} ({folder}); torch {torch.__version__}; load average {os.getloadavg()[0]:.2f}", flush=True)
     gen = torch.Generator().manual_seed(SEED)
     vocab = int(config["vocab_size"])

@@ -74,6 +74,7 @@ def test_stray_biases_of_a_llama_folder_are_ignored_as_transformers_does(tmp_pat
 LEFT_OUT = {
     "LlamaForCausalLM": dict(rms_norm_eps=1e-6, num_key_value_heads=4, head_dim=16),   # 4 heads of hidden 64
     "MistralForCausalLM": dict(rms_norm_eps=1e-6, num_attention_heads=8, num_key_value_heads=8, head_dim=8),
+    "Qwen2ForCausalLM": dict(rms_norm_eps=1e-6, num_attention_heads=32, num_key_value_heads=32, head_dim=2),
     "Qwen3ForCausalLM": dict(rms_norm_eps=1e-6, num_attention_heads=32, num_key_value_heads=32, head_dim=128),
 }
 LEFT_OUT_KEYS = ("rms_norm_eps", "num_key_value_heads", "head_dim")

@@ -964,8 +964,8 @@ def test_outputs_computed_after_the_clock_and_fitted_to_the_digest_are_charged(r
     honest_ms = honest_decode_ms(write_engine(recompute_source, "honest"), tiny_model)
     deferring = evaluate(write_engine(attacking_engine(recompute_source, at_import=DEFERS_TO_THE_HANDOVER), "defers"),
                          tiny_model.config, tiny_model.weight_dir, **{**QUICK, "cases": ["decode"]})
-    if deferring["status"] == "passed":
-        assert deferring["benchmark"][0]["elapsed_ms"] >= 0.5 * honest_ms, (deferring["benchmark"][0], honest_ms)
+    assert deferring["status"] == "passed", deferring["error"]   # the fitting works: only the clock can catch it
+    assert deferring["benchmark"][0]["elapsed_ms"] >= 0.5 * honest_ms, (deferring["benchmark"][0], honest_ms)
 
 
 # ---- the judge's memory, environment and descriptors; env tricks; writes through mmap ----
