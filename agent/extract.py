@@ -56,7 +56,7 @@ def _parses(code: str) -> bool:
     try:
         parse(code)
         return True
-    except (SyntaxError, ValueError, RecursionError):   # a lone surrogate, nesting past the parser's
+    except SyntaxError:   # policy.parse's: a lone surrogate, nesting or a line past the parser's too
         return False
 
 

@@ -80,6 +80,9 @@ BANNED_EVERYWHERE = {
     "torch.autograd.profiler": "timer tricks", "triton.testing": "timer tricks",
     "torch.cuda.Event": "events (timer tricks)", "torch.cuda.streams.Event": "events (timer tricks)",
     "torch.Event": "events (timer tricks)", "os.times": "timer tricks",
+    # Operator overrides: a kernel that re-registered aten's `sub` read as exact in its unit check
+    # (helper-35, thirty-sixth session); pickled files load code.
+    "torch.library": "operator overrides", "torch.serialization": "file access",
 }
 
 # Refused in a kernel, allowed in an engine (graph capture, weight loading, setup syncs).
@@ -89,7 +92,7 @@ BANNED_IN_KERNELS = {
     "torch.cuda.graph": "graph capture",
     "torch.cuda.CUDAGraph": "graph capture", "torch.cuda.graph_pool_handle": "graph capture",
     "torch.cuda.make_graphed_callables": "graph capture", "torch.cuda.synchronize": "host sync",
-    "torch.load": "file access", "torch.cuda.empty_cache": "allocator tricks",
+    "torch.load": "file access", "torch.from_file": "file access", "torch.cuda.empty_cache": "allocator tricks",
     "torch.cuda.memory": "allocator tricks", "torch.cuda.caching_allocator_alloc": "allocator tricks",
 }
 
@@ -141,7 +144,9 @@ def parse(source: str) -> ast.Module:
     with _PARSE_LOCK:
         try:
             return ast.parse(source)
-        except (ValueError, RecursionError) as e:   # a lone surrogate in the text; nesting past the parser's
+        # a lone surrogate in the text; nesting past the parser's; a line the parser gives up on
+        # (CPython raises MemoryError on 6000 bare words in a row: a model's prose, helper-35)
+        except (ValueError, RecursionError, MemoryError) as e:
             raise SyntaxError(f"cannot be parsed ({type(e).__name__}: {str(e)[:80]})") from None
 
 
@@ -190,6 +195,14 @@ def _bound_names(tree: ast.AST) -> set[str]:
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out.add(node.name)
     return out
+
+
+def _literal_getattr(node: ast.AST) -> str | None:
+    """The name of a `getattr(x, "name")` call, else None."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+        return node.args[1].value
+    return None
 
 
 class _Checker(ast.NodeVisitor):
@@ -246,9 +259,15 @@ class _Checker(ast.NodeVisitor):
     def _dotted(self, node: ast.AST) -> str | None:
         """`a.b.c` with the import alias of `a` resolved, or None when not a plain chain."""
         parts = []
-        while isinstance(node, ast.Attribute):
-            parts.append(node.attr)
-            node = node.value
+        while True:
+            if isinstance(node, ast.Attribute):
+                parts.append(node.attr)
+                node = node.value
+            elif (name := _literal_getattr(node)) is not None:   # getattr(x, "name"): x.name
+                parts.append(name)
+                node = node.args[0]
+            else:
+                break
         if not isinstance(node, ast.Name) or node.id not in self.aliases:
             return None
         return ".".join([self.aliases[node.id], *reversed(parts)])
@@ -281,6 +300,20 @@ class _Checker(ast.NodeVisitor):
             self._check_dotted(node, dotted)
         self.generic_visit(node)
 
+    def _check_attribute_name(self, node: ast.AST, receiver: ast.AST, name: str) -> None:
+        """`receiver.name` reached through getattr with a literal name, held to the attribute rules."""
+        if name in BANNED_ATTRIBUTES:
+            self._add(node, "introspection", f"attribute '{name}' is not allowed "
+                      "(frames, code objects and class internals are off limits)")
+        elif name in FILE_METHODS:
+            self._add(node, "file_access", f"'.{name}' touches files; not allowed")
+        elif name in REEXPORTED_MODULES:
+            self._add(node, "banned_api", f"'{name}' is not allowed (module '{name}' reached through another object)")
+        else:
+            dotted = self._dotted(receiver)
+            if dotted is not None:
+                self._check_dotted(node, f"{dotted}.{name}")
+
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
         if isinstance(func, ast.Name) and func.id == "getattr" and "getattr" not in self.bound:
@@ -288,6 +321,8 @@ class _Checker(ast.NodeVisitor):
             if not (isinstance(name, ast.Constant) and isinstance(name.value, str)
                     and not name.value.startswith("__")):
                 self._add(node, "getattr", "getattr is allowed only with a literal, non-dunder name")
+            else:   # getattr(x, "name") is x.name: the same rules (`getattr(torch, "os")` had passed)
+                self._check_attribute_name(node, node.args[0], name.value)
         if isinstance(func, ast.Attribute) and func.attr in FILE_METHODS:
             self._add(node, "file_access", f"'.{func.attr}()' touches files; not allowed")
         if (self.level == KERNEL and isinstance(func, ast.Attribute)

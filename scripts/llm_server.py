@@ -34,7 +34,7 @@ class ScriptedServer:
     """OpenAI chat-completions or Anthropic messages on 127.0.0.1, answering from a script.
 
     A step is {"text": str} (an answer), {"status": int, "retry_after": str} (an error),
-    {"raw": str} (a body sent as it is, which need not parse), or any of them with "sleep":
+    {"raw": str | bytes} (a body sent as it is, which need not parse, nor be UTF-8), or any of them with "sleep":
     seconds first (a slow server, for client timeouts) and "headers": {name: value}. When the
     script runs out every request gets HTTP 500. `max_in_flight`: the most requests it held
     at once; `spans`: (arrival, end) of each request, time.monotonic()."""
@@ -67,7 +67,8 @@ class ScriptedServer:
 
             def _send(self, step: dict, body: dict) -> None:
                 status, payload = owner.respond(step, body)
-                data = step["raw"].encode() if "raw" in step else json.dumps(payload).encode()
+                raw = step.get("raw")
+                data = json.dumps(payload).encode() if raw is None else raw if isinstance(raw, bytes) else raw.encode()
                 headers = {**({"Retry-After": step["retry_after"]} if "retry_after" in step else {}),
                            **step.get("headers", {})}
                 try:

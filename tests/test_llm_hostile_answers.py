@@ -92,6 +92,13 @@ def test_code_that_breaks_the_parser_or_the_checker_is_refused(code, verdicts):
     assert result.verdict in verdicts, result.detail
 
 
+def test_prose_the_parser_gives_up_on_is_no_code_not_a_crash():
+    """6000 bare words on one line: CPython's parser raises MemoryError on it, which had ended the
+    model's part of the run (helper-35, thirty-sixth session)."""
+    result = proposals.check_kernel_answer("ok " * 6000, "silu_mul", "llm_1", ("silu_mul",), "cpu", {}, 30.0, 0)
+    assert result.verdict == proposals.NO_CODE, result.detail
+
+
 def test_answers_are_valid_utf8_so_a_repair_round_can_send_them_back():
     from agent.providers.chat import clean_text
     text = clean_text("x = '\ud800'")

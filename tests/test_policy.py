@@ -86,6 +86,14 @@ def test_syntax_error_is_one_violation_with_its_line():
     ("s = F.torch.cuda.Stream()", "banned_api"),           # prelude names, re-exported torch
     ("torch.cuda.synchronize()", "banned_api"),            # torch from the prelude, no import
     ("tl.store = None", "patching"),
+    # getattr with a literal name is the attribute itself (helper-35, thirty-sixth session: these passed)
+    ('getattr(getattr(torch, "os"), "system")("id")', "banned_api"),
+    ('getattr(torch, "cuda").Event()', "banned_api"),
+    ('getattr(x, "open")("/etc/passwd")', "file_access"),
+    ('getattr(x, "__globals__")', "getattr"),
+    ("torch.library.Library('aten', 'IMPL').impl('sub.Tensor', f, 'CPU')", "banned_api"),
+    ("torch.serialization.load('f')", "banned_api"),
+    ("torch.from_file('/etc/passwd', size=10)", "banned_api"),
 ])
 def test_kernel_rule(source, rule):
     assert rule in rules(source)

@@ -270,11 +270,14 @@ def test_a_rate_limit_waits_as_long_as_the_server_asks(protocol, header):
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
-def test_a_body_that_does_not_parse_is_a_server_error_and_retried(protocol):
+@pytest.mark.parametrize("body", ["cut", "not utf-8"])
+def test_a_body_that_does_not_parse_is_a_server_error_and_retried(protocol, body):
+    """A JSON body cut short anywhere; one holding a byte that is not UTF-8 (its UnicodeDecodeError had
+    ended the model's part of the run, helper-35)."""
     log = []
-    cut = random.randint(1, 40)   # a JSON body cut short anywhere
-    with ScriptedServer(protocol, [{"raw": '{"id": "x", "choices": [{"message": {"content": "hi"}}]}'[:cut]},
-                                   {"text": "ok"}]) as server:
+    whole = '{"id": "x", "choices": [{"message": {"content": "hi"}}]}'
+    raw = whole[:random.randint(1, 40)] if body == "cut" else whole.encode().replace(b"hi", b"h\xff")
+    with ScriptedServer(protocol, [{"raw": raw}, {"text": "ok"}]) as server:
         client, metered = stack(protocol, server.url, log)
         assert client.complete(MESSAGES, 100).text == "ok"
     assert "server" in log[0] and "did not parse" in log[0] and metered.usage.calls == 2

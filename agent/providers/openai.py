@@ -48,8 +48,8 @@ class OpenAIChat:
             raise status_error(e.status_code, e.message, retry_after_of(e)) from e
         except sdk.APIError as e:  # a malformed answer
             raise ChatError(SERVER, str(e)) from e
-        except json.JSONDecodeError as e:  # a body that is not JSON: the SDK lets the parser's error out
-            raise ChatError(SERVER, f"the answer did not parse as JSON: {e}") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # a body that is not JSON (or not UTF-8):
+            raise ChatError(SERVER, f"the answer did not parse as JSON: {e}") from e   # the SDK lets it out
         except RecursionError as e:        # a body nested past the JSON parser's recursion
             raise ChatError(SERVER, "the answer is JSON nested too deeply to parse") from e
         choice = r.choices[0] if r.choices else None
