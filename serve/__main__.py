@@ -24,6 +24,14 @@ def positive(text: str) -> int:
     return value
 
 
+def tcp_port(text: str) -> int:
+    """A port number (0: any free one); 99999 had loaded the engine, then failed in uvicorn with a traceback."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (0-65535)")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = ServeSettings()
     p = argparse.ArgumentParser(prog="bash run.sh serve", description=__doc__.splitlines()[0])
@@ -34,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model config [default: config.json or model_config.json in or beside --weights]")
     p.add_argument("--device", default="auto", help="auto | cuda | cpu [auto]")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=tcp_port, default=8000)
     p.add_argument("--max-batch", type=positive, default=defaults.max_batch, help="requests decoded per step")
     p.add_argument("--max-queue", type=positive, default=defaults.max_queue,
                    help="requests waiting for a batch slot before new ones get 503")

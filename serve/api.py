@@ -100,9 +100,12 @@ def create_app(service: Service) -> FastAPI:
         return _error(ApiError(500, f"{type(e).__name__}: {e}", kind="server_error"))
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health():
         stats = service.scheduler.stats()
-        return {"status": "ok", "model": service.name, "waiting": stats.waiting, "running": stats.live}
+        dead = service.scheduler.dead
+        body = {"status": "error" if dead else "ok", "model": service.name, "waiting": stats.waiting,
+                "running": stats.live}
+        return JSONResponse(body, status_code=503) if dead else body
 
     @app.get("/ping")
     async def ping() -> dict:

@@ -23,6 +23,7 @@ from serve.tokenizer import Tokenizer, load_tokenizer
 DEFAULT_ENGINE = Path(__file__).resolve().parents[1] / "workspace" / "engine.py"   # the agent's default workspace
 RESULTS_JSON = "results.json"   # beside the engine: the run's record (agent/workspace.py)
 PREVIOUS = "previous"           # beside the engine: the last run, moved aside by a new one (agent/workspace.py)
+ENGINE_METHODS = ("prefill", "decode", "remove")   # the runtime contract (SPEC.md §2)
 CONFIG_NAMES = ("config.json", "model_config.json")   # in the weights folder, in this order
 COURSE_CONFIG = "model_config.json"
 DEFAULT_MAX_CONTEXT = 4096      # a config without max_position_embeddings (the engines' own default)
@@ -105,6 +106,10 @@ def load_model(source: ModelSource, device: str, max_context: int | None = None)
     device = resolve_device(device)
     tokenizer = load_tokenizer([source.weights, source.config.parent])
     engine = load_engine_module(source.engine).create_engine(config, str(source.weights), device)
+    missing = [name for name in ENGINE_METHODS if not callable(getattr(engine, name, None))]
+    if missing:
+        raise ModelError(f"{source.engine}: create_engine returned a {type(engine).__name__} without "
+                         f"{', '.join(missing)} (SPEC.md §2)")
     limit = int(config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT)
     return LoadedModel(source, config, engine, tokenizer, device, min(max_context or limit, limit),
                        int(config["vocab_size"]))

@@ -12,6 +12,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOPS = 4        # as OpenAI: up to 4 stop sequences
+SEED_RANGE = (-2**63, 2**64 - 1)   # what torch.Generator.manual_seed takes
+
+
+def _unicode(text: str) -> str:
+    """`text`, if it is Unicode the tokenizer can encode (JSON's \\ud800 escapes decode to lone
+    surrogates, which it cannot: a 500 before, helper-35)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text holds a lone surrogate (\\ud800-\\udfff escape): not valid Unicode") from None
+    return text
 
 
 class ApiError(Exception):
@@ -47,7 +58,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)           # 0 or -1: no top-k cut (vLLM spells it -1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -67,6 +78,8 @@ class SamplingFields(BaseModel):
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > MAX_STOPS or any(not s for s in stops):
             raise ValueError(f"stop takes up to {MAX_STOPS} non-empty strings")
+        for text in stops:
+            _unicode(text)
         return stop
 
     def stop_strings(self) -> list[str]:
@@ -83,6 +96,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("the prompt is empty")
         if isinstance(prompt, list) and isinstance(prompt[0], str) and len(prompt) != 1:
             raise ValueError("one prompt per request (a list of several prompts is not supported)")
+        for text in [prompt] if isinstance(prompt, str) else [t for t in prompt if isinstance(t, str)]:
+            _unicode(text)
         return prompt
 
 
@@ -91,11 +106,21 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _text(cls, text: str) -> str:
+        return _unicode(text)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")    # tool_calls, name, ...: handed to the template
     role: str
     content: str | list[TextPart] | None = None
+
+    @field_validator("role", "content")
+    @classmethod
+    def _text(cls, value):
+        return _unicode(value) if isinstance(value, str) else value
 
     def for_template(self) -> dict[str, Any]:
         content = self.content

@@ -88,9 +88,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, engine: Any, device: str, max_batch: int, max_queue: int, max_prefill_tokens: int):
+    def __init__(self, engine: Any, device: str, max_batch: int, max_queue: int, max_prefill_tokens: int,
+                 vocab: int):
         self.engine = engine
         self.device = device
+        self.vocab = vocab
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
@@ -132,6 +134,12 @@ class Scheduler:
             seq.cancelled = True
             self._wake.notify()
 
+    @property
+    def dead(self) -> bool:
+        """Whether the scheduler thread ended without being stopped: /health says so, and a request
+        to a dead one is a 503, not a wait with no end. (Not yet started is not dead: requests queue.)"""
+        return self._thread.ident is not None and not self._thread.is_alive() and not self._stopping
+
     def stats(self) -> SchedulerStats:
         with self._wake:
             return SchedulerStats(len(self._waiting), len(self._live), self._steps, self._finished,
@@ -164,7 +172,11 @@ class Scheduler:
                     for seq in admitted:
                         self._live[seq.engine_id] = seq
                 if admitted or decoding:
-                    self._step(admitted, decoding)
+                    try:
+                        self._step(admitted, decoding)
+                    except Exception as e:  # noqa: BLE001 - a bug of ours or the engine's: those requests fail, serving goes on
+                        log.exception("a scheduler step failed")
+                        self._fail([*admitted, *decoding], f"the server's step failed: {type(e).__name__}: {e}")
 
     def _drop_cancelled(self) -> None:
         """Under the lock: forget cancelled waiting requests, remove cancelled live ones."""
@@ -230,9 +242,11 @@ class Scheduler:
         """One engine call; if it raises or returns the wrong shape, its requests fail alone."""
         try:
             out = fn(ids, arg)
-            if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != len(ids):
-                raise ValueError(f"expected logits [{len(ids)}, vocab], got "
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != (len(ids), self.vocab):
+                raise ValueError(f"expected logits [{len(ids)}, {self.vocab}], got "
                                  f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+            if not bool(torch.isfinite(out).all()):   # NaN had been sampled as token 0
+                raise ValueError("the logits hold NaN or inf")
             return out
         except Exception as e:  # noqa: BLE001 - whatever the engine raises
             log.exception("engine.%s failed", fn.__name__)

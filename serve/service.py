@@ -47,7 +47,7 @@ class Service:
         self.model = model
         self.settings = settings
         self.scheduler = Scheduler(model.engine, model.device, settings.max_batch, settings.max_queue,
-                                   settings.max_prefill_tokens)
+                                   settings.max_prefill_tokens, model.vocab_size)
 
     @property
     def name(self) -> str:
@@ -103,6 +103,8 @@ class Service:
 
     def submit(self, job: Job) -> Running:
         """Queue `job` (503 when the queue is full); iterate the result for its text."""
+        if self.scheduler.dead:
+            raise ApiError(503, "the server's engine thread has stopped; restart the server", kind="server_error")
         eos = frozenset() if job.ignore_eos else self.model.tokenizer.eos_ids
         request = GenerationRequest(job.prompt_ids, job.max_tokens, job.params, eos)
         try:

@@ -4,6 +4,7 @@ OpenAI shapes, streaming, stop strings, errors, the queue bound, disconnects."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 
@@ -232,13 +233,18 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/invocations", [1, 2], 400, None),
+    # helper-35, thirty-sixth session: these were 500s
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"prompt": "a\ud800"}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udc00"}]}, 400, "messages.0.content"),
 ]
 
 
 @pytest.mark.parametrize("route,body,status,param", BAD)
 def test_bad_input_answered_in_openai_shape(served, route, body, status, param):
     _, spy, client = served
-    r = client.post(route, json=body)
+    # JSON as a client library writes it, escapes and all (a lone surrogate travels as \\ud800)
+    r = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -323,5 +329,71 @@ def test_disconnect_cancels_and_frees(tiny_model, recompute_engine_path, stream)
         assert engine_idle(spy)
         stats = service.scheduler.stats()
         assert stats.live == 0 and stats.waiting == 0
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize("bad", ["narrow", "nan", "broken_step"])
+def test_logits_the_engine_gets_wrong_fail_the_request_and_serving_goes_on(tiny_model, recompute_engine_path, bad):
+    """Logits of the wrong width or holding NaN (NaN had been sampled as token 0), and a step that
+    fails outside the engine's calls (the scheduler thread had died: every later request hung
+    while /health said ok; helper-35, thirty-sixth session): the request fails, the next is served."""
+    service, spy = make_service(recompute_engine_path, tiny_model.weight_dir)
+    scheduler, broken = service.scheduler, [True]
+    real_decode, real_step = spy.decode, scheduler._step
+
+    def decode(ids, tokens):
+        out = real_decode(ids, tokens)
+        return out if not broken[0] else out[:, :5] if bad == "narrow" else out.fill_(float("nan"))
+
+    def step(admitted, decoding):
+        if broken[0]:
+            raise RuntimeError("a bug of the server's own")
+        real_step(admitted, decoding)
+    if bad == "broken_step":
+        scheduler._step = step
+    else:
+        spy.decode = decode
+    service.start()
+    client = TestClient(create_app(service))
+    try:
+        r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        assert r.status_code == 500, r.text
+        broken[0] = False
+        assert client.get("/health").json()["status"] == "ok"
+        assert complete(client, prompt="again", max_tokens=3)["usage"]["completion_tokens"] == 3
+    finally:
+        service.stop()
+
+
+def test_an_engine_without_the_api_is_refused_at_load(tmp_path, tiny_model):
+    engine = tmp_path / "no_api.py"
+    engine.write_text("def create_engine(model_config, weight_dir, device='cuda'):\n    return object()\n")
+    with pytest.raises(Exception, match="without prefill, decode, remove"):
+        make_service(engine, tiny_model.weight_dir)
+
+
+def test_a_dead_scheduler_thread_is_a_503_and_health_says_so(tiny_model, recompute_engine_path):
+    """What the step's guard cannot catch (an engine calling sys.exit) ends the thread: requests
+    get a 503 at once and /health an error, instead of a wait with no end."""
+    service, _ = make_service(recompute_engine_path, tiny_model.weight_dir)
+
+    def step(admitted, decoding):
+        raise SystemExit(3)
+    service.scheduler._step = step
+    service.start()
+    app = create_app(service)
+    client = TestClient(app)
+
+    async def first():   # the request in flight when the thread died: cut short here
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}), 2)
+    try:
+        asyncio.run(first())
+        service.scheduler._thread.join(10)
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503 and "engine thread has stopped" in r.json()["error"]["message"]
     finally:
         service.stop()

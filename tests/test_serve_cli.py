@@ -101,6 +101,8 @@ def test_serve_bad_inputs_exit_2(tmp_path, tiny_model):
                            "--weights", str(tiny_model.weight_dir)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("error: no engine at")
+    port = subprocess.run([sys.executable, "-m", "serve", "--port", "99999"], capture_output=True, text=True, timeout=60)
+    assert port.returncode == 2 and "99999 is not a TCP port" in port.stderr.strip().splitlines()[-1]
 
 
 def test_a_relative_engine_path_through_run_sh_serve_is_the_callers(tmp_path, tiny_model):
