@@ -135,3 +135,19 @@ def test_a_reply_without_usage_is_counted_by_its_text_and_a_timed_out_attempt_by
 ])
 def test_odd_base_urls_are_shown_without_credentials(url, shown):
     assert shown_url(url) == shown
+
+
+def test_a_unit_check_never_runs_past_the_run(monkeypatch):
+    """An answer that loops at import held a run of --budget 120 for the whole 300 s unit-check
+    timeout (helper-35, thirty-sixth session): the check's timeout is what the run has left."""
+    from agent.providers import llm
+    from agent.providers.budget import Usage
+    from agent.providers.builtin import BuiltinProposer
+    seen = []
+    monkeypatch.setattr(llm, "check_kernel_answer", lambda *args: seen.append(args[6]) or proposals.Verdict(
+        proposals.NO_CODE, "x"))
+    proposer = llm.LLMProposer(client=None, fallback=BuiltinProposer("cpu"), device="cpu", log=lambda line: None,
+                               settings=llm.LLMSettings(model="m"), usage=Usage(), label="test")
+    proposer._deadline = time.monotonic() + 40.0
+    proposer._check(llm._Episode(kind=llm.KERNEL, what="x", slot="silu_mul", variant="llm_1"), CODE, paged_state())
+    assert 30.0 < seen[0] <= 40.0, seen

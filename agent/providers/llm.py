@@ -54,6 +54,7 @@ LOG_CHARS = 300      # of a verdict's detail, in the log line
 SEED_STRIDE = 7919   # unit-check seeds: run seed * stride + check number
 HISTORY_LINES = 12   # most recent attempts shown in a prompt, to bound its size
 EVAL_RESERVE_S = 60.0  # run time kept free after a request, for judging what it produced
+MIN_UNIT_CHECK_S = 5.0  # a unit check's timeout when the run has less left (its own start takes seconds)
 VARIANT_PREFIX = "llm_"   # a model-written variant's name: the prefix and a number, unique within a run
 VARIANT_NAME = re.compile(VARIANT_PREFIX + r"(\d+)")
 # Episodes each graph-blocking slot gets first on a GPU (_choose_slot): while the best engine's
@@ -573,8 +574,11 @@ class LLMProposer:
             return check_plan_answer(text, state, self.variants)
         self.unit_checks += 1
         seed = (self.seed * SEED_STRIDE + self.unit_checks) % 2**31
+        # Never past the run's end: an answer that loops at import held a run of --budget 120 for the
+        # whole 300 s unit-check timeout (helper-35, thirty-sixth session).
+        timeout = max(MIN_UNIT_CHECK_S, min(self.settings.unit_check_timeout, self._deadline - time.monotonic()))
         verdict = check_kernel_answer(text, episode.slot, episode.variant, SLOT_FUNCTIONS[episode.slot],
-                                      state.device, self.seen, self.settings.unit_check_timeout, seed, episode.timing)
+                                      state.device, self.seen, timeout, seed, episode.timing)
         verdict = self.tape(verdict)
         if verdict.verdict == NO_CODE and '"plan"' in text:
             return check_plan_answer(text, state, self.variants)
