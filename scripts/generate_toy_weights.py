@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
         spec_from_config(config, Path(a.config), Path(a.output).parent)
     except SpecError as e:
         sys.exit(f"error: {e}")
+    if Path(a.output).is_dir():
+        sys.exit(f"error: --output {a.output} is a folder; name the file to write, e.g. {Path(a.output) / 'model.pt'}")
     weights = random_weights(config, a.seed, a.scale, a.norm_spread)
     out = save_weights(weights, a.output)
     params = sum(t.numel() for t in weights.values())

@@ -130,17 +130,21 @@ def test_generate_toy_weights_script_writes_the_seeded_toy_weights(tmp_path):
 
 @pytest.mark.parametrize("change, said", [({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
                                          ({"intermediate_size": -640}, "'intermediate_size' must be a positive integer"),
-                                         ({"vocab_size": None}, "missing required key 'vocab_size'")])
+                                         ({"vocab_size": None}, "missing required key 'vocab_size'"),
+                                         ({}, "is a folder; name the file to write")])
 def test_generate_toy_weights_refuses_a_config_the_agent_would_with_one_line(tmp_path, change, said):
     """It wrote weights for a config run.sh then refused, and met a negative size or a missing key
-    with a raw traceback (a new-user sweep, thirty-fifth session)."""
+    with a raw traceback (a new-user sweep, thirty-fifth session); an --output that is a folder too
+    (thirty-sixth)."""
     config = {k: v for k, v in {**TINY_CONFIG, **change}.items() if v is not None}
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(config))
     out = tmp_path / "weights" / "model.pt"
+    if not change:
+        out.mkdir(parents=True)
     done = subprocess.run([sys.executable, str(REPO_ROOT / "scripts/generate_toy_weights.py"), "--config", str(cfg),
                            "--output", str(out)], capture_output=True, text=True, env=SINGLE_THREAD_ENV)
-    assert done.returncode != 0 and not out.exists()
+    assert done.returncode != 0 and (out.is_dir() if not change else not out.exists())
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and said in last and "Traceback" not in done.stderr, done.stderr
 
