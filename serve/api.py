@@ -44,18 +44,27 @@ class BodyLimit:
         length = dict(scope.get("headers", [])).get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.limit:
             return await self._too_large(send)
-        seen = 0
+        seen, over = 0, False
 
         async def limited() -> Message:
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.limit:
+                over = True
                 raise ApiError(413, f"the request body is over {self.limit} bytes")
             return message
 
+        async def sent(message: Message) -> None:
+            # FastAPI answers an error inside its own body parsing with a 400 of its own ("There was an
+            # error parsing the body": a chunked body past the limit, helper-35): the 413 replaces it.
+            if not over:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await self._too_large(send)
+
         try:
-            await self.app(scope, limited, send)
+            await self.app(scope, limited, sent)
         except ApiError:       # raised inside the app's body read: nothing was sent yet
             await self._too_large(send)
 

@@ -14,6 +14,7 @@ an engine that passed the judge, and the user chose to serve it.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,14 @@ from typing import Any
 from serve.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_ENGINE = Path(__file__).resolve().parents[1] / "workspace" / "engine.py"   # the agent's default workspace
+WORKSPACE_ENV = "AGENT_WORKSPACE"   # run.sh's workspace variable (agent/cli.py): its engine.py is the default
+
+
+def default_engine() -> Path:
+    """The engine a run wrote: in $AGENT_WORKSPACE where set (the caller's folder is the current
+    one: agent/caller.py), else in the repository's workspace/."""
+    workspace = os.environ.get(WORKSPACE_ENV)
+    return Path(workspace) / "engine.py" if workspace else DEFAULT_ENGINE
 RESULTS_JSON = "results.json"   # beside the engine: the run's record (agent/workspace.py)
 PREVIOUS = "previous"           # beside the engine: the last run, moved aside by a new one (agent/workspace.py)
 ENGINE_METHODS = ("prefill", "decode", "remove")   # the runtime contract (SPEC.md §2)
@@ -47,7 +56,7 @@ class ModelSource:
 
 
 def resolve_source(engine: Path | None, weights: Path | None, config: Path | None) -> ModelSource:
-    engine = (engine or DEFAULT_ENGINE).resolve()
+    engine = (engine or default_engine()).resolve()
     if not engine.is_file():
         last = engine.parent / PREVIOUS / engine.name   # a new run moved the last one aside (agent/workspace.py)
         raise ModelError(f"no engine at {engine}: run `bash run.sh` first, or pass --engine"

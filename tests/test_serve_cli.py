@@ -114,6 +114,12 @@ def test_a_relative_engine_path_through_run_sh_serve_is_the_callers(tmp_path, ti
                           env={**SINGLE_THREAD_ENV, "PYTHON": sys.executable})
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(f"error: no engine at {tmp_path / 'none.py'}"), done.stderr
+    # and with no --engine, run.sh's AGENT_WORKSPACE names the workspace, from the caller's folder too
+    done = subprocess.run(["bash", str(repo / "run.sh"), "serve", "--weights", str(tiny_model.weight_dir)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**SINGLE_THREAD_ENV, "PYTHON": sys.executable, "AGENT_WORKSPACE": "ws"})
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: no engine at {tmp_path / 'ws' / 'engine.py'}")
 
 
 def test_a_busy_port_is_one_line_before_the_engine_loads(tmp_path, tiny_model, recompute_engine_path):
