@@ -24,6 +24,10 @@ def positive(text: str) -> int:
     return value
 
 
+# A stop had waited for every generation in flight, however long (two 3000-token requests: 430 s; helper-35).
+SHUTDOWN_GRACE_S = 30.0
+
+
 def tcp_port(text: str) -> int:
     """A port number (0: any free one); 99999 had loaded the engine, then failed in uvicorn with a traceback."""
     value = int(text)
@@ -53,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=positive, default=defaults.max_body_bytes)
     p.add_argument("--no-thinking", action="store_true",
                    help="render chat templates with enable_thinking=false (requests may override)")
+    p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
+                   help="seconds a stop (SIGTERM, Ctrl-C) lets requests in flight finish before cutting them [%(default)s]")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -100,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
           f"tokenizer {type(model.tokenizer).__name__}; settings {json.dumps(settings.__dict__)}",
           file=sys.stderr, flush=True)
     try:
-        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=args.shutdown_grace)
     finally:
         service.stop()
     return 0

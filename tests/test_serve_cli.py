@@ -2,6 +2,7 @@
 official `openai` client, the benchmark client against it, then terminated; bad inputs end with one line and exit code 2."""
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import socket
@@ -27,12 +28,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def served(engine: Path, weights: Path):
-    """`python -m serve` on a free loopback port until the block ends: its base URL."""
+def served(engine: Path, weights: Path, *flags: str, process: list | None = None):
+    """`python -m serve` on a free loopback port until the block ends: its base URL (its process
+    appended to `process` if given)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "serve", "--engine", str(engine), "--weights", str(weights),
-                             "--port", str(port), "--device", "cpu", "--max-context", "64", "--log-level", "warning"],
-                            env=SINGLE_THREAD_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--port", str(port), "--device", "cpu", "--max-context", "64", "--log-level", "warning",
+                             *flags], env=SINGLE_THREAD_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if process is not None:
+        process.append(proc)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_SECONDS
@@ -135,3 +139,22 @@ def test_a_busy_port_is_one_line_before_the_engine_loads(tmp_path, tiny_model, r
     assert done.returncode == 2 and "loading" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         f"error: cannot listen on 127.0.0.1:{port}: Address already in use (another server there? pick one with --port)"]
+
+
+def test_a_stop_cuts_requests_in_flight_after_the_grace(tiny_model, recompute_engine_path):
+    """SIGTERM with a long generation in flight: the server exits once --shutdown-grace has passed,
+    not when the generation would have ended (it had waited for every one, however long)."""
+    import threading
+    process: list = []
+    with served(recompute_engine_path, tiny_model.weight_dir, "--max-context", "4096", "--shutdown-grace", "1",
+                process=process) as base:
+        def long_request():
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 4000, "stream": True,
+                                                           "ignore_eos": True}, timeout=120)
+        threading.Thread(target=long_request, daemon=True).start()
+        time.sleep(1.5)
+        start = time.monotonic()
+        process[0].terminate()
+        process[0].wait(timeout=60)
+        assert time.monotonic() - start < 20
