@@ -39,7 +39,8 @@ def tcp_port(text: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = ServeSettings()
     p = argparse.ArgumentParser(prog="bash run.sh serve", description=__doc__.splitlines()[0])
-    p.add_argument("--engine", type=Path, default=None, help=f"engine file [default: $AGENT_WORKSPACE/engine.py, else {DEFAULT_ENGINE}]")
+    p.add_argument("--engine", type=Path, default=None,
+                   help=f"engine file [default: $AGENT_WORKSPACE/engine.py, else {DEFAULT_ENGINE}]")
     p.add_argument("--weights", type=Path, default=None,
                    help="weights folder [default: the one the run that wrote the engine used, from results.json]")
     p.add_argument("--config", type=Path, default=None,

@@ -23,13 +23,6 @@ from serve.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_ENGINE = Path(__file__).resolve().parents[1] / "workspace" / "engine.py"   # the agent's default workspace
 WORKSPACE_ENV = "AGENT_WORKSPACE"   # run.sh's workspace variable (agent/cli.py): its engine.py is the default
-
-
-def default_engine() -> Path:
-    """The engine a run wrote: in $AGENT_WORKSPACE where set (the caller's folder is the current
-    one: agent/caller.py), else in the repository's workspace/."""
-    workspace = os.environ.get(WORKSPACE_ENV)
-    return Path(workspace) / "engine.py" if workspace else DEFAULT_ENGINE
 RESULTS_JSON = "results.json"   # beside the engine: the run's record (agent/workspace.py)
 PREVIOUS = "previous"           # beside the engine: the last run, moved aside by a new one (agent/workspace.py)
 ENGINE_METHODS = ("prefill", "decode", "remove")   # the runtime contract (SPEC.md §2)
@@ -53,6 +46,13 @@ class ModelSource:
         """The model's name in /v1/models: the weights folder's, or its parent's for `weights/`."""
         folder = self.weights if self.weights.name != "weights" else self.weights.parent
         return folder.name or "model"
+
+
+def default_engine() -> Path:
+    """The engine a run wrote: in $AGENT_WORKSPACE where set (the caller's folder is the current
+    one: agent/caller.py), else in the repository's workspace/."""
+    workspace = os.environ.get(WORKSPACE_ENV)
+    return Path(workspace) / "engine.py" if workspace else DEFAULT_ENGINE
 
 
 def resolve_source(engine: Path | None, weights: Path | None, config: Path | None) -> ModelSource:
