@@ -30,7 +30,8 @@ SUPPORTED_ACTIVATIONS = ("silu", "swish")
 HF_WEIGHT_FILES = (SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN)   # a folder holding one is an HF folder
 # Optional config keys that shape these tensors: a shape mismatch names the one the config left out
 # (a missing num_key_value_heads read as num_attention_heads, and the k_proj error never said so).
-DEFAULTED_SHAPES = {"num_key_value_heads": ("k_proj", "v_proj"), "head_dim": ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+DEFAULTED_SHAPES = {"num_key_value_heads": ("k_proj", "v_proj"),
+                    "head_dim": ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
 # torch_dtype names read without a warning (the stored dtype's, lower case): bf16's select bf16, the rest fp16
 KNOWN_DTYPES = ("float16", "fp16", "half", "bfloat16", "bf16")
 # Bounds on integer sizes: far above any real model (hidden 16384, mlp 53248 for the largest

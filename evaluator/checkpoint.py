@@ -229,7 +229,7 @@ def conventions(config: dict) -> Conventions:
                               "'layer_types')")
     return Conventions(hf=True, rope_scaling=_rope_scaling(config), qkv_bias=qkv_bias, qk_norm=qk_norm,
                        tied=bool(config.get("tie_word_embeddings", False)),
-                       config_defaults=tuple(sorted(CONFIG_DEFAULTS.get(archs[0], {}).items())))
+                       config_defaults=tuple(sorted(config_defaults(config).items())))
 
 
 def attention_window(config: dict) -> int | None:

@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-thinking", action="store_true",
                    help="render chat templates with enable_thinking=false (requests may override)")
     p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
-                   help="seconds a stop (SIGTERM, Ctrl-C) lets requests in flight finish before cutting them [%(default)s]")
+                   help="seconds a stop (SIGTERM, Ctrl-C) lets requests in flight finish before cutting them "
+                        "[%(default)s]")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 

@@ -174,7 +174,7 @@ class Scheduler:
                 if admitted or decoding:
                     try:
                         self._step(admitted, decoding)
-                    except Exception as e:  # noqa: BLE001 - a bug of ours or the engine's: those requests fail, serving goes on
+                    except Exception as e:  # noqa: BLE001 - ours or the engine's: those requests fail, serving goes on
                         log.exception("a scheduler step failed")
                         self._fail([*admitted, *decoding], f"the server's step failed: {type(e).__name__}: {e}")
 
