@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent import acceptance, loop, resume
-from agent.judge import REPO, Judge, JudgeSettings
+from agent.judge import REPO, Judge, JudgeSettings, Place
 from agent.plan import Plan, engine_models, engines
 from agent.pipeline import DEFAULT_PARALLEL, PARALLEL_ENV
 from agent.providers import NAMES, ProviderOptions, make_proposer, resolve_name
@@ -56,7 +56,7 @@ BANDWIDTH, PEAK = "bandwidth GB/s", "peak TFLOP/s"   # keys of the hardware fact
 SEED_RANGE = 1_000_000
 ENV = {"config": "MODEL_CONFIG", "weights": "WEIGHT_DIR", "device": "DEVICE", "budget": "BUDGET",
        "provider": "PROVIDER", "model": "LLM_MODEL", "seed": "SEED", "workspace": "AGENT_WORKSPACE",  # not WORKSPACE: CI sets it
-       "max_candidates": "MAX_CANDIDATES", "parallel": PARALLEL_ENV, "builtin_walk": "BUILTIN_WALK"}
+       "max_candidates": "MAX_CANDIDATES", "parallel": PARALLEL_ENV, "builtin_walk": "BUILTIN_WALK", "gpus": "GPUS"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class RunConfig:
     max_candidates: int | None = None   # stop after this many judged; None: the budget decides
     parallel: int = 1                   # model episodes in flight while the judge works (agent/pipeline.py)
     builtin_walk: str = "full"          # one of BUILTIN_WALKS
+    gpus: tuple[str, ...] = ()          # CUDA_VISIBLE_DEVICES names of the GPUs judged on; () one judge, as is
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -109,11 +110,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"what the builtin proposer tries [{ENV['builtin_walk']}; default full: the library's kernel "
                         "variants, then engine parameters; params: the all-torch engine and its parameters only, "
                         "so that kernels come from the model alone]")
+    p.add_argument("--gpus", type=int, default=env("gpus"),
+                   help=f"GPUs to judge on: the first judges every candidate in full, each other screens the next "
+                        f"candidates meanwhile [{ENV['gpus']}; default every GPU of the first one's kind, 1 on cpu]")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in the workspace (same config, weights and device): "
                         "candidates already judged are not judged again, the best so far is kept")
     given = sys.argv[1:] if argv is None else argv
-    for name, kind in (("budget", float), ("seed", int), ("max_candidates", int), ("parallel", int)):
+    for name, kind in (("budget", float), ("seed", int), ("max_candidates", int), ("parallel", int), ("gpus", int)):
         flag, value = "--" + name.replace("_", "-"), env(name)
         if value is None or any(arg == flag or arg.startswith(flag + "=") for arg in given):
             continue
@@ -130,6 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--budget must be a positive number of seconds, got {args.budget}")
     if args.parallel is not None and not int(args.parallel) >= 1:
         p.error(f"--parallel must be at least 1, got {args.parallel}")
+    if args.gpus is not None and not int(args.gpus) >= 1:
+        p.error(f"--gpus must be at least 1, got {args.gpus}")
     if args.max_candidates is not None and not int(args.max_candidates) >= 1:
         p.error(f"--max-candidates must be at least 1, got {args.max_candidates}")
     return args
@@ -153,7 +159,43 @@ def resolve(args: argparse.Namespace) -> RunConfig:
                      int(args.max_candidates) if args.max_candidates is not None else None,
                      int(args.parallel) if args.parallel is not None
                      else 1 if resolve_name(args.provider) == "builtin" else DEFAULT_PARALLEL,
-                     args.builtin_walk)
+                     args.builtin_walk, judged_gpus(device, int(args.gpus) if args.gpus is not None else None))
+
+
+def judged_gpus(device: str, asked: int | None) -> tuple[str, ...]:
+    """The GPUs the run judges on, as CUDA_VISIBLE_DEVICES names them (the caller's own list where
+    it set one): `asked` of them, else every GPU of the first one's kind (timings on a GPU of
+    another kind would not compare). () for one: the judge runs as it always did."""
+    if device != "cuda":
+        if asked is not None and asked > 1:
+            raise SpecError(f"--gpus {asked} needs CUDA GPUs; the device is {device}")
+        return ()
+    import torch
+
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",")][:len(names)] if visible else [str(i) for i in range(len(names))]
+    if asked is not None and asked > len(names):
+        raise SpecError(f"--gpus {asked}: this machine has {len(names)} GPU(s)")
+    if asked is not None:
+        other = next((i for i in range(asked) if names[i] != names[0]), None)
+        if other is not None:
+            raise SpecError(f"--gpus {asked}: GPU {other} is a {names[other]}, GPU 0 a {names[0]}; "
+                            "timings on both would not compare")
+        chosen = ids[:asked]
+    else:
+        chosen = [ids[i] for i in range(len(names)) if names[i] == names[0]]
+    return tuple(chosen) if len(chosen) > 1 else ()
+
+
+def places(gpus: tuple[str, ...]) -> list[Place]:
+    """Each judged GPU with its share of this process's CPUs (contiguous, as even as they split)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < len(gpus):   # too few to split: every judge may use them all
+        return [Place(gpu, frozenset(cpus)) for gpu in gpus]
+    share = len(cpus) // len(gpus)
+    return [Place(gpu, frozenset(cpus[i * share:(i + 1) * share if i < len(gpus) - 1 else None]))
+            for i, gpu in enumerate(gpus)]
 
 
 def _absolute(path: Path, what: str) -> Path:
@@ -266,6 +308,8 @@ def run_in(ws: Workspace, cfg: RunConfig, args: argparse.Namespace, spec: ModelS
                              screen_repeat=bench["screen_repeat"],
                              bandwidth_gbs=facts[BANDWIDTH], peak_tflops=facts[PEAK],
                              profile=cfg.provider != "builtin")   # measured slot shares for the model's prompts
+    if cfg.gpus:   # a worker at a time on each GPU: the host's memory shared between them
+        settings = replace(settings, memory_bytes=settings.memory_bytes // len(cfg.gpus))
     state = SearchState(spec=spec, device=cfg.device, hardware=facts, seconds_left=cfg.budget)
     try:
         # The run's Triton cache: the judge's, shared by its candidates (evaluator/triton_cache.py).
@@ -328,10 +372,14 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
     report.line(f"proposer {proposer.name}")
     interrupted = False
     try:
-        with Judge(settings, ws.root / JUDGE_LOGS) as judge:   # one evaluator process for the run
-            loop.run(state, proposer, lambda engine, out, timeout, phase: judge.verdict(engine, out, timeout,
-                                                                                         settings.for_phase(phase)),
-                     ws, report, cfg.budget, started, cfg.max_candidates, cfg.parallel, series=judge.series)
+        with contextlib.ExitStack() as judges:   # one evaluator process for the run, and one a spare GPU
+            where = places(cfg.gpus) if cfg.gpus else [None]
+            judge, *spares = [judges.enter_context(Judge(settings, ws.root / JUDGE_LOGS / (f"gpu{p.gpu}" if i else ""),
+                                                         p)) for i, p in enumerate(where)]
+            verdicts = lambda one: lambda engine, out, timeout, phase: one.verdict(  # noqa: E731
+                engine, out, timeout, settings.for_phase(phase))
+            loop.run(state, proposer, verdicts(judge), ws, report, cfg.budget, started, cfg.max_candidates,
+                     cfg.parallel, series=judge.series, spares={s.place.gpu: verdicts(s) for s in spares})
     except (KeyboardInterrupt, SystemExit):
         interrupted = True
         report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")
@@ -367,6 +415,10 @@ def header_lines(cfg: RunConfig, spec: ModelSpec, hw: dict, settings: JudgeSetti
     return [f"config {cfg.config}   weights {cfg.weights}",
             f"device {cfg.device}   budget {cfg.budget:.0f}s   provider {cfg.provider}   seed {cfg.seed}"
             + ("   builtin walk: the all-torch engine's parameters only" if cfg.builtin_walk == "params" else ""),
+            *([f"GPUs {', '.join(cfg.gpus)}: GPU {cfg.gpus[0]} judges every candidate in full, "
+               f"{'the others screen' if len(cfg.gpus) > 2 else f'GPU {cfg.gpus[1]} screens'} the next ones meanwhile "
+               f"(each judge on {len(places(cfg.gpus)[0].cpus)} CPUs, "
+               f"{settings.memory_bytes / 2**30:.0f} GiB a worker)"] if cfg.gpus else []),
             f"hardware {', '.join(f'{k} {v}' for k, v in hw.items())}",
             f"model {spec.summary()}",
             *[f"warning: {w}" for w in spec.warnings],

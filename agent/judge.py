@@ -213,6 +213,24 @@ def _keep_tail(path: Path) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a judge runs on a host of several GPUs (agent/screens.py): the GPU it sees alone
+    (CUDA_VISIBLE_DEVICES, a name from the caller's own list) and the CPUs its processes may use
+    (its share of the host's, so that one judge's compiles do not take the cores another's timed
+    host thread needs). The default, none given: the caller's own GPUs and CPUs."""
+
+    gpu: str
+    cpus: frozenset[int]
+
+    def env(self) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": self.gpu}
+
+    def enter(self) -> None:
+        """In the judge's process, before it runs: its CPUs (inherited by its workers)."""
+        os.sched_setaffinity(0, self.cpus)
+
+
 class Judge:
     """The run's judge: one resident evaluator process (evaluator/resident.py) for all its
     verdicts, started at the first one asked for and again after one was killed. It runs in its own
@@ -223,8 +241,8 @@ class Judge:
     child subreaper), and the next verdict starts a fresh judge. One caller at a time. Use as a
     context manager; `starts` counts the processes started."""
 
-    def __init__(self, settings: JudgeSettings, log_dir: Path):
-        self.settings, self.log_dir = settings, log_dir
+    def __init__(self, settings: JudgeSettings, log_dir: Path, place: Place | None = None):
+        self.settings, self.log_dir, self.place = settings, log_dir, place
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -311,10 +329,17 @@ class Judge:
     def _start(self) -> None:
         protect_judge()
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        place = self.place
+
+        def prepare() -> None:   # in the child, before exec
+            die_with_parent()
+            if place is not None:
+                place.enter()
+        env = {**_evaluator_env(), **(place.env() if place is not None else {})}
         with open(self.log_dir / STDOUT, "ab") as so, open(self.log_dir / STDERR, "ab") as se:
             self.proc = start_child(lambda: subprocess.Popen(
                 self.settings.command(), cwd=REPO, stdin=subprocess.PIPE, stdout=so, stderr=se, text=True,
-                start_new_session=True, preexec_fn=die_with_parent, env=_evaluator_env()))
+                start_new_session=True, preexec_fn=prepare, env=env))
         self.starts += 1
 
     def _stop(self, before: set[int]) -> None:

@@ -40,6 +40,7 @@ from agent.pipeline import Pipeline
 from agent.records import DEADLINE, Candidate, EvalResult, Proposer, SearchState
 from agent.render import render_engine
 from agent.report import Entry, FinalDue, Reporter, describe
+from agent.screens import Ahead, Screen, ScreensAhead
 from agent.workspace import VARIANTS, Workspace, atomic_write
 from evaluator.checkpoint import Conventions
 
@@ -96,13 +97,14 @@ def conservative_candidate() -> Candidate:
 
 def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, report: Reporter,
         budget: float, started: float | None = None, max_candidates: int | None = None, parallel: int = 1,
-        series: SeriesFactory | None = None) -> None:
+        series: SeriesFactory | None = None, spares: dict[str, Judge] | None = None) -> None:
     """Judge candidates until the proposers run dry, `max_candidates` are judged, or the budget
     (seconds from `started`, a time.monotonic() reading; default now) cannot fit another evaluation.
     `parallel` model episodes are kept going while the judge works (agent/pipeline.py). A state
     that already has a history (a resumed run, agent/resume.py) goes on from it: the conservative
     engine, always its first entry, is not judged again. `series` runs a contest's repeated
-    timings (default: one `judge` call each, OneByOne)."""
+    timings (default: one `judge` call each, OneByOne). `spares` (GPU name → its judge) screen the
+    next candidates while `judge` works (agent/screens.py)."""
     deadline = (time.monotonic() if started is None else started) + budget
     left = lambda: deadline - time.monotonic() - RESERVE_SECONDS  # noqa: E731
     report.seconds_left = left
@@ -113,21 +115,41 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     # that a long screen or contest cannot leave a won contest without the time for its final.
     others = lambda: left() - final_reserve(state, report)  # noqa: E731
     judge = budget_aware(judge, others, state)   # a verdict cut by what it was given is the budget's
+    model = state.spec.conventions if state.spec is not None else Conventions()  # no spec: unit tests
+    ahead = None if not spares else ScreensAhead(
+        {gpu: screen_of(budget_aware(spare, others, state)) for gpu, spare in spares.items()},
+        ws.root, lambda candidate, folder: prepare(candidate, folder, state.device, model)[0], TIMING)
     with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line,
                   keep) as pipeline:
-        candidate = pipeline.next(idle=due) if state.history else conservative_candidate()
+        def fill() -> None:
+            """Hand the spare GPUs the candidates ready now, as many as the run may still judge."""
+            room = max_candidates - len(state.history) - 1 - ahead.pending() if max_candidates else 1
+            while ahead.idle() and room > 0 and others() >= expected_seconds(state):
+                drawn = pipeline.next(wait=False)
+                if drawn is None:
+                    return
+                report.line(f"     screening ahead on GPU {ahead.start(drawn, timeout_for(state, others())).gpu}: "
+                            f"{describe(drawn.plan)}")
+                room = room - 1 if max_candidates else 1
+
+        if state.history:
+            candidate, screened = pick(pipeline, ahead, due)
+        else:
+            candidate, screened = conservative_candidate(), None
         while candidate is not None:
             if max_candidates is not None and len(state.history) >= max_candidates:
                 report.line(f"{len(state.history)} candidates judged, the most asked for (--max-candidates); stopping")
                 break
             if provisional_best(state, report) is not None and others() < expected_seconds(state):
                 due()   # after one more candidate its final would no longer fit
-            if state.history and left() < expected_seconds(state):
+            if state.history and left() < expected_seconds(state) and screened is None:
                 report.line(f"budget: {max(left(), 0):.0f}s left, not enough for another evaluation; stopping")
                 break
+            if ahead is not None:
+                fill()
             index = len(state.history) + 1
             entry = judge_one(index, candidate, state, judge, ws, report, others,
-                              lambda screen: pipeline.screened(index, candidate, screen), series)
+                              lambda screen: pipeline.screened(index, candidate, screen), series, screened, ahead)
             state.history.append((candidate, entry.result))
             if entry.accepted or entry.final_due is not None:
                 replaced = provisional_best(state, report)
@@ -139,11 +161,14 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
                 report.line(f"     {pipeline.status()}")
                 settle_conservative(state, judge, ws, report, left)
             state.seconds_left = others()   # a model's request must leave its answer's verdict time, not the final's
-            candidate = pipeline.next(idle=due)
+            candidate, screened = pick(pipeline, ahead, due)
             if candidate is None:   # (the pipeline's deadline: MIN_EVAL_SECONDS before the budget's end)
                 why = ("the budget's end is too near to start one" if left() <= MIN_EVAL_SECONDS
                        else "the proposers have nothing more to try")
                 report.line(f"no candidate left to judge ({why}), {max(left(), 0):.0f}s of the budget left; stopping")
+    if ahead is not None and ahead.pending():
+        report.line(f"{ahead.pending()} candidate(s) screened ahead were not reached; dropped "
+                    f"(their folders: {ahead.root})")
     while (pending := provisional_best(state, report)) is not None:   # a failed final may hand back to the one it replaced
         settle_final(state, judge, ws, report, left, pipeline.final)
         if provisional_best(state, report) is pending:
@@ -153,11 +178,44 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     report.line(report.judge_time())
 
 
+def pick(pipeline: Pipeline, ahead: ScreensAhead | None,
+         due: Callable[[], None]) -> tuple[Candidate | None, Ahead | None]:
+    """The next candidate to judge, with its screen where it was screened ahead: first a screen
+    ahead that is done, else what the proposers have ready, else (screens ahead still under way)
+    the provisional best's final once, then waiting for whichever comes first. Without screens
+    ahead: the pipeline's next, as a serial loop asks."""
+    if ahead is None:
+        return pipeline.next(idle=due), None
+    idled = False
+    while True:
+        done = ahead.finished()
+        if done is not None:
+            return done.candidate, done
+        if not ahead.busy():
+            return pipeline.next(idle=None if idled else due), None
+        drawn = pipeline.next(wait=False)
+        if drawn is not None:
+            return drawn, None
+        if not idled:
+            due()   # the judge would wait for a screen ahead: the final due meanwhile
+            idled = True
+        else:
+            ahead.wait()
+
+
+def screen_of(judge: Judge) -> Screen:
+    """A judge's TIMING verdicts alone (what a spare GPU's judge is asked)."""
+    return lambda engine, out_dir, timeout: judge(engine, out_dir, timeout, TIMING)
+
+
 def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge, ws: Workspace,
               report: Reporter, left: Callable[[], float], on_screen: OnScreen = lambda screen: None,
-              series: SeriesFactory | None = None) -> Entry:
+              series: SeriesFactory | None = None, screened: Ahead | None = None,
+              ahead: ScreensAhead | None = None) -> Entry:
     """Render, check, screen, contest the best, and install a finalist that passes in full.
-    `on_screen` hears of a screen that passed, before the contest and the final."""
+    `on_screen` hears of a screen that passed, before the contest and the final. `screened`: its
+    screen ahead on another GPU (`ahead`'s), taken as its screen where it screened this very
+    engine."""
     entry = Entry(index, candidate, ws.candidate_dir(index, describe(candidate.plan)))
     report.started(entry)
     model = state.spec.conventions if state.spec is not None else Conventions()  # no spec: unit tests
@@ -165,7 +223,11 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
     if entry.result is None and not state.history:
         entry.result = judge_conservative(entry, source, judge, ws, report, left)
     elif entry.result is None:
-        entry.result = challenge(entry, source, state, judge, ws, report, left, on_screen, series)
+        early = screened if screened is not None and screened.result is not None and screened.source == source \
+            else None
+        if early is not None:
+            ahead.take_into(early, entry.directory)
+        entry.result = challenge(entry, source, state, judge, ws, report, left, on_screen, series, early)
         # The candidate's folder holds its verdict whichever phase gave it (a rejected screen
         # lives in timing/ with its logs): one place to look, as the README's layout says.
         atomic_write(entry.directory / RESULT_FILE, json.dumps(entry.result.to_dict(), indent=2) + "\n")
@@ -177,13 +239,18 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
 
 def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: Workspace, report: Reporter,
               left: Callable[[], float], on_screen: OnScreen = lambda screen: None,
-              series: SeriesFactory | None = None) -> EvalResult:
-    """The screen (a timing, no stress), the back-to-back rounds against the best, and for a
-    finalist the full verdict (the stress suite's long cases included) that gets installed."""
+              series: SeriesFactory | None = None, early: Ahead | None = None) -> EvalResult:
+    """The screen (a timing, no stress; `early` where another GPU screened it ahead), the
+    back-to-back rounds against the best, and for a finalist the full verdict (the stress suite's
+    long cases included) that gets installed."""
     engine, folder = entry.directory / "engine.py", entry.directory
     spent = report.spending(entry)
-    screen = spent("screen", judge(engine, folder / TIMING, timeout_for(state, left()), TIMING))
-    report.verdict(entry, screen, label="screen")
+    if early is not None:
+        screen = spent("screen", early.result)
+        report.verdict(entry, screen, label=f"screen (ahead, GPU {early.gpu})")
+    else:
+        screen = spent("screen", judge(engine, folder / TIMING, timeout_for(state, left()), TIMING))
+        report.verdict(entry, screen, label="screen")
     if not screen.passed:
         return screen
     if not screen.safe():

@@ -52,7 +52,8 @@ class Pipeline:
         self.parallel = parallel if model_side and parallel > 1 else 1
         self.builtin: Proposer = proposer.fallback if self.parallel > 1 else proposer
         self.ready: list[Candidate] = [c for c in state.waiting if not state.tried(c)]
-        self.judging: Candidate | None = None   # a candidate of model code the judge took, its verdict to come
+        self.judging: list[Candidate] = []      # candidates of model code the judge took, their verdicts to come
+        self.taken: set[str] = set()            # every candidate handed out whose verdict has not come (keys)
         self.cut: list[Candidate] = []          # ... whose verdict the budget cut short: for a resumed run only
         self._kept_keys = [c.key() for c in self.ready]   # what `keep` last took (a resumed run's: its file's)
         self._keep_failed = False
@@ -72,15 +73,16 @@ class Pipeline:
             threading.Thread(target=self._work, name=f"proposer-{i + 1}", daemon=True).start()
 
     # --- the judge's side -----------------------------------------------------------------
-    def next(self, idle: Callable[[], None] | None = None) -> Candidate | None:
+    def next(self, idle: Callable[[], None] | None = None, wait: bool = True) -> Candidate | None:
         """The next candidate to judge, or None when no side has anything left before the deadline.
         `idle` (the judge's own pending work: a provisional best's final) runs, once, where the
-        judge would otherwise wait for the model."""
+        judge would otherwise wait for the model. `wait` False: None also where nothing is ready
+        now (a screen ahead on another GPU takes what is, agent/screens.py)."""
         while True:
             with self.cond:
                 while self.merges:
                     candidate = self.merges.pop(0)
-                    if not self.state.tried(candidate):
+                    if not self._known(candidate):
                         self._builtin_keys.add(candidate.key())
                         return self._judging(candidate)
                 if self.ready and not self.last_model:
@@ -100,7 +102,7 @@ class Pipeline:
                     if candidate is not None:
                         return candidate
                     continue
-                if self.workers == 0 or time.monotonic() >= self.deadline:
+                if not wait or self.workers == 0 or time.monotonic() >= self.deadline:
                     return None
                 if self.in_flight == 0 and self.proposer.paused(self.state):   # only a new best engine wakes it
                     if idle is None:
@@ -128,10 +130,12 @@ class Pipeline:
         self._best = best
         with self.cond:
             self.screen = None   # its verdict is in: the archive holds it, or it failed
-            if self.judging is not None and self.judging.key() == key:
+            self.taken.discard(key)
+            judged = [c for c in self.judging if c.key() == key]
+            if judged:
                 if result.unfinished:   # judged again on --resume (agent/resume.py): still waiting
-                    self.cut.append(self.judging)
-                self.judging = None
+                    self.cut.append(judged[0])
+                self.judging = [c for c in self.judging if c.key() != key]
                 self._kept()
             self.cond.notify_all()   # a worker waiting for room (or for a basis) may go on
 
@@ -169,20 +173,26 @@ class Pipeline:
         self.last_model = True
         candidate = self.ready.pop(0)
         self.cond.notify_all()
-        return None if self.state.tried(candidate) else self._judging(candidate)
+        return None if self._known(candidate) else self._judging(candidate)
 
     def _judging(self, candidate: Candidate) -> Candidate:
         """`candidate`, handed to the judge: kept until its verdict if it carries model-written code
         (from the model, or built on it by the builtin walk or a merge, or any side of a serial run)."""
-        self.judging = candidate if candidate.extra_variants else None
+        self.taken.add(candidate.key())
+        if candidate.extra_variants:
+            self.judging.append(candidate)
         self._kept()
         return candidate
+
+    def _known(self, candidate: Candidate) -> bool:
+        """Judged, or handed out and its verdict to come (a screen ahead may hold several)."""
+        return self.state.tried(candidate) or candidate.key() in self.taken
 
     def _kept(self) -> None:
         """Hand the waiting model candidates to `keep` (under the lock) where they changed: a run
         of the builtin walk alone writes nothing. A failure is logged once: the run goes on, only
         a resume would lose them."""
-        waiting = self.cut + ([self.judging] if self.judging is not None else []) + self.ready
+        waiting = self.cut + self.judging + self.ready
         keys = [c.key() for c in waiting]
         if keys == self._kept_keys:
             return
@@ -204,7 +214,7 @@ class Pipeline:
                 self.log(f"warning: proposer '{side.name}' failed; it is asked no more:\n{traceback.format_exc()}")
                 self.builtin = _Dry(side.name)
                 return None
-            if candidate is None or not self.state.tried(candidate):
+            if candidate is None or not self._known(candidate):
                 return candidate
             self.log(f"warning: proposer '{side.name}' repeated an already-judged candidate: {candidate.plan.describe()}")
         self.log(f"warning: proposer '{side.name}' repeated itself {MAX_REPEATS} times; it is asked no more")
@@ -238,7 +248,7 @@ class Pipeline:
                 finally:
                     with self.cond:   # one step: no moment with nothing in flight and the candidate not ready
                         self.in_flight -= 1
-                        if candidate is not None and not self.state.tried(candidate):
+                        if candidate is not None and not self._known(candidate):
                             self.ready.append(replace(candidate, parent=parent.index))
                             self._kept()
                         self.cond.notify_all()

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "persistent-probe": "persistent_probe", "bf16-probe": "bf16_probe",
     "first-run": "first_run", "megakernel-probe": "megakernel_probe", "compile-probe": "compile_probe",
     "verdict-split": "verdict_split", "menu-compile": "menu_compile", "timed-path": "timed_path", "worker-speed": "worker_speed", "tp-check": "tp_check",
+    "parallel-search": "parallel_search",
 }
 
 

@@ -1,0 +1,134 @@
+"""Screens ahead: on a host of several GPUs, the candidates after the one the loop is judging are
+screened on the other GPUs meanwhile (issue 26, "parallel candidate evaluation").
+
+A challenger's screen (the public sequence and one fresh engine a benchmark case, agent/judge.py
+TIMING) is most of what the search pays for it: most candidates end there (a failure, or slower
+than the best). So the loop (agent/loop.py) keeps its one judge on the first GPU for everything
+that decides (the conservative engine, the contests' back-to-back timings against the best, the
+finals whose timing is installed), and each other GPU has a judge of its own that screens the
+candidates the loop will take next. When the loop reaches a candidate screened ahead it takes that
+verdict as the candidate's screen (the screen's folder moves into the candidate's), and goes on
+with its contest and final as for any other.
+
+Each judge runs on one GPU alone and on its own share of the host's CPUs (agent/judge.py Place),
+so no timing shares a GPU, and one judge's compiles do not take the cores another's timed host
+thread runs on. A screen ahead is timed on another GPU than the best's score was, which is why it
+only decides what goes on: a contest times both engines back to back on the first GPU, and a
+clear win's final times it there in full before it is installed (agent/loop.py unconfirmed_win).
+
+A candidate is drawn ahead only from what the proposers have ready now (agent/pipeline.py `next`
+with `wait` off): the builtin walk's next step from the current best, or a checked model answer.
+What is screened ahead and not reached when the run ends (the budget, --max-candidates) is
+dropped; a model candidate among them stays in the pipeline's waiting list for --resume.
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.records import Candidate, EvalResult
+
+AHEAD = "ahead"            # the workspace folder screens ahead are rendered and judged in
+POLL_SECONDS = 0.2         # how long the loop waits for a screen ahead before looking again
+
+# (engine.py, out dir, timeout s) → the screen's verdict, on one GPU's judge
+Screen = Callable[[Path, Path, float], EvalResult]
+# (candidate, its folder) → the engine's source where it rendered and passed the policy, else None
+Prepare = Callable[[Candidate, Path], "str | None"]
+
+
+@dataclass
+class Ahead:
+    """One candidate screened ahead: its folder (plan, engine, variants, the screen's own folder),
+    the GPU it was screened on, the source it was screened as and, once done, the verdict."""
+
+    candidate: Candidate
+    folder: Path
+    gpu: str
+    source: str | None = None       # None: it did not render or broke the policy (not screened)
+    result: EvalResult | None = None
+    error: str | None = None        # the screen ahead itself failed (not the engine): the loop screens it
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class ScreensAhead:
+    """The run's spare GPUs, each with its judge (`screens`: GPU name → Screen), screening the
+    candidates the loop hands over in `start`; `finished` gives them back, first started first."""
+
+    def __init__(self, screens: dict[str, Screen], root: Path, prepare: Prepare, phase_folder: str):
+        self.screens, self.root, self.prepare, self.phase_folder = screens, root / AHEAD, prepare, phase_folder
+        shutil.rmtree(self.root, ignore_errors=True)   # a killed run's: never a verdict of this one
+        self.free = list(screens)
+        self.running: list[Ahead] = []   # handed over, not taken back yet, in the order started
+        self.cond = threading.Condition()
+        self.started = 0
+
+    def idle(self) -> bool:
+        """A spare GPU has nothing to screen."""
+        with self.cond:
+            return bool(self.free)
+
+    def busy(self) -> bool:
+        """Some screen ahead is still under way."""
+        with self.cond:
+            return any(not a.done.is_set() for a in self.running)
+
+    def pending(self) -> int:
+        """Candidates handed over and not taken back."""
+        with self.cond:
+            return len(self.running)
+
+    def start(self, candidate: Candidate, timeout: float) -> Ahead:
+        """Render `candidate` in a folder of its own and screen it on a free GPU, in a thread."""
+        with self.cond:
+            gpu = self.free.pop(0)
+            self.started += 1
+            ahead = Ahead(candidate, self.root / f"{self.started:03d}", gpu)
+            self.running.append(ahead)
+        threading.Thread(target=self._screen, args=(ahead, timeout), name=f"screen-gpu{gpu}", daemon=True).start()
+        return ahead
+
+    def finished(self) -> Ahead | None:
+        """The first candidate handed over whose screen is done (or that had nothing to screen),
+        taken back; None if none is."""
+        with self.cond:
+            for ahead in self.running:
+                if ahead.done.is_set():
+                    self.running.remove(ahead)
+                    return ahead
+        return None
+
+    def wait(self, seconds: float = POLL_SECONDS) -> None:
+        """Until a screen ahead ends, or `seconds`."""
+        with self.cond:
+            if any(a.done.is_set() for a in self.running):
+                return
+            self.cond.wait(seconds)
+
+    def take_into(self, ahead: Ahead, folder: Path) -> None:
+        """Move the screen's folder (verdict, logs) into the candidate's own `folder`; the rest of
+        the folder ahead (the same engine, rendered again there) goes."""
+        source = ahead.folder / self.phase_folder
+        if source.is_dir():
+            target = folder / self.phase_folder
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.move(str(source), str(target))
+        shutil.rmtree(ahead.folder, ignore_errors=True)
+
+    def _screen(self, ahead: Ahead, timeout: float) -> None:
+        try:
+            ahead.source = self.prepare(ahead.candidate, ahead.folder)
+            if ahead.source is not None:
+                ahead.result = self.screens[ahead.gpu](ahead.folder / "engine.py", ahead.folder / self.phase_folder,
+                                                       timeout)
+        except Exception as e:  # noqa: BLE001 - the loop judges it itself: a screen ahead is only a head start
+            ahead.source, ahead.result = None, None
+            ahead.error = f"{type(e).__name__}: {e}"
+        finally:
+            with self.cond:
+                self.free.append(ahead.gpu)
+                ahead.done.set()
+                self.cond.notify_all()

@@ -1,0 +1,157 @@
+"""Screens ahead on a host's other GPUs (agent/screens.py, issue 26): the real loop with fake
+judges, one a GPU, whose verdicts take time; the `--gpus` flag; a judge's place (GPU, CPUs)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agent import cli, loop
+from agent.judge import Judge, JudgeSettings, Place
+from agent.plan import Plan
+from agent.records import Candidate, EvalResult, SearchState
+from agent.report import Reporter
+from agent.screens import AHEAD
+from agent.workspace import Workspace
+from tests.test_loop import CONSERVATIVE, ListProposer, failed, fake_render, installed_key, passed
+
+REPO = Path(__file__).resolve().parent.parent
+SCREEN_SECONDS = 0.15   # a fake verdict's length: long enough for screens to overlap measurably
+
+
+class Judges:
+    """Fake judges, one a GPU: a verdict sleeps SCREEN_SECONDS and is looked up by plan key; every
+    call is recorded as (gpu, plan key, phase, out dir, start, end)."""
+
+    def __init__(self, verdicts: dict[str, EvalResult], broken: set[str] = frozenset()):
+        self.verdicts, self.broken = verdicts, broken
+        self.calls: list[tuple[str, str, str, Path, float, float]] = []
+        self.asked: list[tuple[str, str]] = []   # (plan key, phase) as each verdict starts
+        self.busy: dict[str, bool] = {}
+        self.lock = threading.Lock()
+
+    def on(self, gpu: str):
+        def judge(engine: Path, out_dir: Path, timeout: float, phase: str) -> EvalResult:
+            key = Plan.from_dict(json.loads((engine.parent / "plan.json").read_text())["plan"]).key()
+            assert engine.read_text() == fake_render(Plan.from_dict(json.loads(key)))
+            with self.lock:
+                assert not self.busy.get(gpu), f"two verdicts at once on GPU {gpu}"
+                self.busy[gpu] = True
+                self.asked.append((key, phase))
+            start = time.monotonic()
+            time.sleep(SCREEN_SECONDS)
+            with self.lock:
+                self.busy[gpu] = False
+                self.calls.append((gpu, key, phase, out_dir, start, time.monotonic()))
+            if gpu != "0" and key in self.broken:
+                raise OSError("the spare judge's folder went away")
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "result.json").write_text(json.dumps({"gpu": gpu}))
+            full = self.verdicts.get(key, failed())
+            if phase in (loop.FINAL, loop.STRESS) and full.passed:
+                return replace(full, benchmark=[], score=None)
+            return replace(full)
+        return judge
+
+
+def run(tmp_path: Path, monkeypatch, plans: list[Plan], verdicts: dict[str, EvalResult], gpus=("0", "1"),
+        max_candidates: int | None = None, broken: set[str] = frozenset()):
+    monkeypatch.setattr(loop, "render_engine", fake_render)
+    judges = Judges(verdicts, broken)
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    ws.open_history(warn=report.warn)
+    state = SearchState(spec=None, device="cuda", hardware={})
+    started = time.monotonic()
+    loop.run(state, ListProposer(plans), judges.on(gpus[0]), ws, report, 600.0, max_candidates=max_candidates,
+             spares={gpu: judges.on(gpu) for gpu in gpus[1:]})
+    report.finish([])
+    return ws, state, judges, time.monotonic() - started, report
+
+
+def test_the_next_candidates_are_screened_on_the_other_gpus_while_the_first_judges(tmp_path, monkeypatch):
+    plans = [Plan("paged", params={"x": i}) for i in range(9)]
+    fast = random.sample(range(9), 3)   # fresh winners every run, anywhere in the order
+    verdicts = {CONSERVATIVE: passed(1.0), **{p.key(): passed(2.0 + 3 * i) if i in fast else failed()
+                                              for i, p in enumerate(plans)}}
+    ws, state, judges, _, report = run(tmp_path, monkeypatch, plans, verdicts, gpus=("0", "1", "2"))
+    keys = [c.key() for c, _ in state.history]
+    assert keys[0] == CONSERVATIVE and sorted(keys[1:]) == sorted(p.key() for p in plans)   # each once
+    spare = [c for c in judges.calls if c[0] != "0"]
+    assert spare and {c[2] for c in spare} == {loop.TIMING}   # a spare GPU screens, and only screens
+    assert all(c[3].parent.parent.name == AHEAD for c in spare)
+    main = [c for c in judges.calls if c[0] == "0"]
+    assert {c[2] for c in main} >= {loop.VERIFY, loop.FINAL}   # what decides is the first GPU's
+    assert all(c[3].parent.parent.name != AHEAD for c in main)
+    overlapped = [s for s in spare if any(m[4] < s[5] and s[4] < m[5] for m in main)]
+    assert overlapped, "no screen ahead ran while the first GPU judged"
+    best = max(fast)
+    assert installed_key(ws) == plans[best].key()
+    screens = [e.directory / loop.TIMING / "result.json" for e in report.entries[1:]]
+    assert any(json.loads(s.read_text())["gpu"] != "0" for s in screens if s.is_file()), \
+        "no candidate's folder holds the screen its spare GPU made"
+    log = (ws.root / "results.log").read_text()
+    assert "screening ahead on GPU 1" in log and "screen (ahead, GPU" in log
+
+
+def test_max_candidates_holds_with_screens_ahead_and_what_was_not_reached_is_dropped(tmp_path, monkeypatch):
+    plans = [Plan("paged", params={"x": i}) for i in range(6)]
+    ws, state, judges, _, _ = run(tmp_path, monkeypatch, plans, {CONSERVATIVE: passed(1.0)}, max_candidates=3)
+    assert len(state.history) == 3
+    screened = {key for key, phase in judges.asked if phase == loop.TIMING}
+    assert screened <= {c.key() for c, _ in state.history}   # nothing screened beyond what the run may judge
+
+
+def test_a_spare_judge_that_breaks_leaves_the_candidate_to_the_first_gpu(tmp_path, monkeypatch):
+    plans = [Plan("paged", params={"x": i}) for i in range(4)]
+    verdicts = {CONSERVATIVE: passed(1.0), **{p.key(): passed(5.0 + i) for i, p in enumerate(plans)}}
+    ws, state, judges, _, _ = run(tmp_path, monkeypatch, plans, verdicts, broken={p.key() for p in plans})
+    assert [c.key() for c, _ in state.history][1:] == [p.key() for p in plans]
+    for plan in plans:   # each was screened on the first GPU once the spare's screen broke
+        assert any(c[0] == "0" and c[1] == plan.key() and c[2] == loop.TIMING for c in judges.calls)
+    assert installed_key(ws) == plans[-1].key()
+
+
+def test_gpus_on_a_cpu_is_one_line_and_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "agent", "--device", "cpu", "--gpus", "2",
+                           "--workspace", str(tmp_path / "ws")], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == cli.EXIT_BAD_INPUT
+    assert done.stderr.strip() == "error: --gpus 2 needs CUDA GPUs; the device is cpu"
+    assert not (tmp_path / "ws").exists()
+    bad = subprocess.run([sys.executable, "-m", "agent", "--gpus", "0"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--gpus must be at least 1" in bad.stderr
+
+
+def test_each_judge_gets_its_share_of_the_cpus():
+    cpus = sorted(os.sched_getaffinity(0))
+    shares = cli.places(("3", "5"))
+    assert [p.gpu for p in shares] == ["3", "5"]
+    if len(cpus) >= 2:
+        assert not shares[0].cpus & shares[1].cpus and shares[0].cpus | shares[1].cpus == set(cpus)
+    else:
+        assert shares[0].cpus == shares[1].cpus == set(cpus)
+
+
+def test_a_judge_runs_on_its_gpu_and_cpus(tmp_path, monkeypatch):
+    """The evaluator process of a placed judge sees its GPU alone and runs on its CPUs (its workers
+    inherit both): a stand-in for evaluator.resident writes what it was given."""
+    seen = tmp_path / "seen.json"
+    script = (f"import json, os; json.dump({{'gpu': os.environ.get('CUDA_VISIBLE_DEVICES'), "
+              f"'cpus': sorted(os.sched_getaffinity(0))}}, open({str(seen)!r}, 'w'))")
+    monkeypatch.setattr(JudgeSettings, "command", lambda self: [sys.executable, "-c", script])
+    cpus = frozenset([min(os.sched_getaffinity(0))])
+    settings = JudgeSettings(sys.executable, tmp_path / "c.json", tmp_path, "cuda", 0)
+    with Judge(settings, tmp_path / "logs", Place("7", cpus)) as judge:
+        judge.send({}).wait(timeout=60)
+    assert json.loads(seen.read_text()) == {"gpu": "7", "cpus": sorted(cpus)}
