@@ -25,6 +25,7 @@ installed at the end was judged in full.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -120,7 +121,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
         {gpu: screen_of(budget_aware(spare, others, state)) for gpu, spare in spares.items()},
         ws.root, lambda candidate, folder: prepare(candidate, folder, state.device, model)[0], TIMING)
     with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line,
-                  keep) as pipeline:
+                  keep) as pipeline, ahead or contextlib.nullcontext():
         def fill() -> None:
             """Hand the spare GPUs the candidates ready now, as many as the run may still judge."""
             room = max_candidates - len(state.history) - 1 - ahead.pending() if max_candidates else 1

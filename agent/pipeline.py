@@ -53,7 +53,7 @@ class Pipeline:
         self.builtin: Proposer = proposer.fallback if self.parallel > 1 else proposer
         self.ready: list[Candidate] = [c for c in state.waiting if not state.tried(c)]
         self.judging: list[Candidate] = []      # candidates of model code the judge took, their verdicts to come
-        self.taken: set[str] = set()            # every candidate handed out whose verdict has not come (keys)
+        self.taken: dict[str, Candidate] = {}   # every candidate handed out whose verdict has not come, by key
         self.cut: list[Candidate] = []          # ... whose verdict the budget cut short: for a resumed run only
         self._kept_keys = [c.key() for c in self.ready]   # what `keep` last took (a resumed run's: its file's)
         self._keep_failed = False
@@ -130,7 +130,7 @@ class Pipeline:
         self._best = best
         with self.cond:
             self.screen = None   # its verdict is in: the archive holds it, or it failed
-            self.taken.discard(key)
+            self.taken.pop(key, None)
             judged = [c for c in self.judging if c.key() == key]
             if judged:
                 if result.unfinished:   # judged again on --resume (agent/resume.py): still waiting
@@ -178,7 +178,7 @@ class Pipeline:
     def _judging(self, candidate: Candidate) -> Candidate:
         """`candidate`, handed to the judge: kept until its verdict if it carries model-written code
         (from the model, or built on it by the builtin walk or a merge, or any side of a serial run)."""
-        self.taken.add(candidate.key())
+        self.taken[candidate.key()] = candidate
         if candidate.extra_variants:
             self.judging.append(candidate)
         self._kept()
@@ -223,8 +223,8 @@ class Pipeline:
 
     def _view(self, best, best_result) -> SearchState:
         """The state as a proposer sees it now, with `best` the engine to build on."""
-        return replace(self.state, best=best, best_result=best_result,
-                       seconds_left=self.deadline - time.monotonic())
+        return replace(self.state, best=best, best_result=best_result, seconds_left=self.deadline - time.monotonic(),
+                       pending=frozenset(c.plan.key() for c in list(self.taken.values())))
 
     # --- the workers' side ----------------------------------------------------------------
     def _work(self) -> None:

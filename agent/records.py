@@ -219,6 +219,9 @@ class SearchState:
     # restored by --resume (agent/resume.py): the head of the pipeline's queue, and the model's
     # plan menu lists their variants, as before the interruption.
     waiting: list[Candidate] = field(default_factory=list)
+    # Plan keys of candidates handed to the judge whose verdicts are to come (more than the one
+    # judged where screens run ahead on other GPUs, agent/screens.py): the proposers' view of it.
+    pending: frozenset[str] = frozenset()
     best: Candidate | None = None
     best_result: EvalResult | None = None
 

@@ -23,6 +23,7 @@ dropped; a model candidate among them stays in the pipeline's waiting list for -
 """
 from __future__ import annotations
 
+import queue
 import shutil
 import threading
 from collections.abc import Callable
@@ -56,7 +57,10 @@ class Ahead:
 
 class ScreensAhead:
     """The run's spare GPUs, each with its judge (`screens`: GPU name → Screen), screening the
-    candidates the loop hands over in `start`; `finished` gives them back, first started first."""
+    candidates the loop hands over in `start`; `finished` gives them back, first started first.
+    Each GPU's screens run in one thread for the whole run: a judge process dies with the thread
+    that started it (PR_SET_PDEATHSIG is the thread's), so a thread a screen would restart the
+    judge each time (its start, its setup and its worker's: ~10 s a screen on an H200)."""
 
     def __init__(self, screens: dict[str, Screen], root: Path, prepare: Prepare, phase_folder: str):
         self.screens, self.root, self.prepare, self.phase_folder = screens, root / AHEAD, prepare, phase_folder
@@ -65,6 +69,9 @@ class ScreensAhead:
         self.running: list[Ahead] = []   # handed over, not taken back yet, in the order started
         self.cond = threading.Condition()
         self.started = 0
+        self.jobs = {gpu: queue.SimpleQueue() for gpu in screens}
+        for gpu in screens:
+            threading.Thread(target=self._serve, args=(gpu,), name=f"screens-gpu{gpu}", daemon=True).start()
 
     def idle(self) -> bool:
         """A spare GPU has nothing to screen."""
@@ -88,7 +95,7 @@ class ScreensAhead:
             self.started += 1
             ahead = Ahead(candidate, self.root / f"{self.started:03d}", gpu)
             self.running.append(ahead)
-        threading.Thread(target=self._screen, args=(ahead, timeout), name=f"screen-gpu{gpu}", daemon=True).start()
+        self.jobs[gpu].put((ahead, timeout))
         return ahead
 
     def finished(self) -> Ahead | None:
@@ -117,6 +124,21 @@ class ScreensAhead:
             shutil.rmtree(target, ignore_errors=True)
             shutil.move(str(source), str(target))
         shutil.rmtree(ahead.folder, ignore_errors=True)
+
+    def close(self) -> None:
+        """The GPUs' threads end after the screen they are on (whose judge the caller closes)."""
+        for jobs in self.jobs.values():
+            jobs.put(None)
+
+    def __enter__(self) -> "ScreensAhead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _serve(self, gpu: str) -> None:
+        while (job := self.jobs[gpu].get()) is not None:
+            self._screen(*job)
 
     def _screen(self, ahead: Ahead, timeout: float) -> None:
         try:

@@ -57,11 +57,15 @@ def default_plan(engine: str, params: dict[str, Param]) -> Plan:
 
 
 def walk(base: Callable[[], Plan], device: str, menu: dict[str, list[Variant]],
-         params: dict[str, Param], start: Plan, kernels: bool = True) -> Iterator[tuple[Plan, str]]:
+         params: dict[str, Param], start: Plan, kernels: bool = True,
+         pending: Callable[[Plan], bool] = lambda plan: False) -> Iterator[tuple[Plan | None, str]]:
     """Yield (plan, why) in search order; `base()` is re-read at every step so the walk
     builds on whatever has been kept so far. The library plan goes first where it runs: on a GPU
     the all-torch engine is many times slower and costs a whole evaluation (86 s of a 230 s
-    budget on a Llama-3.2-1B shape, fourteenth session) that the library plan makes moot."""
+    budget on a Llama-3.2-1B shape, fourteenth session) that the library plan makes moot.
+    Which step follows the library plans depends on their verdicts: while one is `pending` (handed
+    to the judge, its verdict to come: a screen ahead, agent/screens.py) the walk yields
+    (None, why) and stays there. A later step only builds on the best so far, whatever is pending."""
     if not kernels:
         menu = {}
     runnable = {slot: {v.name for v in variants if device in v.devices} for slot, variants in menu.items()}
@@ -70,9 +74,13 @@ def walk(base: Callable[[], Plan], device: str, menu: dict[str, list[Variant]],
     if preferred:
         library = Plan(start.engine, {**start.slots, **preferred}, start.params)
         yield library, "KV cache with the kernel library's preferred variant in every slot that has one here"
+        while pending(library):
+            yield None, "waiting for the library plan's verdict"
         if faithful and faithful != preferred and base() != library:
-            yield (Plan(start.engine, {**start.slots, **faithful}, start.params),
-                   "the library plan not kept: the same with attention that rounds like the reference")
+            exact = Plan(start.engine, {**start.slots, **faithful}, start.params)
+            yield exact, "the library plan not kept: the same with attention that rounds like the reference"
+            while pending(exact):
+                yield None, "waiting for the faithful library plan's verdict"
     if not preferred or base() == start:   # no library plan was kept
         yield start, "KV cache, batched prefill/decode, all-torch slots"
     for slot in WALK_ORDER:

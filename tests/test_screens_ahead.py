@@ -155,3 +155,66 @@ def test_a_judge_runs_on_its_gpu_and_cpus(tmp_path, monkeypatch):
     with Judge(settings, tmp_path / "logs", Place("7", cpus)) as judge:
         judge.send({}).wait(timeout=60)
     assert json.loads(seen.read_text()) == {"gpu": "7", "cpus": sorted(cpus)}
+
+
+def test_the_builtin_walk_waits_for_the_library_plans_verdict_before_the_step_it_decides(tmp_path, monkeypatch):
+    """The walk judges the faithful library plan only where the library plan was not kept: drawn
+    ahead while the library plan's verdict was still to come, it was judged regardless (and its
+    lineage built on; thirty-seventh session, 2 x H200)."""
+    from agent import search
+    from agent.plan import engine_params, menu
+    from agent.providers.builtin import BuiltinProposer
+
+    monkeypatch.setattr(loop, "render_engine", fake_render)
+    start = search.default_plan("paged", engine_params("paged"))
+    walk = search.walk(lambda: start, "cuda", menu(), engine_params("paged"), start)
+    library, exact = next(walk)[0], next(walk)[0]
+    assert library != exact   # the faithful plan follows where the library plan is not kept
+    judges = Judges({CONSERVATIVE: passed(1.0), library.key(): passed(20.0)})
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    ws.open_history(warn=report.warn)
+    state = SearchState(spec=None, device="cuda", hardware={})
+    loop.run(state, BuiltinProposer("cuda"), judges.on("0"), ws, report, 600.0, max_candidates=5,
+             spares={"1": judges.on("1")})
+    keys = [c.plan.key() for c, _ in state.history]
+    assert library.key() in keys and exact.key() not in keys
+    assert installed_key(ws) == library.key()
+
+
+RESIDENT_STAND_IN = """
+import json, os, sys
+for line in sys.stdin:
+    request = json.loads(line)
+    out = os.path.join(request["out_dir"], "result.json")
+    with open(out + ".tmp", "w") as f:
+        json.dump({"ticket": request["ticket"], "status": "passed", "stage": "done", "note": str(os.getpid())}, f)
+    os.replace(out + ".tmp", out)
+"""
+
+
+def test_a_spare_gpus_judge_lives_across_its_screens(tmp_path, monkeypatch):
+    """One judge process a spare GPU for the run, as on the first GPU: a judge dies with the thread
+    that started it (PR_SET_PDEATHSIG), and a thread a screen restarted it every time (~10 s)."""
+    from agent.screens import ScreensAhead
+
+    monkeypatch.setattr(JudgeSettings, "command", lambda self: [sys.executable, "-c", RESIDENT_STAND_IN])
+    settings = JudgeSettings(sys.executable, tmp_path / "c.json", tmp_path, "cuda", 0)
+
+    def prepare(candidate: Candidate, folder: Path) -> str:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "engine.py").write_text("# engine\n")
+        return "# engine\n"
+    with Judge(settings, tmp_path / "logs") as judge, \
+            ScreensAhead({"1": loop.screen_of(lambda e, o, t, phase: judge.verdict(e, o, t, settings))},
+                         tmp_path, prepare, loop.TIMING) as ahead:
+        pids = []
+        for i in range(3):
+            ahead.start(Candidate(Plan("paged", params={"x": i}), "test", ""), 60)
+            while (done := ahead.finished()) is None:
+                ahead.wait()
+            assert done.result.passed, done.result.error
+            pids.append(done.result.note)
+            time.sleep(0.3)   # the thread a screen had ended by now, and its judge with it
+    assert len(set(pids)) == 1 and judge.starts == 1, pids

@@ -32,7 +32,8 @@ its parameters only (agent/search.py, `--builtin-walk params`)."""
         params = engine_params(self.engine)
         start = search.default_plan(self.engine, params)
         base = lambda: self._base().plan if self._base() is not None else start  # noqa: E731
-        return search.walk(base, self.device, menu(), params, start, self.kernels)
+        pending = lambda plan: self._state is not None and plan.key() in self._state.pending  # noqa: E731
+        return search.walk(base, self.device, menu(), params, start, self.kernels, pending)
 
     def _base(self) -> Candidate | None:
         """The loop's best, when it is an engine of the walk (its plan is what the walk varies)."""
@@ -51,6 +52,8 @@ its parameters only (agent/search.py, `--builtin-walk params`)."""
             if self._walk is None:
                 self._walk, self._walked_from = self._start(), self._best_key()
             for plan, note in self._walk:
+                if plan is None:   # the walk's next step waits for a verdict to come: nothing now
+                    return None
                 candidate = self._candidate(plan, note, state)
                 if not state.tried(candidate):
                     return candidate
