@@ -1,7 +1,9 @@
 """Candidates for the judge, with the model asked in parallel (docs/design.md §1, docs/llm.md).
 
 The judge (the loop's thread) takes one candidate at a time, so evaluations never overlap and
-their timings do not disturb each other. Where the proposer is the LLM proposer and `parallel`
+their timings do not disturb each other; on a host of several GPUs, each other GPU's judge
+screens candidates drawn ahead (`next` with `wait` off, agent/screens.py), and the proposers see
+what is handed out and not judged yet as `SearchState.pending`. Where the proposer is the LLM proposer and `parallel`
 is above 1, `parallel` worker threads keep that many model episodes going (request, extraction,
 policy, unit check) while the judge works; each episode builds on a parent the archive chooses
 (agent/archive.py). The builtin walk is drawn only when the judge is free, so each of its steps
