@@ -135,7 +135,8 @@ class Running:
             while True:
                 out = await self.outputs.get()
                 if out.error is not None:
-                    raise ApiError(500, out.error, kind="server_error")
+                    raise ApiError(out.status, out.error, kind="server_error" if out.status >= 500 else
+                                   "invalid_request_error", code=out.code)
                 tokens += 1
                 finish = out.finish_reason
                 text = "" if out.token in stop_ids else self.detok.push(out.token)
