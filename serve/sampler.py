@@ -1,5 +1,6 @@
 """Next tokens from a step's logits, on the logits' device, for a batch of mixed settings.
 
+A request's logit_bias is added to its row first (only where a request of the step has one).
 Greedy rows take the argmax of the raw logits, so greedy output is exactly what driving the
 engine directly gives. Sampled rows are scaled by their temperature, cut to their top-k and
 top-p, and drawn by the exponential race (argmax of p / E with E ~ Exp(1), which picks index i
@@ -25,6 +26,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0          # 0: no top-k cut
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
 
     @property
     def greedy(self) -> bool:
@@ -56,9 +58,19 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return scaled.softmax(dim=1)
 
 
+def _biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`logits` (not changed: a copy) with each row's logit_bias added."""
+    rows, tokens, biases = zip(*[(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias])
+    device = logits.device
+    return logits.index_put((torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
+                            torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """The next token of each row of `logits` [B, vocab], as a LongTensor [B] on its device."""
+    if any(p.logit_bias for p in params):
+        logits = _biased(logits, params)
     greedy = logits.argmax(dim=1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled_rows:

@@ -238,6 +238,16 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"prompt": "a\ud800"}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udc00"}]}, 400, "messages.0.content"),
+    # asked for and silently ignored before: a client took the answer for what it asked
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs"),   # OpenAI's: the sampled token's
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400,
+     "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"256": 5}}, 400, "logit_bias"),   # the vocabulary is 256
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"65": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"A": 1}}, 400, "logit_bias"),
 ]
 
 
@@ -251,6 +261,25 @@ def test_bad_input_answered_in_openai_shape(served, route, body, status, param):
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
     assert complete(client, prompt="still", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert engine_idle(spy)
+
+
+def test_logit_bias_forces_and_bans_tokens_and_unasked_fields_pass(served):
+    """logit_bias is applied (greedy, sampled, streamed): +100 forces a token, -100 bans one (every
+    byte but "B" banned here). logprobs, echo and top_logprobs that ask for nothing are fine."""
+    _, spy, client = served
+    forced = complete(client, prompt="The", max_tokens=4, temperature=0, logit_bias={"65": 100})
+    assert forced["choices"][0]["text"] == "AAAA"
+    sampled = complete(client, prompt="The", max_tokens=4, temperature=1.0, seed=1, logit_bias={"67": 100})
+    assert sampled["choices"][0]["text"] == "CCCC"
+    banned = {str(i): -100 for i in range(256) if i != ord("B")}
+    streamed = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 3, "temperature": 0, "logit_bias": banned,
+                                                         "stream": True})
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(streamed.text)) == "BBB"
+    plain = complete(client, prompt="The", max_tokens=4, temperature=0, logprobs=None, echo=False, logit_bias={},
+                     top_logprobs=0)
+    assert plain["choices"][0]["text"] == complete(client, prompt="The", max_tokens=4, temperature=0)["choices"][0]["text"]
     assert engine_idle(spy)
 
 
