@@ -1,12 +1,13 @@
 """Next tokens from a step's logits, on the logits' device, for a batch of mixed settings.
 
-A request's logit_bias is added to its row first (only where a request of the step has one).
 Greedy rows take the argmax of the raw logits, so greedy output is exactly what driving the
 engine directly gives. Sampled rows are scaled by their temperature, cut to their top-k and
 top-p, and drawn by the exponential race (argmax of p / E with E ~ Exp(1), which picks index i
 with probability p_i): the noise comes from the request's own torch.Generator when it gave a
 seed (its output then depends on nothing else in the batch), from the server's otherwise. The
-whole step stays on the device; the caller's one `.tolist()` is the only host sync.
+whole step stays on the device; the caller's one `.tolist()` is the only host sync. A request's
+logit_bias is added to its row before either pick (in a copy, made only in a step where some
+request has one).
 """
 from __future__ import annotations
 
