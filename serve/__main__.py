@@ -1,12 +1,15 @@
 """`python -m serve` (`bash run.sh serve`): an OpenAI-compatible server for an engine the agent wrote.
 
 Exit codes: 2 for bad flags or inputs that cannot be served (one line on stderr); otherwise
-the server runs until interrupted.
+the server runs until stopped: a first Ctrl-C (or SIGTERM) lets requests in flight finish for
+--shutdown-grace seconds, then exits 0; a second Ctrl-C exits at once, quietly, with 130.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -16,6 +19,8 @@ from serve.model import DEFAULT_ENGINE, load_model, resolve_source
 from serve.settings import ServeSettings
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130   # 128 + SIGINT: what a shell reports for a process Ctrl-C ended
+EXIT_STARTUP_FAILURE = 3   # uvicorn's own, where it failed to start (uvicorn.run's)
 
 def positive(text: str) -> int:
     value = int(text)
@@ -82,6 +87,14 @@ def can_listen(host: str, port: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:   # Ctrl-C while the engine loads, or while the stop waits for its thread
+        print("serve: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     enter_callers_folder()   # relative paths on run.sh's command line are the caller's
     args = parse_args(argv)
     busy = can_listen(args.host, args.port)
@@ -99,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from serve.api import create_app
     from serve.service import Service
+    Server = _server_class()
 
     settings = ServeSettings(args.max_batch, args.max_queue, args.max_prefill_tokens, args.max_body_bytes,
                              chat_template_kwargs={"enable_thinking": False} if args.no_thinking else {})
@@ -107,12 +121,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"serve: {source.name} on {model.device}, max context {model.max_context}, "
           f"tokenizer {type(model.tokenizer).__name__}; settings {json.dumps(settings.__dict__)}",
           file=sys.stderr, flush=True)
+    server = Server(uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=args.shutdown_grace))
     try:
-        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.shutdown_grace)
+        server.run()
+    except KeyboardInterrupt:   # the first Ctrl-C, raised again by uvicorn once it has shut down
+        pass
     finally:
         service.stop()
-    return 0
+    return 0 if server.started else EXIT_STARTUP_FAILURE
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a second Ctrl-C during the graceful stop exits at once, with 130
+        and one line. uvicorn's own force-quit cancels the requests in flight, each of which logs
+        a traceback (the stream's task group, the lifespan), and then exits 0."""
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if sig == signal.SIGINT and self.should_exit:
+                print("serve: interrupted again: exiting now, requests in flight cut", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(EXIT_INTERRUPTED)   # nothing to clean: the engine's state dies with the process
+            super().handle_exit(sig, frame)
+
+    return Server
 
 
 if __name__ == "__main__":

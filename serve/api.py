@@ -113,7 +113,7 @@ def create_app(service: Service) -> FastAPI:
         stats = service.scheduler.stats()
         dead = service.scheduler.dead
         body = {"status": "error" if dead else "ok", "model": service.name, "waiting": stats.waiting,
-                "running": stats.live}
+                "running": stats.live, "running_limit": stats.room or service.settings.max_batch}
         return JSONResponse(body, status_code=503) if dead else body
 
     @app.get("/ping")

@@ -1,7 +1,10 @@
 """The OpenAI wire format: request bodies (validated by pydantic), responses, errors.
 
-Unknown request fields are accepted and ignored (clients send logprobs, user, ...), as the
+Unknown request fields are accepted and ignored (clients send user, ...), as the
 OpenAI-compatible servers do; fields we read are validated, and a bad one is a 400 naming it.
+Fields whose answer this server cannot give are a 400 naming them when a request asks for
+them (`logprobs`, `top_logprobs`, `echo`; `n` > 1), not ignored: a client would take the answer
+for what it asked. `logit_bias` is applied (serve/sampler.py).
 """
 from __future__ import annotations
 
@@ -9,9 +12,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_STOPS = 4        # as OpenAI: up to 4 stop sequences
+MAX_LOGIT_BIAS = 100.0   # as OpenAI: a bias in [-100, 100] (±100 bans or forces a token)
 SEED_RANGE = (-2**63, 2**64 - 1)   # what torch.Generator.manual_seed takes
 
 
@@ -64,6 +68,12 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False               # vLLM's: generate max_tokens whatever (benchmarks)
+    logit_bias: dict[str, float] | None = None   # token id (a string, JSON's keys) -> bias
+    # Asked for (true, a number: 0 too, OpenAI's "the sampled token's only"), these are a 400; absent,
+    # null or false they are fine. Any: a 400 says "not supported", not that the type is wrong.
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
 
     @field_validator("n")
     @classmethod
@@ -71,6 +81,27 @@ class SamplingFields(BaseModel):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
+
+    @field_validator("logprobs", "top_logprobs", "echo")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None or value is False or (info.field_name == "top_logprobs" and value == 0):
+            return value
+        raise ValueError(f"{info.field_name} is not supported by this server")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                raise ValueError(f"{key[:20]!r} is not a token id")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {key} is {value}, not in [-100, 100]")
+        return bias
+
+    def logit_biases(self) -> tuple[tuple[int, float], ...]:
+        """The biases as (token id, bias) pairs, one a token ("07" and "7" are one)."""
+        return tuple({int(k): v for k, v in (self.logit_bias or {}).items()}.items())
 
     @field_validator("stop")
     @classmethod

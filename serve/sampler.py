@@ -5,7 +5,9 @@ engine directly gives. Sampled rows are scaled by their temperature, cut to thei
 top-p, and drawn by the exponential race (argmax of p / E with E ~ Exp(1), which picks index i
 with probability p_i): the noise comes from the request's own torch.Generator when it gave a
 seed (its output then depends on nothing else in the batch), from the server's otherwise. The
-whole step stays on the device; the caller's one `.tolist()` is the only host sync.
+whole step stays on the device; the caller's one `.tolist()` is the only host sync. A request's
+logit_bias is added to its row before either pick (in a copy, made only in a step where some
+request has one).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0          # 0: no top-k cut
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
 
     @property
     def greedy(self) -> bool:
@@ -56,9 +59,19 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return scaled.softmax(dim=1)
 
 
+def _biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`logits` (not changed: a copy) with each row's logit_bias added."""
+    rows, tokens, biases = zip(*[(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias])
+    device = logits.device
+    return logits.index_put((torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
+                            torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """The next token of each row of `logits` [B, vocab], as a LongTensor [B] on its device."""
+    if any(p.logit_bias for p in params):
+        logits = _biased(logits, params)
     greedy = logits.argmax(dim=1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled_rows:

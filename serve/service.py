@@ -96,7 +96,12 @@ class Service:
                            f"{len(ids) + (max_tokens or 1)} tokens ({len(ids)} in the {what}, {asked}). "
                            f"Please reduce the length of the {what} or max_tokens.",
                            "max_tokens" if room >= 1 else what, code="context_length_exceeded")
-        params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed)
+        bias = req.logit_biases()
+        outside = [t for t, _ in bias if t >= self.model.vocab_size]
+        if outside:
+            raise ApiError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary "
+                           f"(0..{self.model.vocab_size - 1})", "logit_bias")
+        params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed, bias)
         return Job(ids, max_tokens, params, req.stop_strings(), req.ignore_eos)
 
     # ---- running ----
@@ -135,7 +140,8 @@ class Running:
             while True:
                 out = await self.outputs.get()
                 if out.error is not None:
-                    raise ApiError(500, out.error, kind="server_error")
+                    raise ApiError(out.status, out.error, kind="server_error" if out.status >= 500 else
+                                   "invalid_request_error", code=out.code)
                 tokens += 1
                 finish = out.finish_reason
                 text = "" if out.token in stop_ids else self.detok.push(out.token)

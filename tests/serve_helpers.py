@@ -68,3 +68,46 @@ def engine_idle(spy: SpyEngine, timeout: float = 10.0) -> bool:
     while spy.live and time.monotonic() < deadline:
         time.sleep(0.002)
     return not spy.live
+
+
+class KVBudget:
+    """An engine with room for `capacity` tokens of KV cache in all, as an engine whose pool cannot
+    grow: a call that would hold more raises torch.OutOfMemoryError, having done part of its work
+    first, as a real engine may (the paged engine's decode moves its requests' lengths on before
+    it grows the pool): a prefill gives its first request state, a decode feeds its first request
+    its token. A scheduler that called again without prefilling them anew would drift off the
+    engine's output. `ran_out` lists the calls that ran out ("prefill" | "decode")."""
+
+    def __init__(self, engine, capacity: int):
+        self.engine, self.capacity = engine, capacity
+        self.lengths: dict[int, int] = {}
+        self.ran_out: list[str] = []
+
+    def _fits(self, kind: str, lengths: dict[int, int]) -> None:
+        if sum(lengths.values()) > self.capacity:
+            self.ran_out.append(kind)
+            raise torch.OutOfMemoryError(f"CUDA out of memory: {sum(lengths.values())} tokens of KV cache, "
+                                         f"room for {self.capacity}")
+
+    def prefill(self, ids, prompts):
+        lengths = {**self.lengths, **{i: len(p) for i, p in zip(ids, prompts)}}
+        if sum(lengths.values()) > self.capacity:
+            self.engine.prefill(ids[:1], prompts[:1])
+            self.lengths[ids[0]] = len(prompts[0])
+        self._fits("prefill", lengths)
+        self.lengths = lengths
+        return self.engine.prefill(ids, prompts)
+
+    def decode(self, ids, tokens):
+        lengths = {**self.lengths, **{i: self.lengths[i] + 1 for i in ids}}
+        if sum(lengths.values()) > self.capacity:
+            self.engine.decode(ids[:1], tokens[:1])
+            self.lengths[ids[0]] += 1
+        self._fits("decode", lengths)
+        self.lengths = lengths
+        return self.engine.decode(ids, tokens)
+
+    def remove(self, ids):
+        for i in ids:
+            self.lengths.pop(i, None)
+        return self.engine.remove(ids)

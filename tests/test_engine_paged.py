@@ -356,6 +356,40 @@ def test_a_growth_with_no_block_held_drops_the_old_pool_first_cpu(tmp_path, monk
         c.decode([0, 1, 2])
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_a_growth_that_runs_out_of_memory_leaves_the_engine_serving_cpu(tmp_path, monkeypatch, held):
+    """A pool that cannot grow fails the call (torch.OutOfMemoryError, which a server catches to
+    queue the requests again: serve/scheduler.py) and the engine goes on with the pool it had.
+    With no block held the old pools had been dropped first and not made again: the next call that
+    fitted them failed on an empty pool list (an IndexError, a 500 from the server), and on CUDA
+    captured graphs still pointed at the freed pools. With blocks held, K may grow before V fails:
+    it is cut back (the megakernel reads K and V with one stride)."""
+    c = Checked(torch_plan(**SMALL_CACHE), config(), tmp_path)
+    pool, made = c.engine._pool, []
+
+    def bounded(shape):
+        made.append(shape[0])
+        if shape[0] > 64 if not held else len(made) == 2:    # held: K grows, V does not
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's bound)")
+        return pool(shape)
+    if held:
+        c.prefill([0], [20])
+    monkeypatch.setattr(c.engine, "_pool", bounded)
+    retired = c.engine._invalidate_graphs
+    invalidated = []
+    monkeypatch.setattr(c.engine, "_invalidate_graphs", lambda: invalidated.append(1) or retired())
+    with pytest.raises(torch.OutOfMemoryError):
+        c.engine.prefill([1], [c.tokens(200)])
+    c.engine.remove([1])
+    assert invalidated and len(c.engine.k_cache) == len(c.engine.v_cache) == TINY["num_hidden_layers"]
+    assert c.engine.k_cache[0].shape == c.engine.v_cache[0].shape == (c.engine.blocks.num_blocks * 16, 4, 16)
+    monkeypatch.setattr(c.engine, "_pool", pool)
+    c.prefill([2], [10])                            # within the pool it had
+    c.decode([2, 0] if held else [2])
+    c.prefill([3], [90])                            # and it grows again where memory allows
+    c.decode([3, 2])
+
+
 def test_a_wide_first_call_grows_neither_the_table_nor_the_mailbox_cpu(tmp_path, monkeypatch):
     """A fresh engine's first call of 64 prompts of 22 blocks each (metadata of 4417 words) runs on the
     block table and eager mailbox create_engine made: a table growth drops every captured graph and a

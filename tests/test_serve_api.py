@@ -1,6 +1,7 @@
 """The server over the tiny model's rendered engines, in process (FastAPI's TestClient, httpx's
 ASGI transport): greedy output equal to driving the engine directly at any concurrency, the
-OpenAI shapes, streaming, stop strings, errors, the queue bound, disconnects."""
+OpenAI shapes, streaming, stop strings, errors, the queue bound, disconnects, an engine that
+runs out of KV memory."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,7 @@ from serve.api import create_app
 from serve.sampler import SamplingParams
 from serve.scheduler import GenerationRequest
 from serve.tokenizer import ByteTokenizer
-from tests.serve_helpers import engine_idle, greedy_direct, make_service
+from tests.serve_helpers import KVBudget, engine_idle, greedy_direct, make_service
 
 GREEDY = SamplingParams(temperature=0.0)
 SERVED_CONTEXT = 96   # --max-context of the shared server: keeps the recompute engine's requests short
@@ -237,6 +238,16 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"prompt": "a\ud800"}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udc00"}]}, 400, "messages.0.content"),
+    # asked for and silently ignored before: a client took the answer for what it asked
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs"),   # OpenAI's: the sampled token's
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400,
+     "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"256": 5}}, 400, "logit_bias"),   # the vocabulary is 256
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"65": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"A": 1}}, 400, "logit_bias"),
 ]
 
 
@@ -250,6 +261,25 @@ def test_bad_input_answered_in_openai_shape(served, route, body, status, param):
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
     assert complete(client, prompt="still", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert engine_idle(spy)
+
+
+def test_logit_bias_forces_and_bans_tokens_and_unasked_fields_pass(served):
+    """logit_bias is applied (greedy, sampled, streamed): +100 forces a token, -100 bans one (every
+    byte but "B" banned here). logprobs, echo and top_logprobs that ask for nothing are fine."""
+    _, spy, client = served
+    forced = complete(client, prompt="The", max_tokens=4, temperature=0, logit_bias={"65": 100})
+    assert forced["choices"][0]["text"] == "AAAA"
+    sampled = complete(client, prompt="The", max_tokens=4, temperature=1.0, seed=1, logit_bias={"67": 100})
+    assert sampled["choices"][0]["text"] == "CCCC"
+    banned = {str(i): -100 for i in range(256) if i != ord("B")}
+    streamed = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 3, "temperature": 0, "logit_bias": banned,
+                                                         "stream": True})
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(streamed.text)) == "BBB"
+    plain = complete(client, prompt="The", max_tokens=4, temperature=0, logprobs=None, echo=False, logit_bias={},
+                     top_logprobs=0)
+    assert plain["choices"][0]["text"] == complete(client, prompt="The", max_tokens=4, temperature=0)["choices"][0]["text"]
     assert engine_idle(spy)
 
 
@@ -398,5 +428,121 @@ def test_a_dead_scheduler_thread_is_a_503_and_health_says_so(tiny_model, recompu
         assert client.get("/health").status_code == 503
         r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 503 and "engine thread has stopped" in r.json()["error"]["message"]
+    finally:
+        service.stop()
+
+
+def start_when_queued(service, n: int) -> None:
+    """Start the scheduler once `n` requests wait: its first step admits them all at once."""
+    import time
+    deadline = time.monotonic() + 30
+    while service.scheduler.stats().waiting < n:
+        assert time.monotonic() < deadline, "the requests never reached the queue"
+        time.sleep(0.002)
+    service.start()
+
+
+@pytest.mark.parametrize("runs_out", ["prefill", "decode"])
+def test_a_burst_beyond_kv_memory_waits_instead_of_failing(runs_out, tiny_model, recompute_engine_path, test_seed):
+    """More requests at once than the engine's KV memory holds (an engine whose pool cannot grow
+    raises torch.OutOfMemoryError; they had been 500s): every one is answered, with the engine's
+    own greedy tokens, whether the prompts together overflow it at prefill or the generations at
+    decode (then the requests of the failed call, whose state it may have half-written, are
+    prefilled again from their prompt and the tokens so far). Room for 60 tokens; 6 requests of
+    up to 24 (prefill: prompts of 12-17, 6 tokens out) or of 24 (decode: prompts of 4, 20 out)."""
+    rng = random.Random(test_seed)
+    if runs_out == "prefill":
+        jobs = [(random_text(rng, rng.randrange(12, 18)), 6) for _ in range(6)]
+    else:
+        jobs = [(random_text(rng, 4), 20) for _ in range(6)]
+    service, spy = make_service(recompute_engine_path, tiny_model.weight_dir, max_batch=8)
+    budget = spy.engine = KVBudget(spy.engine, capacity=60)
+
+    async def run():
+        transport = httpx.ASGITransport(app=create_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as client:
+            asks = [asyncio.ensure_future(client.post("/v1/completions", json={"prompt": p, "max_tokens": n,
+                                                                                "temperature": 0}))
+                    for p, n in jobs]
+            await asyncio.to_thread(start_when_queued, service, len(jobs))
+            return await asyncio.gather(*asks)
+
+    try:
+        answers = asyncio.run(run())
+        stats = service.scheduler.stats()
+    finally:
+        service.stop()
+    assert [r.status_code for r in answers] == [200] * len(jobs), [r.text for r in answers if r.status_code != 200]
+    assert runs_out in budget.ran_out and stats.requeued > 0
+    tok = ByteTokenizer()
+    expected = greedy_direct(recompute_engine_path, tiny_model.config_path, tiny_model.weight_dir,
+                             [(tok.encode(p, True), n) for p, n in jobs])
+    assert [r.json()["choices"][0]["text"] for r in answers] == [tok.decode(ids) for ids in expected]
+    assert engine_idle(spy) and stats.room is None   # the cap lifted once the engine emptied
+    assert TestClient(create_app(service)).get("/health").json()["running_limit"] == 8
+
+
+def test_a_request_that_cannot_fit_alone_is_a_400_and_serving_goes_on(tiny_model, recompute_engine_path):
+    """A request the engine runs out of memory for with nothing else running can never be served:
+    it fails alone, with a 400 that says so (code out_of_memory), whether its prompt does not fit
+    or its generation outgrows the memory (streamed: an error event), and the next is served."""
+    service, spy = make_service(recompute_engine_path, tiny_model.weight_dir)
+    spy.engine = KVBudget(spy.engine, capacity=40)
+    service.start()
+    client = TestClient(create_app(service))
+    try:
+        for body in [{"prompt": "p" * 50, "max_tokens": 2}, {"prompt": "p" * 30, "max_tokens": 20}]:
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["code"] == "out_of_memory" and error["type"] == "invalid_request_error"
+            assert "ran out of memory holding this request alone" in error["message"]
+        streamed = client.post("/v1/completions", json={"prompt": "p" * 30, "max_tokens": 20, "stream": True})
+        events = sse_events(streamed.text)
+        assert events[-1]["error"]["code"] == "out_of_memory"
+        assert "choices" in events[0]   # what fitted went out, then the error
+        assert complete(client, prompt="p" * 30, max_tokens=8)["usage"]["completion_tokens"] == 8
+        assert engine_idle(spy)
+    finally:
+        service.stop()
+
+
+def test_the_paged_engine_out_of_pool_memory_serves_the_burst_then_the_next(tiny_model, tmp_path):
+    """The paged engine itself, its pool (32 tokens at first) bounded at 160 tokens as a full device
+    would bound it (its growth raises torch.OutOfMemoryError): a burst of 6 requests of up to 3
+    blocks against room for 9 is served whole; a lone request past the pool is a 400, and the
+    engine, whose failed growth had dropped its pools and not made them again (the next request
+    was a 500), serves the next one."""
+    engine = tmp_path / "paged_small.py"
+    engine.write_text(render_engine(Plan("paged", params={"cache_tokens": 32, "block_size": 16})))
+    service, spy = make_service(engine, tiny_model.weight_dir, max_batch=8)
+    pool = spy.engine._pool
+
+    def bounded(shape):
+        if shape[0] > 160:
+            raise torch.OutOfMemoryError(f"CUDA out of memory: a pool of {shape[0]} tokens (a test's bound)")
+        return pool(shape)
+    spy.engine._pool = bounded
+    rng = random.Random(3)
+    prompts = [random_text(rng, rng.randrange(20, 30)) for _ in range(6)]
+
+    async def run():
+        transport = httpx.ASGITransport(app=create_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as client:
+            asks = [asyncio.ensure_future(client.post("/v1/completions", json={"prompt": p, "max_tokens": 8}))
+                    for p in prompts]
+            await asyncio.to_thread(start_when_queued, service, len(prompts))
+            return await asyncio.gather(*asks)
+
+    try:
+        answers = asyncio.run(run())
+        assert [r.status_code for r in answers] == [200] * len(prompts), [r.text for r in answers]
+        assert all(r.json()["usage"]["completion_tokens"] == 8 for r in answers)
+        assert service.scheduler.stats().requeued > 0
+        client = TestClient(create_app(service))
+        r = client.post("/v1/completions", json={"prompt": "p" * 200, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "out_of_memory", r.text
+        assert complete(client, prompt="still here", max_tokens=4)["usage"]["completion_tokens"] == 4
+        assert engine_idle(spy)
     finally:
         service.stop()

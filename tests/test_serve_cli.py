@@ -158,3 +158,33 @@ def test_a_stop_cuts_requests_in_flight_after_the_grace(tiny_model, recompute_en
         process[0].terminate()
         process[0].wait(timeout=60)
         assert time.monotonic() - start < 20
+
+
+def test_a_second_ctrl_c_exits_at_once_quietly_with_130(tiny_model, recompute_engine_path):
+    """Ctrl-C twice with a long generation in flight: the first starts the graceful stop (up to
+    --shutdown-grace, 30 s here), the second ends the process at once, with 130 and one line. It
+    had printed a traceback for each cancelled request (and the lifespan's), then exited 0."""
+    import signal
+    import threading
+    process: list = []
+    with served(recompute_engine_path, tiny_model.weight_dir, "--max-context", "4096", process=process) as base:
+        def long_request():
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 4000, "stream": True,
+                                                           "ignore_eos": True}, timeout=120)
+        threading.Thread(target=long_request, daemon=True).start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{base}/health", timeout=5).json()["running"] == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+        proc = process[0]
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)             # the first handled (two signals at once may be seen as one)
+        assert proc.poll() is None, "the first Ctrl-C did not wait for the request in flight"
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 130
+        assert time.monotonic() - start < 5
+        output = proc.stdout.read()
+    assert "Traceback" not in output and "Error" not in output, output
+    assert output.strip().splitlines()[-1] == "serve: interrupted again: exiting now, requests in flight cut"

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from serve.detokenizer import Detokenizer
 from serve.model import ModelError, resolve_source
 from serve.sampler import SamplingParams, make_generator, sample
+from serve.scheduler import out_of_memory
 from serve.tokenizer import ByteTokenizer, ChatTemplateError, HFTokenizer, load_tokenizer
 
 THINKING_TEMPLATE = (
@@ -160,3 +161,28 @@ def test_a_missing_engine_points_at_the_last_runs_when_a_new_run_moved_it_aside(
     (tmp_path / "previous" / "engine.py").write_text("# the last run's engine\n")
     with pytest.raises(ModelError, match=r"\(the last run's: --engine .*previous/engine\.py\)"):
         resolve_source(tmp_path / "engine.py", None, None)
+
+
+def test_sampler_logit_bias(test_seed):
+    """A bias is added to its own row only, before greedy and sampled picks alike; the caller's
+    logits are left as they were."""
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(test_seed))
+    before = logits.clone()
+    best = int(logits[2].argmax())
+    params = [SamplingParams(0.0, logit_bias=((7, 100.0),)), SamplingParams(0.0),
+              SamplingParams(1.0, seed=3, logit_bias=((best, -100.0), ((best + 1) % 20, 100.0)))]
+    out = sample(logits, params, [make_generator(p.seed, "cpu") for p in params]).tolist()
+    assert out == [7, int(logits[1].argmax()), (best + 1) % 20]
+    assert torch.equal(logits, before)
+
+
+def test_out_of_memory_is_told_from_other_engine_errors():
+    """What the scheduler queues again (an engine out of memory) and what fails the request: the
+    tensor-parallel engine's wrapped error is a failure, as that engine stops for good after one."""
+    try:
+        torch.empty(2**55, dtype=torch.uint8)   # the CPU allocator's error is an untyped RuntimeError
+    except RuntimeError as e:
+        cpu = e
+    assert out_of_memory(cpu) and out_of_memory(torch.OutOfMemoryError("CUDA out of memory")) and out_of_memory(MemoryError())
+    assert not out_of_memory(RuntimeError("tensor-parallel engine failed during decode: OutOfMemoryError: CUDA out of memory"))
+    assert not out_of_memory(ValueError("expected logits [1, 256], got (1, 5)"))
