@@ -163,9 +163,10 @@ def resolve(args: argparse.Namespace) -> RunConfig:
 
 
 def judged_gpus(device: str, asked: int | None) -> tuple[str, ...]:
-    """The GPUs the run judges on, as CUDA_VISIBLE_DEVICES names them (the caller's own list where
-    it set one): `asked` of them, else every GPU of the first one's kind (timings on a GPU of
-    another kind would not compare). () for one: the judge runs as it always did."""
+    """The GPUs the run judges on, as CUDA_VISIBLE_DEVICES will name them to each judge (by UUID
+    where torch reports one, else the caller's own entry: a MIG instance stays as named): `asked`
+    of them, else every GPU of the first one's kind (timings on a GPU of another kind would not
+    compare). () for one: the judge runs as it always did."""
     if device != "cuda":
         if asked is not None and asked > 1:
             raise SpecError(f"--gpus {asked} needs CUDA GPUs; the device is {device}")
@@ -175,6 +176,8 @@ def judged_gpus(device: str, asked: int | None) -> tuple[str, ...]:
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [v.strip() for v in visible.split(",")][:len(names)] if visible else [str(i) for i in range(len(names))]
+    uuids = [getattr(torch.cuda.get_device_properties(i), "uuid", None) for i in range(len(names))]
+    ids = [f"GPU-{uuid}" if uuid and not ids[i].upper().startswith("MIG") else ids[i] for i, uuid in enumerate(uuids)]
     if asked is not None and asked > len(names):
         raise SpecError(f"--gpus {asked}: this machine has {len(names)} GPU(s)")
     if asked is not None:
@@ -192,9 +195,9 @@ def places(gpus: tuple[str, ...]) -> list[Place]:
     """Each judged GPU with its share of this process's CPUs (contiguous, as even as they split)."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < len(gpus):   # too few to split: every judge may use them all
-        return [Place(gpu, frozenset(cpus)) for gpu in gpus]
+        return [Place(str(i), gpu, frozenset(cpus)) for i, gpu in enumerate(gpus)]
     share = len(cpus) // len(gpus)
-    return [Place(gpu, frozenset(cpus[i * share:(i + 1) * share if i < len(gpus) - 1 else None]))
+    return [Place(str(i), gpu, frozenset(cpus[i * share:(i + 1) * share if i < len(gpus) - 1 else None]))
             for i, gpu in enumerate(gpus)]
 
 
@@ -374,12 +377,12 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
     try:
         with contextlib.ExitStack() as judges:   # one evaluator process for the run, and one a spare GPU
             where = places(cfg.gpus) if cfg.gpus else [None]
-            judge, *spares = [judges.enter_context(Judge(settings, ws.root / JUDGE_LOGS / (f"gpu{p.gpu}" if i else ""),
+            judge, *spares = [judges.enter_context(Judge(settings, ws.root / JUDGE_LOGS / (f"gpu{p.label}" if i else ""),
                                                          p)) for i, p in enumerate(where)]
             verdicts = lambda one: lambda engine, out, timeout, phase: one.verdict(  # noqa: E731
                 engine, out, timeout, settings.for_phase(phase))
             loop.run(state, proposer, verdicts(judge), ws, report, cfg.budget, started, cfg.max_candidates,
-                     cfg.parallel, series=judge.series, spares={s.place.gpu: verdicts(s) for s in spares})
+                     cfg.parallel, series=judge.series, spares={s.place.label: verdicts(s) for s in spares})
     except (KeyboardInterrupt, SystemExit):
         interrupted = True
         report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")
@@ -415,9 +418,9 @@ def header_lines(cfg: RunConfig, spec: ModelSpec, hw: dict, settings: JudgeSetti
     return [f"config {cfg.config}   weights {cfg.weights}",
             f"device {cfg.device}   budget {cfg.budget:.0f}s   provider {cfg.provider}   seed {cfg.seed}"
             + ("   builtin walk: the all-torch engine's parameters only" if cfg.builtin_walk == "params" else ""),
-            *([f"GPUs {', '.join(cfg.gpus)}: GPU {cfg.gpus[0]} judges every candidate in full, "
-               f"{'the others screen' if len(cfg.gpus) > 2 else f'GPU {cfg.gpus[1]} screens'} the next ones meanwhile "
-               f"(each judge on {len(places(cfg.gpus)[0].cpus)} CPUs, "
+            *([f"judged on {len(cfg.gpus)} GPUs ({', '.join(f'{i}: {gpu}' for i, gpu in enumerate(cfg.gpus))}): "
+               f"GPU 0 judges every candidate in full, {'the others screen' if len(cfg.gpus) > 2 else 'GPU 1 screens'} "
+               f"the next ones meanwhile (each judge on {len(places(cfg.gpus)[0].cpus)} CPUs, "
                f"{settings.memory_bytes / 2**30:.0f} GiB a worker)"] if cfg.gpus else []),
             f"hardware {', '.join(f'{k} {v}' for k, v in hw.items())}",
             f"model {spec.summary()}",

@@ -216,10 +216,13 @@ def _keep_tail(path: Path) -> None:
 @dataclass(frozen=True)
 class Place:
     """Where a judge runs on a host of several GPUs (agent/screens.py): the GPU it sees alone
-    (CUDA_VISIBLE_DEVICES, a name from the caller's own list) and the CPUs its processes may use
-    (its share of the host's, so that one judge's compiles do not take the cores another's timed
-    host thread needs). The default, none given: the caller's own GPUs and CPUs."""
+    (`gpu`, its CUDA_VISIBLE_DEVICES: by UUID where torch gives one, so that the judge's workers
+    are kept from the host's other GPUs, evaluator/isolation.py gpus_not_given), and the CPUs its
+    processes may use (its share of the host's, so that one judge's compiles do not take the cores
+    another's timed host thread needs). `label`: its name in the log (its place in the run's list).
+    The default, none given: the caller's own GPUs and CPUs."""
 
+    label: str
     gpu: str
     cpus: frozenset[int]
 

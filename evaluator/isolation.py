@@ -15,6 +15,11 @@ it over a socket (evaluator/channel.py). The jail stacks layers; each says what 
 - **No network, no shared System V IPC**: network and IPC namespaces of its own (as root;
   otherwise inside a user namespace where the kernel allows one); the namespace's own loopback
   is up, for a tensor-parallel engine's ranks, and reaches nothing of the host's.
+- **Only its judge's GPUs**: where the judge was given GPUs by UUID (`CUDA_VISIBLE_DEVICES`, as
+  the agent gives each judge one GPU of a host it shares with other judges: agent/screens.py),
+  the device nodes of the host's other GPUs are covered, in the worker's mount namespace, by a
+  file it cannot open: a process it starts without that variable still cannot reach them (the
+  way a devices cgroup confines a job to its GPUs). Else every GPU node stays as it is.
 - **No new privileges** (PR_SET_NO_NEW_PRIVS): no setuid binary gives anything back.
 - **Limits** (rlimits): file size, core dumps, processes of its uid, and on CPU with a CPU build
   of torch its address space; and always the judge watches the resident memory of every
@@ -39,6 +44,7 @@ import fcntl
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -198,6 +204,8 @@ class JailSpec:
     groups: tuple[int, ...] = ()
     reach: tuple[str, ...] = ()         # paths behind folders others cannot enter (see _mount_view)
     address_space: int | None = None    # RLIMIT_AS in bytes, or None
+    hidden: tuple[str, ...] = ()        # device nodes of GPUs the judge was not given (gpus_not_given)
+    blocker: str | None = None          # a file of root's no one may open: what covers them
     file_size: int = FILE_SIZE_LIMIT
     processes: int = PROCESS_LIMIT
 
@@ -207,7 +215,8 @@ class JailSpec:
     @staticmethod
     def from_json(text: str) -> "JailSpec":
         data = json.loads(text)
-        data["groups"], data["reach"] = tuple(data["groups"]), tuple(data["reach"])
+        data["groups"], data["reach"], data["hidden"] = tuple(data["groups"]), tuple(data["reach"]), \
+            tuple(data["hidden"])
         return JailSpec(**data)
 
 
@@ -250,15 +259,57 @@ def _blocked_ancestors(path: Path) -> list[Path]:
     return [p for p in [*reversed(path.parents), path] if p.is_dir() and not os.stat(p).st_mode & stat.S_IXOTH]
 
 
+def _own_mounts() -> bool:
+    """This process in a mount namespace of its own whose mounts reach no one else's (every
+    mount private); once. False where the kernel refuses (no CAP_SYS_ADMIN)."""
+    global _OWN_MOUNTS
+    if _OWN_MOUNTS is None:
+        _OWN_MOUNTS = _libc.unshare(CLONE_NEWNS) == 0 and _libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
+    return _OWN_MOUNTS
+
+
+_OWN_MOUNTS: bool | None = None
+
+
+def gpus_not_given(visible: str | None = None, table: Path = Path("/proc/driver/nvidia/gpus"),
+                   dev: Path = Path("/dev")) -> tuple[str, ...]:
+    """The device nodes (/dev/nvidiaN) of this host's GPUs that CUDA_VISIBLE_DEVICES (`visible`;
+    default this process's) leaves out, where it names GPUs by UUID and the driver's table (each
+    GPU's information file: its UUID and device minor) says which node is whose; else () (nothing
+    to tell them by)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "") if visible is None else visible
+    given = {v.strip().lower() for v in visible.split(",") if v.strip()}
+    if not given or not all(v.startswith("gpu-") for v in given):
+        return ()
+    minors = {}
+    for info in table.glob("*/information"):
+        try:
+            text = info.read_text()
+        except OSError:
+            return ()
+        uuid, minor = re.search(r"GPU UUID:\s*(\S+)", text), re.search(r"Device Minor:\s*(\d+)", text)
+        if uuid and minor:
+            minors[uuid.group(1).lower()] = int(minor.group(1))
+    if not given <= minors.keys():
+        return ()
+    keep = {minors[g] for g in given}
+    return tuple(sorted(str(node) for node in dev.glob("nvidia*")
+                        if re.fullmatch(r"nvidia\d+", node.name) and int(node.name[6:]) not in keep))
+
+
+def _cover(nodes: tuple[str, ...], blocker: str) -> bool:
+    """Bind `blocker` (root's, mode 0) over each of `nodes` in this process's own mounts."""
+    return _own_mounts() and all(_libc.mount(os.fsencode(blocker), os.fsencode(node), None, MS_BIND, None) == 0
+                                 for node in nodes)
+
+
 def _mount_view(paths: tuple[str, ...]) -> bool:
     """In a mount namespace of its own, make `paths` reachable for any uid without opening
     anything else: each folder on the way that others may not enter (a /root of mode 0700) is
     covered by an empty tmpfs of mode 0755 into which only the next folder on the way is bound
     back. The worker then sees /root holding .pyenv and nothing more. False where the kernel
     refuses (no CAP_SYS_ADMIN)."""
-    if _libc.unshare(CLONE_NEWNS) != 0:
-        return False
-    if _libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+    if not _own_mounts():
         return False
     wanted = [Path(p) for p in paths]
     blocked = sorted({b for p in wanted for b in _blocked_ancestors(p)}, key=lambda b: len(b.parts))
@@ -301,6 +352,8 @@ def enter(spec: JailSpec) -> list[str]:
             held.append("own view of the private folders on the way to Python (nothing else of them)")
         else:   # no mount namespace here: read like root to reach Python, still write as itself
             keep = CAP_DAC_READ_SEARCH
+    if spec.hidden and spec.blocker and _cover(spec.hidden, spec.blocker):
+        held.append(f"only its judge's GPUs ({', '.join(spec.hidden)} out of reach)")
     if spec.uid is not None:
         for cap in range(CAP_LAST + 1):
             if cap != keep:
@@ -390,7 +443,13 @@ class Jail:
         reach = tuple(sorted({str(p) for p in needs if not _reachable_by_others(p)})) if uid is not None else ()
         cap = self.memory_bytes if self.device == "cpu" and _torch_is_cpu_build() else None
         groups = tuple(_device_groups()) if uid is not None else ()
-        self.spec = JailSpec(os.getpid(), uid, groups, reach, cap)
+        hidden = gpus_not_given() if uid is not None else ()
+        blocker = self.root / "no-device"
+        if hidden:
+            blocker.touch(mode=0)
+            os.chmod(blocker, 0)
+        self.spec = JailSpec(os.getpid(), uid, groups, reach, cap, hidden=hidden,
+                             blocker=str(blocker) if hidden else None)
         if uid is not None:
             for path in (self.home, self.home / "tmp"):
                 os.chown(path, uid, uid)

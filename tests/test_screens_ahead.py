@@ -136,7 +136,7 @@ def test_gpus_on_a_cpu_is_one_line_and_exit_2(tmp_path):
 def test_each_judge_gets_its_share_of_the_cpus():
     cpus = sorted(os.sched_getaffinity(0))
     shares = cli.places(("3", "5"))
-    assert [p.gpu for p in shares] == ["3", "5"]
+    assert [(p.label, p.gpu) for p in shares] == [("0", "3"), ("1", "5")]
     if len(cpus) >= 2:
         assert not shares[0].cpus & shares[1].cpus and shares[0].cpus | shares[1].cpus == set(cpus)
     else:
@@ -152,7 +152,7 @@ def test_a_judge_runs_on_its_gpu_and_cpus(tmp_path, monkeypatch):
     monkeypatch.setattr(JudgeSettings, "command", lambda self: [sys.executable, "-c", script])
     cpus = frozenset([min(os.sched_getaffinity(0))])
     settings = JudgeSettings(sys.executable, tmp_path / "c.json", tmp_path, "cuda", 0)
-    with Judge(settings, tmp_path / "logs", Place("7", cpus)) as judge:
+    with Judge(settings, tmp_path / "logs", Place("1", "7", cpus)) as judge:
         judge.send({}).wait(timeout=60)
     assert json.loads(seen.read_text()) == {"gpu": "7", "cpus": sorted(cpus)}
 
@@ -218,3 +218,25 @@ def test_a_spare_gpus_judge_lives_across_its_screens(tmp_path, monkeypatch):
             pids.append(done.result.note)
             time.sleep(0.3)   # the thread a screen had ended by now, and its judge with it
     assert len(set(pids)) == 1 and judge.starts == 1, pids
+
+
+def test_a_workers_jail_covers_the_nodes_of_the_gpus_its_judge_was_not_given(tmp_path):
+    """Which /dev/nvidiaN is whose comes from the driver's table, by UUID (a stand-in table here)."""
+    from evaluator.isolation import gpus_not_given
+
+    table, dev = tmp_path / "gpus", tmp_path / "dev"
+    uuids = [f"GPU-{random.getrandbits(64):016x}-aaaa" for _ in range(3)]
+    minors = random.sample(range(8), 3)   # device minors need not follow the UUIDs' order
+    for uuid, minor in zip(uuids, minors):
+        (table / f"0000:{minor:02x}:00.0").mkdir(parents=True)
+        (table / f"0000:{minor:02x}:00.0" / "information").write_text(
+            f"Model: \t\t NVIDIA H200\nIRQ:   \t\t 42\nGPU UUID: \t {uuid}\nDevice Minor: \t {minor}\n")
+    dev.mkdir()
+    for name in [f"nvidia{m}" for m in minors] + ["nvidiactl", "nvidia-uvm", "nvidia-caps"]:
+        (dev / name).touch()
+    nodes = lambda *ms: tuple(sorted(str(dev / f"nvidia{m}") for m in ms))  # noqa: E731
+    assert gpus_not_given(uuids[1], table, dev) == nodes(minors[0], minors[2])
+    assert gpus_not_given(f"{uuids[0].upper()},{uuids[2]}", table, dev) == nodes(minors[1])
+    assert gpus_not_given("1", table, dev) == ()                      # by index: nothing to tell them by
+    assert gpus_not_given("GPU-unknown", table, dev) == ()            # not in the table: hide nothing
+    assert gpus_not_given("", table, dev) == ()
