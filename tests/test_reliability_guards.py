@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from evaluator import benchmark_throughput
+from evaluator import benchmark_throughput, isolation
 from evaluator.common import COMPILE_ERROR, CRASH, REPO_ROOT, WRONG_RESULT, WrongResult, load_engine_module, \
     make_generator
 from evaluator.evaluate import evaluate
@@ -294,3 +297,27 @@ def test_work_left_on_a_side_stream_is_timed(recompute_source, write_engine, tin
     torch.cuda.synchronize()
     one_sleep_ms = (time.perf_counter() - start) * 1e3
     assert result["elapsed_ms"] >= 0.9 * one_sleep_ms  # at least the last decode's sleep was waited for
+
+
+@needs_root
+def test_a_device_node_of_a_gpu_the_judge_was_not_given_cannot_be_opened(recompute_source, write_engine, tiny_model,
+                                                                         monkeypatch):
+    """The covering of other GPUs' nodes (evaluator/isolation.py gpus_not_given), on a stand-in
+    node any uid may open (in a folder any uid may enter: pytest's own are root's alone): in the
+    worker it cannot be opened, outside it still can. (On a host of several GPUs:
+    tests/test_judge_attacks_gpu.py.)"""
+    folder = Path(tempfile.mkdtemp(prefix="stand-in-dev-"))
+    os.chmod(folder, 0o755)
+    node = folder / "nvidia7"
+    node.write_bytes(b"")
+    os.chmod(node, 0o666)
+    monkeypatch.setattr(isolation, "gpus_not_given", lambda: (str(node),))
+    probe = (f"import os as _os\ntry:\n    _os.close(_os.open({str(node)!r}, _os.O_RDWR))\n"
+             f"    raise RuntimeError('opened the node')\nexcept PermissionError:\n    pass\n")
+    result = quick_evaluate(write_engine(probe + recompute_source), tiny_model)
+    if "own view of the private folders" not in (result["isolation"] or "") and result["status"] == "passed":
+        pytest.skip("no mount namespace here")
+    assert result["status"] == "passed", result["error"]
+    assert f"only its judge's GPUs ({node} out of reach)" in result["isolation"]
+    os.close(os.open(node, os.O_RDWR))   # the judge's own view is untouched
+    shutil.rmtree(folder)
