@@ -12,7 +12,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 
 from agent import cli, loop
 from agent.judge import Judge, JudgeSettings, Place
