@@ -192,7 +192,7 @@ def pick(pipeline: Pipeline, ahead: ScreensAhead | None,
         done = ahead.finished()
         if done is not None:
             return done.candidate, done
-        if not ahead.busy():
+        if not ahead.pending():   # (not `busy`: a screen that ended since `finished` looked is still to take)
             return pipeline.next(idle=None if idled else due), None
         drawn = pipeline.next(wait=False)
         if drawn is not None:

@@ -30,8 +30,9 @@ class Judges:
     """Fake judges, one a GPU: a verdict sleeps SCREEN_SECONDS and is looked up by plan key; every
     call is recorded as (gpu, plan key, phase, out dir, start, end)."""
 
-    def __init__(self, verdicts: dict[str, EvalResult], broken: set[str] = frozenset()):
-        self.verdicts, self.broken = verdicts, broken
+    def __init__(self, verdicts: dict[str, EvalResult], broken: set[str] = frozenset(),
+                 seconds: dict[str, float] | None = None):
+        self.verdicts, self.broken, self.seconds = verdicts, broken, seconds or {}
         self.calls: list[tuple[str, str, str, Path, float, float]] = []
         self.asked: list[tuple[str, str]] = []   # (plan key, phase) as each verdict starts
         self.busy: dict[str, bool] = {}
@@ -46,7 +47,7 @@ class Judges:
                 self.busy[gpu] = True
                 self.asked.append((key, phase))
             start = time.monotonic()
-            time.sleep(SCREEN_SECONDS)
+            time.sleep(self.seconds.get(gpu, SCREEN_SECONDS))
             with self.lock:
                 self.busy[gpu] = False
                 self.calls.append((gpu, key, phase, out_dir, start, time.monotonic()))
@@ -239,3 +240,52 @@ def test_a_workers_jail_covers_the_nodes_of_the_gpus_its_judge_was_not_given(tmp
     assert gpus_not_given("1", table, dev) == ()                      # by index: nothing to tell them by
     assert gpus_not_given("GPU-unknown", table, dev) == ()            # not in the table: hide nothing
     assert gpus_not_given("", table, dev) == ()
+
+
+def builtin_run(tmp_path: Path, monkeypatch, proposer, verdicts: dict[str, EvalResult], seconds: dict[str, float],
+                max_candidates: int = 5, budget: float = 600.0, parallel: int = 1, broken: set[str] = frozenset()):
+    """The real loop with `proposer` on a fake first GPU and one fake spare (GPU 1)."""
+    monkeypatch.setattr(loop, "render_engine", fake_render)
+    judges = Judges(verdicts, broken, seconds)
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    ws.open_history(warn=report.warn)
+    state = SearchState(spec=None, device="cuda", hardware={})
+    loop.run(state, proposer, judges.on("0"), ws, report, budget, max_candidates=max_candidates, parallel=parallel,
+             spares={"1": judges.on("1")})
+    report.finish([])
+    return ws, state, judges
+
+
+def library_plans():
+    from agent import search
+    from agent.plan import engine_params, menu
+
+    start = search.default_plan("paged", engine_params("paged"))
+    walk = search.walk(lambda: start, "cuda", menu(), engine_params("paged"), start)
+    return next(walk)[0], next(walk)[0]
+
+
+def test_a_screen_ahead_that_ends_just_after_the_loop_looked_is_still_taken(tmp_path, monkeypatch):
+    """pick() asked `finished` (none yet), then `busy` (none any more: the screen had just ended):
+    it then drew from the proposers as if nothing were screened ahead, and the builtin walk, whose
+    next step waits for that screened candidate's verdict, had nothing: the run stopped there."""
+    from agent.providers.builtin import BuiltinProposer
+    from agent.screens import ScreensAhead
+
+    library, _ = library_plans()
+    finished = ScreensAhead.finished
+
+    def late(self):   # the screen ahead ends between the loop's two looks
+        done = finished(self)
+        if done is None and not late.slept:
+            late.slept = True
+            time.sleep(1.0)
+        return done
+    late.slept = False
+    monkeypatch.setattr(ScreensAhead, "finished", late)
+    ws, state, judges = builtin_run(tmp_path, monkeypatch, BuiltinProposer("cuda"),
+                                    {CONSERVATIVE: passed(1.0), library.key(): passed(20.0)}, {"0": 0.05, "1": 0.8})
+    keys = [c.plan.key() for c, _ in state.history]
+    assert library.key() in keys and len(keys) == 5, keys
