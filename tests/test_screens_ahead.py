@@ -289,3 +289,22 @@ def test_a_screen_ahead_that_ends_just_after_the_loop_looked_is_still_taken(tmp_
                                     {CONSERVATIVE: passed(1.0), library.key(): passed(20.0)}, {"0": 0.05, "1": 0.8})
     keys = [c.plan.key() for c, _ in state.history]
     assert library.key() in keys and len(keys) == 5, keys
+
+
+def test_a_model_proposer_asked_in_turn_keeps_the_builtin_walk_while_it_waits_for_a_verdict(tmp_path, monkeypatch):
+    """With --parallel 1 the LLM proposer takes turns with the builtin walk (LLMProposer.propose),
+    and took a walk with nothing *now* (waiting for the library plan's verdict, screened ahead) for
+    a walk with nothing *left*: the builtin side was done for the run after its first step."""
+    from agent.providers import llm
+    from agent.providers.budget import Usage
+    from agent.providers.builtin import BuiltinProposer
+
+    library, _ = library_plans()
+    proposer = llm.LLMProposer(client=None, fallback=BuiltinProposer("cuda"), device="cuda", log=lambda line: None,
+                               settings=llm.LLMSettings(model="m"), usage=Usage(), label="test")
+    proposer.active = False   # the model side has stopped (a budget, a fatal error): the walk goes on alone
+    ws, state, judges = builtin_run(tmp_path, monkeypatch, proposer,
+                                    {CONSERVATIVE: passed(1.0), library.key(): passed(20.0)}, {})
+    keys = [c.plan.key() for c, _ in state.history]
+    assert library.key() in keys and len(keys) == 5, keys
+    assert installed_key(ws) == library.key()
