@@ -143,7 +143,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
                 break
             if provisional_best(state, report) is not None and others() < expected_seconds(state):
                 due()   # after one more candidate its final would no longer fit
-            if state.history and left() < expected_seconds(state) and screened is None:
+            if state.history and left() < expected_seconds(state) and (screened is None or screened.result is None):
                 report.line(f"budget: {max(left(), 0):.0f}s left, not enough for another evaluation; stopping")
                 break
             if ahead is not None:

@@ -308,3 +308,19 @@ def test_a_model_proposer_asked_in_turn_keeps_the_builtin_walk_while_it_waits_fo
     keys = [c.plan.key() for c, _ in state.history]
     assert library.key() in keys and len(keys) == 5, keys
     assert installed_key(ws) == library.key()
+
+
+def test_a_broken_screen_ahead_is_not_started_again_on_the_first_gpu_past_the_budget(tmp_path, monkeypatch):
+    """A candidate screened ahead skips the budget's 'not enough for another evaluation' stop (its
+    screen is done); one whose screen ahead broke has no screen, and was screened on the first GPU
+    however little of the budget was left."""
+    plans = [Plan("paged", params={"x": i}) for i in range(3)]
+    # 10.6 s of the budget left at the start (RESERVE_SECONDS kept): a screen ahead is started (an
+    # evaluation is expected to take MIN_EVAL_SECONDS); the conservative's verdict takes 1 s of it
+    ws, state, judges = builtin_run(tmp_path, monkeypatch, ListProposer(plans), {CONSERVATIVE: passed(1.0)},
+                                    {"0": 1.0, "1": 0.05}, budget=loop.RESERVE_SECONDS + loop.MIN_EVAL_SECONDS + 0.6,
+                                    broken={p.key() for p in plans})
+    assert any(c[0] == "1" and c[1] == plans[0].key() for c in judges.calls)   # it was screened ahead, and broke
+    assert [c.key() for c, _ in state.history] == [CONSERVATIVE]
+    assert not any(c[0] == "0" and c[1] == plans[0].key() for c in judges.calls)
+    assert "not enough for another evaluation; stopping" in (ws.root / "results.log").read_text()
