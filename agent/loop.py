@@ -228,6 +228,8 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
             else None
         if early is not None:
             ahead.take_into(early, entry.directory)
+        elif screened is not None and screened.error is not None:   # the spare's judge, not the engine
+            report.line(f"     the screen ahead on GPU {screened.gpu} broke ({screened.error}): screened here")
         entry.result = challenge(entry, source, state, judge, ws, report, left, on_screen, series, early)
         # The candidate's folder holds its verdict whichever phase gave it (a rejected screen
         # lives in timing/ with its logs): one place to look, as the README's layout says.

@@ -118,6 +118,8 @@ def test_a_spare_judge_that_breaks_leaves_the_candidate_to_the_first_gpu(tmp_pat
     assert [c.key() for c, _ in state.history][1:] == [p.key() for p in plans]
     for plan in plans:   # each was screened on the first GPU once the spare's screen broke
         assert any(c[0] == "0" and c[1] == plan.key() and c[2] == loop.TIMING for c in judges.calls)
+    broke = [line for line in (ws.root / "results.log").read_text().splitlines() if "broke" in line]
+    assert broke and all("OSError: the spare judge's folder went away" in line for line in broke), broke   # said why
     assert installed_key(ws) == plans[-1].key()
 
 
