@@ -164,9 +164,9 @@ def resolve(args: argparse.Namespace) -> RunConfig:
 
 def judged_gpus(device: str, asked: int | None) -> tuple[str, ...]:
     """The GPUs the run judges on, as CUDA_VISIBLE_DEVICES will name them to each judge (by UUID
-    where torch reports one, else the caller's own entry: a MIG instance stays as named): `asked`
-    of them, else every GPU of the first one's kind (timings on a GPU of another kind would not
-    compare). () for one: the judge runs as it always did."""
+    where torch reports one, else the caller's own entry: a MIG instance stays as named): the first
+    `asked` of the first one's kind, else every GPU of that kind (timings on a GPU of another kind
+    would not compare). () for one: the judge runs as it always did."""
     if device != "cuda":
         if asked is not None and asked > 1:
             raise SpecError(f"--gpus {asked} needs CUDA GPUs; the device is {device}")
@@ -178,16 +178,11 @@ def judged_gpus(device: str, asked: int | None) -> tuple[str, ...]:
     ids = [v.strip() for v in visible.split(",")][:len(names)] if visible else [str(i) for i in range(len(names))]
     uuids = [getattr(torch.cuda.get_device_properties(i), "uuid", None) for i in range(len(names))]
     ids = [f"GPU-{uuid}" if uuid and not ids[i].upper().startswith("MIG") else ids[i] for i, uuid in enumerate(uuids)]
-    if asked is not None and asked > len(names):
-        raise SpecError(f"--gpus {asked}: this machine has {len(names)} GPU(s)")
-    if asked is not None:
-        other = next((i for i in range(asked) if names[i] != names[0]), None)
-        if other is not None:
-            raise SpecError(f"--gpus {asked}: GPU {other} is a {names[other]}, GPU 0 a {names[0]}; "
-                            "timings on both would not compare")
-        chosen = ids[:asked]
-    else:
-        chosen = [ids[i] for i in range(len(names)) if names[i] == names[0]]
+    alike = [ids[i] for i in range(len(names)) if names[i] == names[0]]
+    if asked is not None and asked > len(alike):
+        raise SpecError(f"--gpus {asked}: this machine has {len(alike)} GPU(s) of the first one's kind"
+                        + (f" ({names[0]}; timings on another kind would not compare)" if names else ""))
+    chosen = alike[:asked] if asked is not None else alike
     return tuple(chosen) if len(chosen) > 1 else ()
 
 

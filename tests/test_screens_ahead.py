@@ -11,7 +11,9 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 
 from agent import cli, loop
 from agent.judge import Judge, JudgeSettings, Place
@@ -326,3 +328,25 @@ def test_a_broken_screen_ahead_is_not_started_again_on_the_first_gpu_past_the_bu
     assert [c.key() for c, _ in state.history] == [CONSERVATIVE]
     assert not any(c[0] == "0" and c[1] == plans[0].key() for c in judges.calls)
     assert "not enough for another evaluation; stopping" in (ws.root / "results.log").read_text()
+
+
+@pytest.mark.parametrize("visible, uuids, expected", [(None, None, ("0", "2")),
+                                                     ("2,0,1", ("a", "b", "c"), ("GPU-a", "GPU-c"))])
+def test_gpus_asked_of_a_host_of_mixed_kinds_are_those_of_the_first_ones_kind(monkeypatch, visible, uuids, expected):
+    """--gpus N takes N GPUs of the first one's kind, as the default takes them all: on a host whose
+    GPU 1 is of another kind, `--gpus 2` refused although GPUs 0 and 2 were of one kind."""
+    import torch
+
+    names = ["NVIDIA H200", "NVIDIA L4", "NVIDIA H200"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(names))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids and uuids[i]))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert cli.judged_gpus("cuda", None) == expected
+    assert cli.judged_gpus("cuda", 2) == expected
+    assert cli.judged_gpus("cuda", 1) == ()
+    with pytest.raises(cli.SpecError, match="2 GPU"):   # of the first one's kind: H200
+        cli.judged_gpus("cuda", 3)
