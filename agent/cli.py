@@ -186,13 +186,30 @@ def judged_gpus(device: str, asked: int | None) -> tuple[str, ...]:
     return tuple(chosen) if len(chosen) > 1 else ()
 
 
+def core_of(cpu: int) -> str:
+    """The physical core a CPU (a hardware thread) is on, as the hardware threads it shares (the
+    kernel's thread_siblings_list); itself where the kernel does not say."""
+    try:
+        return Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return str(cpu)
+
+
 def places(gpus: tuple[str, ...]) -> list[Place]:
-    """Each judged GPU with its share of this process's CPUs (contiguous, as even as they split)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < len(gpus):   # too few to split: every judge may use them all
-        return [Place(str(i), gpu, frozenset(cpus)) for i, gpu in enumerate(gpus)]
-    share = len(cpus) // len(gpus)
-    return [Place(str(i), gpu, frozenset(cpus[i * share:(i + 1) * share if i < len(gpus) - 1 else None]))
+    """Each judged GPU with its share of this process's CPUs: whole cores (with SMT, a core's
+    threads are numbered far apart: cut in CPU order, two judges shared every core), in CPU order,
+    as even as they split, the cores left over to the first judges (the first decides)."""
+    cores: dict[str, list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        cores.setdefault(core_of(cpu), []).append(cpu)
+    if len(cores) < len(gpus):   # too few to split: every judge may use them all
+        return [Place(str(i), gpu, frozenset(os.sched_getaffinity(0))) for i, gpu in enumerate(gpus)]
+    share, more = divmod(len(cores), len(gpus))
+    bounds = [0]
+    for i in range(len(gpus)):
+        bounds.append(bounds[-1] + share + (i < more))
+    ordered = list(cores.values())
+    return [Place(str(i), gpu, frozenset(cpu for core in ordered[bounds[i]:bounds[i + 1]] for cpu in core))
             for i, gpu in enumerate(gpus)]
 
 

@@ -350,3 +350,17 @@ def test_gpus_asked_of_a_host_of_mixed_kinds_are_those_of_the_first_ones_kind(mo
     assert cli.judged_gpus("cuda", 1) == ()
     with pytest.raises(cli.SpecError, match="2 GPU"):   # of the first one's kind: H200
         cli.judged_gpus("cuda", 3)
+
+
+def test_each_judge_gets_whole_cores_where_a_core_runs_two_threads(monkeypatch):
+    """On a host with SMT, Linux numbers a core's second hardware thread half the CPUs further on
+    (cpu i and i + n/2): shares cut in CPU order gave the second judge the second thread of every
+    core the first judge's timed host thread runs on."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(cli, "core_of", lambda cpu: cpu % 4)   # cores 0-3, each cpu i and i + 4
+    first, second = cli.places(("0", "1"))
+    assert first.cpus == {0, 1, 4, 5} and second.cpus == {2, 3, 6, 7}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(cli, "core_of", lambda cpu: cpu)
+    first, second = cli.places(("0", "1"))   # cores that do not split evenly: the one more to the judge that decides
+    assert first.cpus == {0, 1} and second.cpus == {2}
