@@ -462,8 +462,8 @@ def run_judge_is(fake: FakeJudge, monkeypatch) -> None:
     monkeypatch.setattr(JudgeSettings, "for_phase", lambda self, phase: phase)
 
     class Resident:
-        def __init__(self, settings, log_dir):
-            pass
+        def __init__(self, settings, log_dir, place=None):
+            self.place = place
 
         def __enter__(self):
             return self
