@@ -164,9 +164,9 @@ def resolve(args: argparse.Namespace) -> RunConfig:
 
 def judged_gpus(device: str, asked: int | None) -> tuple[str, ...]:
     """The GPUs the run judges on, as CUDA_VISIBLE_DEVICES will name them to each judge (by UUID
-    where torch reports one, else the caller's own entry: a MIG instance stays as named): `asked`
-    of them, else every GPU of the first one's kind (timings on a GPU of another kind would not
-    compare). () for one: the judge runs as it always did."""
+    where torch reports one, else the caller's own entry: a MIG instance stays as named): the first
+    `asked` of the first one's kind, else every GPU of that kind (timings on a GPU of another kind
+    would not compare). () for one: the judge runs as it always did."""
     if device != "cuda":
         if asked is not None and asked > 1:
             raise SpecError(f"--gpus {asked} needs CUDA GPUs; the device is {device}")
@@ -178,26 +178,38 @@ def judged_gpus(device: str, asked: int | None) -> tuple[str, ...]:
     ids = [v.strip() for v in visible.split(",")][:len(names)] if visible else [str(i) for i in range(len(names))]
     uuids = [getattr(torch.cuda.get_device_properties(i), "uuid", None) for i in range(len(names))]
     ids = [f"GPU-{uuid}" if uuid and not ids[i].upper().startswith("MIG") else ids[i] for i, uuid in enumerate(uuids)]
-    if asked is not None and asked > len(names):
-        raise SpecError(f"--gpus {asked}: this machine has {len(names)} GPU(s)")
-    if asked is not None:
-        other = next((i for i in range(asked) if names[i] != names[0]), None)
-        if other is not None:
-            raise SpecError(f"--gpus {asked}: GPU {other} is a {names[other]}, GPU 0 a {names[0]}; "
-                            "timings on both would not compare")
-        chosen = ids[:asked]
-    else:
-        chosen = [ids[i] for i in range(len(names)) if names[i] == names[0]]
+    alike = [ids[i] for i in range(len(names)) if names[i] == names[0]]
+    if asked is not None and asked > len(alike):
+        raise SpecError(f"--gpus {asked}: this machine has {len(alike)} GPU(s) of the first one's kind"
+                        + (f" ({names[0]}; timings on another kind would not compare)" if names else ""))
+    chosen = alike[:asked] if asked is not None else alike
     return tuple(chosen) if len(chosen) > 1 else ()
 
 
+def core_of(cpu: int) -> str:
+    """The physical core a CPU (a hardware thread) is on, as the hardware threads it shares (the
+    kernel's thread_siblings_list); itself where the kernel does not say."""
+    try:
+        return Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return str(cpu)
+
+
 def places(gpus: tuple[str, ...]) -> list[Place]:
-    """Each judged GPU with its share of this process's CPUs (contiguous, as even as they split)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < len(gpus):   # too few to split: every judge may use them all
-        return [Place(str(i), gpu, frozenset(cpus)) for i, gpu in enumerate(gpus)]
-    share = len(cpus) // len(gpus)
-    return [Place(str(i), gpu, frozenset(cpus[i * share:(i + 1) * share if i < len(gpus) - 1 else None]))
+    """Each judged GPU with its share of this process's CPUs: whole cores (with SMT, a core's
+    threads are numbered far apart: cut in CPU order, two judges shared every core), in CPU order,
+    as even as they split, the cores left over to the first judges (the first decides)."""
+    cores: dict[str, list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        cores.setdefault(core_of(cpu), []).append(cpu)
+    if len(cores) < len(gpus):   # too few to split: every judge may use them all
+        return [Place(str(i), gpu, frozenset(os.sched_getaffinity(0))) for i, gpu in enumerate(gpus)]
+    share, more = divmod(len(cores), len(gpus))
+    bounds = [0]
+    for i in range(len(gpus)):
+        bounds.append(bounds[-1] + share + (i < more))
+    ordered = list(cores.values())
+    return [Place(str(i), gpu, frozenset(cpu for core in ordered[bounds[i]:bounds[i + 1]] for cpu in core))
             for i, gpu in enumerate(gpus)]
 
 

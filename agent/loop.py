@@ -143,7 +143,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
                 break
             if provisional_best(state, report) is not None and others() < expected_seconds(state):
                 due()   # after one more candidate its final would no longer fit
-            if state.history and left() < expected_seconds(state) and screened is None:
+            if state.history and left() < expected_seconds(state) and (screened is None or screened.result is None):
                 report.line(f"budget: {max(left(), 0):.0f}s left, not enough for another evaluation; stopping")
                 break
             if ahead is not None:
@@ -192,7 +192,7 @@ def pick(pipeline: Pipeline, ahead: ScreensAhead | None,
         done = ahead.finished()
         if done is not None:
             return done.candidate, done
-        if not ahead.busy():
+        if not ahead.pending():   # (not `busy`: a screen that ended since `finished` looked is still to take)
             return pipeline.next(idle=None if idled else due), None
         drawn = pipeline.next(wait=False)
         if drawn is not None:
@@ -228,6 +228,8 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
             else None
         if early is not None:
             ahead.take_into(early, entry.directory)
+        elif screened is not None and screened.error is not None:   # the spare's judge, not the engine
+            report.line(f"     the screen ahead on GPU {screened.gpu} broke ({screened.error}): screened here")
         entry.result = challenge(entry, source, state, judge, ws, report, left, on_screen, series, early)
         # The candidate's folder holds its verdict whichever phase gave it (a rejected screen
         # lives in timing/ with its logs): one place to look, as the README's layout says.

@@ -78,11 +78,6 @@ class ScreensAhead:
         with self.cond:
             return bool(self.free)
 
-    def busy(self) -> bool:
-        """Some screen ahead is still under way."""
-        with self.cond:
-            return any(not a.done.is_set() for a in self.running)
-
     def pending(self) -> int:
         """Candidates handed over and not taken back."""
         with self.cond:

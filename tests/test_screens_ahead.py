@@ -11,7 +11,9 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 
 from agent import cli, loop
 from agent.judge import Judge, JudgeSettings, Place
@@ -30,8 +32,9 @@ class Judges:
     """Fake judges, one a GPU: a verdict sleeps SCREEN_SECONDS and is looked up by plan key; every
     call is recorded as (gpu, plan key, phase, out dir, start, end)."""
 
-    def __init__(self, verdicts: dict[str, EvalResult], broken: set[str] = frozenset()):
-        self.verdicts, self.broken = verdicts, broken
+    def __init__(self, verdicts: dict[str, EvalResult], broken: set[str] = frozenset(),
+                 seconds: dict[str, float] | None = None):
+        self.verdicts, self.broken, self.seconds = verdicts, broken, seconds or {}
         self.calls: list[tuple[str, str, str, Path, float, float]] = []
         self.asked: list[tuple[str, str]] = []   # (plan key, phase) as each verdict starts
         self.busy: dict[str, bool] = {}
@@ -46,7 +49,7 @@ class Judges:
                 self.busy[gpu] = True
                 self.asked.append((key, phase))
             start = time.monotonic()
-            time.sleep(SCREEN_SECONDS)
+            time.sleep(self.seconds.get(gpu, SCREEN_SECONDS))
             with self.lock:
                 self.busy[gpu] = False
                 self.calls.append((gpu, key, phase, out_dir, start, time.monotonic()))
@@ -117,6 +120,8 @@ def test_a_spare_judge_that_breaks_leaves_the_candidate_to_the_first_gpu(tmp_pat
     assert [c.key() for c, _ in state.history][1:] == [p.key() for p in plans]
     for plan in plans:   # each was screened on the first GPU once the spare's screen broke
         assert any(c[0] == "0" and c[1] == plan.key() and c[2] == loop.TIMING for c in judges.calls)
+    broke = [line for line in (ws.root / "results.log").read_text().splitlines() if "broke" in line]
+    assert broke and all("OSError: the spare judge's folder went away" in line for line in broke), broke   # said why
     assert installed_key(ws) == plans[-1].key()
 
 
@@ -239,3 +244,123 @@ def test_a_workers_jail_covers_the_nodes_of_the_gpus_its_judge_was_not_given(tmp
     assert gpus_not_given("1", table, dev) == ()                      # by index: nothing to tell them by
     assert gpus_not_given("GPU-unknown", table, dev) == ()            # not in the table: hide nothing
     assert gpus_not_given("", table, dev) == ()
+
+
+def builtin_run(tmp_path: Path, monkeypatch, proposer, verdicts: dict[str, EvalResult], seconds: dict[str, float],
+                max_candidates: int = 5, budget: float = 600.0, parallel: int = 1, broken: set[str] = frozenset()):
+    """The real loop with `proposer` on a fake first GPU and one fake spare (GPU 1)."""
+    monkeypatch.setattr(loop, "render_engine", fake_render)
+    judges = Judges(verdicts, broken, seconds)
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    ws.open_history(warn=report.warn)
+    state = SearchState(spec=None, device="cuda", hardware={})
+    loop.run(state, proposer, judges.on("0"), ws, report, budget, max_candidates=max_candidates, parallel=parallel,
+             spares={"1": judges.on("1")})
+    report.finish([])
+    return ws, state, judges
+
+
+def library_plans():
+    from agent import search
+    from agent.plan import engine_params, menu
+
+    start = search.default_plan("paged", engine_params("paged"))
+    walk = search.walk(lambda: start, "cuda", menu(), engine_params("paged"), start)
+    return next(walk)[0], next(walk)[0]
+
+
+def test_a_screen_ahead_that_ends_just_after_the_loop_looked_is_still_taken(tmp_path, monkeypatch):
+    """pick() asked `finished` (none yet), then `busy` (none any more: the screen had just ended):
+    it then drew from the proposers as if nothing were screened ahead, and the builtin walk, whose
+    next step waits for that screened candidate's verdict, had nothing: the run stopped there."""
+    from agent.providers.builtin import BuiltinProposer
+    from agent.screens import ScreensAhead
+
+    library, _ = library_plans()
+    finished = ScreensAhead.finished
+
+    def late(self):   # the screen ahead ends between the loop's two looks
+        done = finished(self)
+        if done is None and not late.slept:
+            late.slept = True
+            time.sleep(1.0)
+        return done
+    late.slept = False
+    monkeypatch.setattr(ScreensAhead, "finished", late)
+    ws, state, judges = builtin_run(tmp_path, monkeypatch, BuiltinProposer("cuda"),
+                                    {CONSERVATIVE: passed(1.0), library.key(): passed(20.0)}, {"0": 0.05, "1": 0.8})
+    keys = [c.plan.key() for c, _ in state.history]
+    assert library.key() in keys and len(keys) == 5, keys
+
+
+def test_a_model_proposer_asked_in_turn_keeps_the_builtin_walk_while_it_waits_for_a_verdict(tmp_path, monkeypatch):
+    """With --parallel 1 the LLM proposer takes turns with the builtin walk (LLMProposer.propose),
+    and took a walk with nothing *now* (waiting for the library plan's verdict, screened ahead) for
+    a walk with nothing *left*: the builtin side was done for the run after its first step."""
+    from agent.providers import llm
+    from agent.providers.budget import Usage
+    from agent.providers.builtin import BuiltinProposer
+
+    library, _ = library_plans()
+    proposer = llm.LLMProposer(client=None, fallback=BuiltinProposer("cuda"), device="cuda", log=lambda line: None,
+                               settings=llm.LLMSettings(model="m"), usage=Usage(), label="test")
+    proposer.active = False   # the model side has stopped (a budget, a fatal error): the walk goes on alone
+    ws, state, judges = builtin_run(tmp_path, monkeypatch, proposer,
+                                    {CONSERVATIVE: passed(1.0), library.key(): passed(20.0)}, {})
+    keys = [c.plan.key() for c, _ in state.history]
+    assert library.key() in keys and len(keys) == 5, keys
+    assert installed_key(ws) == library.key()
+
+
+def test_a_broken_screen_ahead_is_not_started_again_on_the_first_gpu_past_the_budget(tmp_path, monkeypatch):
+    """A candidate screened ahead skips the budget's 'not enough for another evaluation' stop (its
+    screen is done); one whose screen ahead broke has no screen, and was screened on the first GPU
+    however little of the budget was left."""
+    plans = [Plan("paged", params={"x": i}) for i in range(3)]
+    # 10.6 s of the budget left at the start (RESERVE_SECONDS kept): a screen ahead is started (an
+    # evaluation is expected to take MIN_EVAL_SECONDS); the conservative's verdict takes 1 s of it
+    ws, state, judges = builtin_run(tmp_path, monkeypatch, ListProposer(plans), {CONSERVATIVE: passed(1.0)},
+                                    {"0": 1.0, "1": 0.05}, budget=loop.RESERVE_SECONDS + loop.MIN_EVAL_SECONDS + 0.6,
+                                    broken={p.key() for p in plans})
+    assert any(c[0] == "1" and c[1] == plans[0].key() for c in judges.calls)   # it was screened ahead, and broke
+    assert [c.key() for c, _ in state.history] == [CONSERVATIVE]
+    assert not any(c[0] == "0" and c[1] == plans[0].key() for c in judges.calls)
+    assert "not enough for another evaluation; stopping" in (ws.root / "results.log").read_text()
+
+
+@pytest.mark.parametrize("visible, uuids, expected", [(None, None, ("0", "2")),
+                                                     ("2,0,1", ("a", "b", "c"), ("GPU-a", "GPU-c"))])
+def test_gpus_asked_of_a_host_of_mixed_kinds_are_those_of_the_first_ones_kind(monkeypatch, visible, uuids, expected):
+    """--gpus N takes N GPUs of the first one's kind, as the default takes them all: on a host whose
+    GPU 1 is of another kind, `--gpus 2` refused although GPUs 0 and 2 were of one kind."""
+    import torch
+
+    names = ["NVIDIA H200", "NVIDIA L4", "NVIDIA H200"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(names))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids and uuids[i]))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert cli.judged_gpus("cuda", None) == expected
+    assert cli.judged_gpus("cuda", 2) == expected
+    assert cli.judged_gpus("cuda", 1) == ()
+    with pytest.raises(cli.SpecError, match="2 GPU"):   # of the first one's kind: H200
+        cli.judged_gpus("cuda", 3)
+
+
+def test_each_judge_gets_whole_cores_where_a_core_runs_two_threads(monkeypatch):
+    """On a host with SMT, Linux numbers a core's second hardware thread half the CPUs further on
+    (cpu i and i + n/2): shares cut in CPU order gave the second judge the second thread of every
+    core the first judge's timed host thread runs on."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(cli, "core_of", lambda cpu: cpu % 4)   # cores 0-3, each cpu i and i + 4
+    first, second = cli.places(("0", "1"))
+    assert first.cpus == {0, 1, 4, 5} and second.cpus == {2, 3, 6, 7}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(cli, "core_of", lambda cpu: cpu)
+    first, second = cli.places(("0", "1"))   # cores that do not split evenly: the one more to the judge that decides
+    assert first.cpus == {0, 1} and second.cpus == {2}

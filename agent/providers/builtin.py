@@ -25,6 +25,7 @@ its parameters only (agent/search.py, `--builtin-walk params`)."""
         self._state: SearchState | None = None
         self._walk: Iterator[tuple[Plan, str]] | None = None
         self._walked_from: str | None = None      # the best's key when the current walk started
+        self.waiting = False   # the last propose had nothing now, not nothing left: its walk waits for a verdict
 
     def _start(self) -> Iterator[tuple[Plan, str]]:
         if self.engine not in engines() or not self._runs_model():
@@ -48,11 +49,13 @@ its parameters only (agent/search.py, `--builtin-walk params`)."""
 
     def propose(self, state: SearchState) -> Candidate | None:
         self._state = state
+        self.waiting = False
         for _ in range(2):   # the walk, then once more if the best changed since it began
             if self._walk is None:
                 self._walk, self._walked_from = self._start(), self._best_key()
             for plan, note in self._walk:
                 if plan is None:   # the walk's next step waits for a verdict to come: nothing now
+                    self.waiting = True
                     return None
                 candidate = self._candidate(plan, note, state)
                 if not state.tried(candidate):

@@ -299,6 +299,10 @@ class LLMProposer:
                 if candidate is not None:
                     self._fallback_keys.add(candidate.key())
                     return candidate
+                if getattr(self.fallback, "waiting", False):   # nothing now, more after a verdict to come
+                    if llm_ready:
+                        continue
+                    return None
                 self.fallback_done = True
                 if self.active and not self.paused(state):
                     self.log("llm: the builtin proposer has nothing left; the LLM goes on alone")
