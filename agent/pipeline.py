@@ -218,15 +218,18 @@ class Pipeline:
                 return None
             if candidate is None or not self._known(candidate):
                 return candidate
-            self.log(f"warning: proposer '{side.name}' repeated an already-judged candidate: {candidate.plan.describe()}")
+            what = "a candidate being judged" if candidate.key() in self.taken else "an already-judged candidate"
+            self.log(f"warning: proposer '{side.name}' repeated {what}: {candidate.plan.describe()}")
         self.log(f"warning: proposer '{side.name}' repeated itself {MAX_REPEATS} times; it is asked no more")
         self.builtin = _Dry(side.name)
         return None
 
     def _view(self, best, best_result) -> SearchState:
         """The state as a proposer sees it now, with `best` the engine to build on."""
+        with self.cond:   # (an RLock: also from under it)
+            pending = frozenset(c.plan.key() for c in self.taken.values())
         return replace(self.state, best=best, best_result=best_result, seconds_left=self.deadline - time.monotonic(),
-                       pending=frozenset(c.plan.key() for c in list(self.taken.values())))
+                       pending=pending)
 
     # --- the workers' side ----------------------------------------------------------------
     def _work(self) -> None:

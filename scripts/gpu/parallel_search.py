@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,8 @@ def search(gpus: int, budget: float, seed: int, workspace: Path) -> dict:
     best = next((c for c in candidates if c["index"] == record.get("best")), None)
     return {"gpus": gpus, "exit": done.returncode, "seconds": round(seconds, 1),
             "judged": len(candidates), "screened_ahead": log.count("screen (ahead, GPU"),
-            "dropped_ahead": log.count("screened ahead were not reached"),
+            "dropped_ahead": sum(int(m) for m in re.findall(r"^(\d+) candidate\(s\) screened ahead were not reached",
+                                                             log, re.M)),
             "passed": sum(c["result"]["status"] == "passed" for c in candidates),
             "per_minute": round(len(candidates) / (budget / 60), 2),
             "installed": f"#{best['index']:03d} {describe(Plan.from_dict(best['plan']))}" if best else None,
