@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agent.plan import Plan
-from agent.records import DEADLINE, Candidate, EvalResult
+from agent.records import Candidate, EvalResult
 from agent.report import Entry, FinalDue
 from agent.workspace import CANDIDATES, ENGINE, RESULTS_JSON, VARIANTS, VERDICT, WAITING, Workspace
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -125,16 +124,14 @@ def test_a_spare_judge_that_breaks_leaves_the_candidate_to_the_first_gpu(tmp_pat
     assert installed_key(ws) == plans[-1].key()
 
 
-def test_gpus_on_a_cpu_is_one_line_and_exit_2(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "agent", "--device", "cpu", "--gpus", "2",
-                           "--workspace", str(tmp_path / "ws")], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == cli.EXIT_BAD_INPUT
-    assert done.stderr.strip() == "error: --gpus 2 needs CUDA GPUs; the device is cpu"
+def test_gpus_on_a_cpu_is_one_line_and_exit_2(tmp_path, capsys):
+    """(In this process: what `python3 -m agent` runs, cli.main, with its exit code and stderr.)"""
+    assert cli.main(["--device", "cpu", "--gpus", "2", "--workspace", str(tmp_path / "ws")]) == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr().err.strip() == "error: --gpus 2 needs CUDA GPUs; the device is cpu"
     assert not (tmp_path / "ws").exists()
-    bad = subprocess.run([sys.executable, "-m", "agent", "--gpus", "0"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
-    assert bad.returncode == 2 and "--gpus must be at least 1" in bad.stderr
+    with pytest.raises(SystemExit) as bad:
+        cli.main(["--gpus", "0"])
+    assert bad.value.code == 2 and "--gpus must be at least 1" in capsys.readouterr().err
 
 
 def test_each_judge_gets_its_share_of_the_cpus():
