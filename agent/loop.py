@@ -120,6 +120,8 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     ahead = None if not spares else ScreensAhead(
         {gpu: screen_of(budget_aware(spare, others, state)) for gpu, spare in spares.items()},
         ws.root, lambda candidate, folder: prepare(candidate, folder, state.device, model)[0], TIMING)
+    if ahead is not None:
+        judge = recorded_alone(judge, ahead)
     with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line,
                   keep) as pipeline, ahead or contextlib.nullcontext():
         def fill() -> None:
@@ -202,6 +204,20 @@ def pick(pipeline: Pipeline, ahead: ScreensAhead | None,
             idled = True
         else:
             ahead.wait()
+
+
+def recorded_alone(judge: Judge, ahead: ScreensAhead) -> Judge:
+    """`judge`, whose verdicts that record a score others are compared with (VERIFY, FINAL) wait
+    until no model-written candidate is being screened ahead: such code on another GPU could slow
+    this one through what the host shares (its memory bandwidth, its PCIe links) and so lower the
+    score a later clear win of its own is measured against (agent/acceptance.py). The loop starts
+    no screen ahead meanwhile (it fills the spare GPUs between verdicts only). The repository's
+    own candidates (the builtin walk) are not waited for."""
+    def call(engine: Path, out_dir: Path, timeout: float, phase: str) -> EvalResult:
+        if phase in (VERIFY, FINAL):
+            ahead.quiet()
+        return judge(engine, out_dir, timeout, phase)
+    return call
 
 
 def screen_of(judge: Judge) -> Screen:

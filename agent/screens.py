@@ -103,6 +103,13 @@ class ScreensAhead:
                     return ahead
         return None
 
+    def quiet(self) -> None:
+        """Until no candidate holding model-written code is being screened (agent/loop.py
+        recorded_alone); those of the repository's own code may go on."""
+        with self.cond:
+            self.cond.wait_for(lambda: not any(a.candidate.extra_variants and not a.done.is_set()
+                                               for a in self.running))
+
     def wait(self, seconds: float = POLL_SECONDS) -> None:
         """Until a screen ahead ends, or `seconds`."""
         with self.cond:

@@ -361,3 +361,32 @@ def test_each_judge_gets_whole_cores_where_a_core_runs_two_threads(monkeypatch):
     monkeypatch.setattr(cli, "core_of", lambda cpu: cpu)
     first, second = cli.places(("0", "1"))   # cores that do not split evenly: the one more to the judge that decides
     assert first.cpus == {0, 1} and second.cpus == {2}
+
+
+class ModelProposer(ListProposer):
+    """Proposes its plans in order, each with a model-written variant's text."""
+
+    def propose(self, state):
+        return Candidate(self.plans.pop(0), "model", "written", extra_variants={("linear", "m"): "# m\n"}) \
+            if self.plans else None
+
+
+def test_no_score_others_are_compared_with_is_timed_while_model_code_runs_on_another_gpu(tmp_path, monkeypatch):
+    """A model's candidate screened ahead could slow the first GPU through what the host shares,
+    and so lower the recorded score its own clear win would be measured against: VERIFY and
+    FINAL wait until no model code is screened ahead."""
+    monkeypatch.setattr(loop, "render_engine", fake_render)
+    plans = [Plan("paged", params={"x": i}) for i in range(4)]
+    verdicts = {CONSERVATIVE: passed(1.0), **{p.key(): passed(5.0 + 5 * i) for i, p in enumerate(plans)}}
+    judges = Judges(verdicts, seconds={"1": 0.6})   # the spare's screens outlast the first GPU's verdicts
+    ws = Workspace(tmp_path / "ws")
+    ws.reset()
+    report = Reporter(ws.root, live=False)
+    ws.open_history(warn=report.warn)
+    state = SearchState(spec=None, device="cuda", hardware={})
+    loop.run(state, ModelProposer(plans), judges.on("0"), ws, report, 600.0, spares={"1": judges.on("1")})
+    recorded = [c for c in judges.calls if c[0] == "0" and c[2] in (loop.VERIFY, loop.FINAL)]
+    model = [c for c in judges.calls if c[0] == "1"]
+    assert recorded and model
+    assert not [(r[1:3], m[1]) for r in recorded for m in model if r[4] < m[5] and m[4] < r[5]]
+    assert len(state.history) == 5 and installed_key(ws) == plans[-1].key()
