@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.records import Candidate, EvalResult
+from agent.workspace import AHEAD   # the workspace folder screens ahead are rendered and judged in
 
-AHEAD = "ahead"            # the workspace folder screens ahead are rendered and judged in
 POLL_SECONDS = 0.2         # how long the loop waits for a screen ahead before looking again
 
 # (engine.py, out dir, timeout s) → the screen's verdict, on one GPU's judge

@@ -32,11 +32,12 @@ TMP_PREFIX = ".tmp-"
 PREVIOUS = "previous"   # the last run's engine, verdict, logs and candidates, moved aside by a new run
 PREVIOUS_INCOMING = ".previous-incoming"   # ... while they are being moved (a kill leaves it to finish)
 PREVIOUS_OLD = ".previous-old"             # ... the run before that, while it is removed
+AHEAD = "ahead"         # candidates screened ahead on a spare GPU (agent/screens.py), not reached by the run
 # What a run leaves in the workspace, moved aside as a whole when a new run starts (Workspace.reset)
-RUN_FILES = (ENGINE, VERDICT, RESULTS_LOG, RESULTS_JSON, WAITING, "search.png", CANDIDATES)
+RUN_FILES = (ENGINE, VERDICT, RESULTS_LOG, RESULTS_JSON, WAITING, "search.png", CANDIDATES, AHEAD)
 LOCK = ".lock"          # held (flock) by the run using the workspace
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)   # flock's answers where a filesystem has none
-GIT_IGNORE = f"{CANDIDATES}/\n{TMP_PREFIX}*\n{PREVIOUS}/\n{PREVIOUS_INCOMING}/\n{PREVIOUS_OLD}/\n{LOCK}\n"
+GIT_IGNORE = f"{CANDIDATES}/\n{AHEAD}/\n{TMP_PREFIX}*\n{PREVIOUS}/\n{PREVIOUS_INCOMING}/\n{PREVIOUS_OLD}/\n{LOCK}\n"
 # Temporary files a kill can leave: ours (atomic_write) and the evaluator's verdict in progress.
 LEFTOVERS = (f"{TMP_PREFIX}*", f"{CANDIDATES}/**/{TMP_PREFIX}*", f"{CANDIDATES}/**/*.tmp[0-9]*")
 GIT_AUTHOR = ("inference-agent", "agent@localhost")
