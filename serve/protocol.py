@@ -4,7 +4,8 @@ Unknown request fields are accepted and ignored (clients send user, ...), as the
 OpenAI-compatible servers do; fields we read are validated, and a bad one is a 400 naming it.
 Fields whose answer this server cannot give are a 400 naming them when a request asks for
 them (`logprobs`, `top_logprobs`, `echo`; `n` > 1), not ignored: a client would take the answer
-for what it asked. `logit_bias` is applied (serve/sampler.py).
+for what it asked. `logit_bias`, `presence_penalty` and `frequency_penalty` are applied
+(serve/sampler.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 MAX_STOPS = 4        # as OpenAI: up to 4 stop sequences
 MAX_LOGIT_BIAS = 100.0   # as OpenAI: a bias in [-100, 100] (±100 bans or forces a token)
+MAX_PENALTY = 2.0        # as OpenAI: presence and frequency penalties in [-2, 2]
 SEED_RANGE = (-2**63, 2**64 - 1)   # what torch.Generator.manual_seed takes
 
 
@@ -69,6 +71,8 @@ class SamplingFields(BaseModel):
     n: int = 1
     ignore_eos: bool = False               # vLLM's: generate max_tokens whatever (benchmarks)
     logit_bias: dict[str, float] | None = None   # token id (a string, JSON's keys) -> bias
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # Asked for (true, a number: 0 too, OpenAI's "the sampled token's only"), these are a 400; absent,
     # null or false they are fine. Any: a 400 says "not supported", not that the type is wrong.
     logprobs: Any = None

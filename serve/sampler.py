@@ -6,8 +6,9 @@ top-p, and drawn by the exponential race (argmax of p / E with E ~ Exp(1), which
 with probability p_i): the noise comes from the request's own torch.Generator when it gave a
 seed (its output then depends on nothing else in the batch), from the server's otherwise. The
 whole step stays on the device; the caller's one `.tolist()` is the only host sync. A request's
-logit_bias is added to its row before either pick (in a copy, made only in a step where some
-request has one).
+logit_bias is added to its row, and its presence and frequency penalties taken off it (OpenAI's
+rule, over the tokens it generated so far: `frequency * count + presence * (count > 0)`), before
+either pick, in a copy made only in a step where some request has one.
 """
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ class SamplingParams:
     top_k: int = 0          # 0: no top-k cut
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
+    presence_penalty: float = 0.0    # taken off the logit of every token generated so far
+    frequency_penalty: float = 0.0   # ... times the times it was generated
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -67,11 +74,26 @@ def _biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
                             torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """The next token of each row of `logits` [B, vocab], as a LongTensor [B] on its device."""
+def _penalized(logits: torch.Tensor, params: list[SamplingParams], generated: list[list[int]]) -> torch.Tensor:
+    """`logits` (not changed: a copy) with each penalized row's penalties taken off the tokens
+    its request generated so far."""
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for i, (p, tokens) in enumerate(zip(params, generated)):
+        if p.penalized and tokens:
+            counts = torch.bincount(torch.tensor(tokens, device=logits.device), minlength=vocab)[:vocab]
+            out[i] -= (p.frequency_penalty * counts + p.presence_penalty * (counts > 0)).to(out.dtype)
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           generated: list[list[int]] | None = None) -> torch.Tensor:
+    """The next token of each row of `logits` [B, vocab], as a LongTensor [B] on its device;
+    `generated`: each row's request's tokens so far (what its penalties count)."""
     if any(p.logit_bias for p in params):
         logits = _biased(logits, params)
+    if generated is not None and any(p.penalized for p in params):
+        logits = _penalized(logits, params, generated)
     greedy = logits.argmax(dim=1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled_rows:

@@ -257,8 +257,8 @@ class Scheduler:
         if not rows:
             return
         try:
-            next_tokens = sample(torch.cat([x.float() for x in logits]),
-                                 [s.request.params for s in rows], [s.generator for s in rows]).tolist()
+            next_tokens = sample(torch.cat([x.float() for x in logits]), [s.request.params for s in rows],
+                                 [s.generator for s in rows], [s.output_ids for s in rows]).tolist()
         except Exception as e:  # noqa: BLE001 - bad logits (wrong shape, NaN) from the engine
             self._fail(rows, f"sampling failed: {type(e).__name__}: {e}")
             return

@@ -101,7 +101,8 @@ class Service:
         if outside:
             raise ApiError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary "
                            f"(0..{self.model.vocab_size - 1})", "logit_bias")
-        params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed, bias)
+        params = SamplingParams(req.temperature, req.top_p, max(req.top_k, 0), req.seed, bias,
+                                req.presence_penalty, req.frequency_penalty)
         return Job(ids, max_tokens, params, req.stop_strings(), req.ignore_eos)
 
     # ---- running ----

@@ -248,6 +248,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"256": 5}}, 400, "logit_bias"),   # the vocabulary is 256
     ("/v1/completions", {"prompt": "x", "logit_bias": {"65": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"A": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),   # OpenAI's [-2, 2]
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3}, 400,
+     "frequency_penalty"),
 ]
 
 
@@ -280,6 +283,20 @@ def test_logit_bias_forces_and_bans_tokens_and_unasked_fields_pass(served):
     plain = complete(client, prompt="The", max_tokens=4, temperature=0, logprobs=None, echo=False, logit_bias={},
                      top_logprobs=0)
     assert plain["choices"][0]["text"] == complete(client, prompt="The", max_tokens=4, temperature=0)["choices"][0]["text"]
+    assert engine_idle(spy)
+
+
+def test_a_frequency_penalty_takes_turns_between_two_tokens(served):
+    """Every byte but "A" and "B" banned, "A" 3 above "B" by logit_bias: greedy says "A" each time
+    (the toy model's own logits are far closer than 3); with the largest frequency penalty (2 a
+    time it was generated) "B" comes by the third token."""
+    _, spy, client = served
+    only_ab = {**{str(i): -100 for i in range(256) if chr(i) not in "AB"}, str(ord("A")): 3}
+    plain = complete(client, prompt="The", max_tokens=8, temperature=0, logit_bias=only_ab)["choices"][0]["text"]
+    penalized = complete(client, prompt="The", max_tokens=8, temperature=0, logit_bias=only_ab,
+                         frequency_penalty=2.0)["choices"][0]["text"]
+    assert plain == "A" * 8
+    assert "B" in penalized[:3], penalized
     assert engine_idle(spy)
 
 

@@ -186,3 +186,23 @@ def test_out_of_memory_is_told_from_other_engine_errors():
     assert out_of_memory(cpu) and out_of_memory(torch.OutOfMemoryError("CUDA out of memory")) and out_of_memory(MemoryError())
     assert not out_of_memory(RuntimeError("tensor-parallel engine failed during decode: OutOfMemoryError: CUDA out of memory"))
     assert not out_of_memory(ValueError("expected logits [1, 256], got (1, 5)"))
+
+
+def test_sampler_presence_and_frequency_penalties(test_seed):
+    """OpenAI's rule over the tokens a request generated: `frequency * count + presence *
+    (count > 0)` off each one's logit, its own row only, the caller's logits left as they were."""
+    logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(test_seed))
+    order = logits.argsort(dim=1, descending=True)
+    for row in range(4):   # the best token 1.0 above the second
+        logits[row, order[row, 0]] = logits[row, order[row, 1]] + 1.0
+    before = logits.clone()
+    best, second = order[:, 0].tolist(), order[:, 1].tolist()
+    params = [SamplingParams(0.0, frequency_penalty=0.4), SamplingParams(0.0, presence_penalty=1.5),
+              SamplingParams(0.0, presence_penalty=0.5), SamplingParams(0.0)]
+    generated = [[best[0]] * 3, [second[1]], [best[2]] * 5, [best[3]] * 5]
+    out = sample(logits, params, [None] * 4, generated).tolist()
+    # 3 x 0.4 off the best: the second; 1.5 off the second only: the best; 0.5 off the best once
+    # however often it came (not 2.5): still the best; no penalty: the best
+    assert out == [second[0], best[1], best[2], best[3]]
+    assert torch.equal(logits, before)
+    assert sample(logits, params, [None] * 4).tolist() == best   # no history given: nothing taken off
