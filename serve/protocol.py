@@ -3,7 +3,8 @@
 Unknown request fields are accepted and ignored (clients send user, ...), as the
 OpenAI-compatible servers do; fields we read are validated, and a bad one is a 400 naming it.
 Fields whose answer this server cannot give are a 400 naming them when a request asks for
-them (`logprobs`, `top_logprobs`, `echo`; `n` > 1), not ignored: a client would take the answer
+them (`logprobs`, `top_logprobs`, `echo`, `response_format` other than text, `tools`, `functions`;
+`n` > 1), not ignored: a client would take the answer
 for what it asked. `logit_bias`, `presence_penalty` and `frequency_penalty` are applied
 (serve/sampler.py).
 """
@@ -78,6 +79,11 @@ class SamplingFields(BaseModel):
     logprobs: Any = None
     top_logprobs: Any = None
     echo: Any = None
+    # Structured output and tool calls: a 400 when asked for (a client would parse the text as JSON
+    # or wait for a tool call that never comes); `response_format` {"type": "text"} is plain text.
+    response_format: Any = None
+    tools: Any = None
+    functions: Any = None
 
     @field_validator("n")
     @classmethod
@@ -92,6 +98,15 @@ class SamplingFields(BaseModel):
         if value is None or value is False or (info.field_name == "top_logprobs" and value == 0):
             return value
         raise ValueError(f"{info.field_name} is not supported by this server")
+
+    @field_validator("response_format", "tools", "functions")
+    @classmethod
+    def _no_structure(cls, value: Any, info: ValidationInfo) -> Any:
+        plain = value is None or value == [] or (info.field_name == "response_format" and isinstance(value, dict)
+                                                 and value.get("type") == "text")
+        if plain:
+            return value
+        raise ValueError(f"{info.field_name} is not supported by this server (plain text only)")
 
     @field_validator("logit_bias")
     @classmethod

@@ -249,6 +249,10 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"65": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"A": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),   # OpenAI's [-2, 2]
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3}, 400,
      "frequency_penalty"),
 ]
@@ -281,7 +285,8 @@ def test_logit_bias_forces_and_bans_tokens_and_unasked_fields_pass(served):
                                                          "stream": True})
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(streamed.text)) == "BBB"
     plain = complete(client, prompt="The", max_tokens=4, temperature=0, logprobs=None, echo=False, logit_bias={},
-                     top_logprobs=0)
+                     top_logprobs=0, response_format={"type": "text"}, tools=[], presence_penalty=0,
+                     frequency_penalty=0)
     assert plain["choices"][0]["text"] == complete(client, prompt="The", max_tokens=4, temperature=0)["choices"][0]["text"]
     assert engine_idle(spy)
 
