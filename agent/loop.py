@@ -41,7 +41,7 @@ from agent.pipeline import Pipeline
 from agent.records import DEADLINE, Candidate, EvalResult, Proposer, SearchState
 from agent.render import render_engine
 from agent.report import Entry, FinalDue, Reporter, describe
-from agent.screens import Ahead, Screen, ScreensAhead
+from agent.screens import Ahead, ScreensAhead
 from agent.workspace import VARIANTS, Workspace, atomic_write
 from evaluator.checkpoint import Conventions
 
@@ -118,22 +118,22 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     judge = budget_aware(judge, others, state)   # a verdict cut by what it was given is the budget's
     model = state.spec.conventions if state.spec is not None else Conventions()  # no spec: unit tests
     ahead = None if not spares else ScreensAhead(
-        {gpu: screen_of(budget_aware(spare, others, state)) for gpu, spare in spares.items()},
-        ws.root, lambda candidate, folder: prepare(candidate, folder, state.device, model)[0], TIMING)
+        {gpu: budget_aware(spare, others, state) for gpu, spare in spares.items()},
+        ws.root, lambda candidate, folder: prepare(candidate, folder, state.device, model)[0])
     if ahead is not None:
         judge = recorded_alone(judge, ahead)
     with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line,
                   keep) as pipeline, ahead or contextlib.nullcontext():
         def fill() -> None:
             """Hand the spare GPUs the candidates ready now, as many as the run may still judge."""
-            room = max_candidates - len(state.history) - 1 - ahead.pending() if max_candidates else 1
-            while ahead.idle() and room > 0 and others() >= expected_seconds(state):
+            def room() -> bool:   # the one being judged, those screened ahead, and one more
+                return max_candidates is None or len(state.history) + 1 + ahead.pending() < max_candidates
+            while ahead.idle() and room() and others() >= expected_seconds(state):
                 drawn = pipeline.next(wait=False)
                 if drawn is None:
                     return
                 report.line(f"     screening ahead on GPU {ahead.start(drawn, timeout_for(state, others())).gpu}: "
                             f"{describe(drawn.plan)}")
-                room = room - 1 if max_candidates else 1
 
         if state.history:
             candidate, screened = pick(pipeline, ahead, due)
@@ -152,7 +152,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
                 fill()
             index = len(state.history) + 1
             entry = judge_one(index, candidate, state, judge, ws, report, others,
-                              lambda screen: pipeline.screened(index, candidate, screen), series, screened, ahead)
+                              lambda screen: pipeline.screened(index, candidate, screen), series, screened)
             state.history.append((candidate, entry.result))
             if entry.accepted or entry.final_due is not None:
                 replaced = provisional_best(state, report)
@@ -220,19 +220,12 @@ def recorded_alone(judge: Judge, ahead: ScreensAhead) -> Judge:
     return call
 
 
-def screen_of(judge: Judge) -> Screen:
-    """A judge's TIMING verdicts alone (what a spare GPU's judge is asked)."""
-    return lambda engine, out_dir, timeout: judge(engine, out_dir, timeout, TIMING)
-
-
 def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge, ws: Workspace,
               report: Reporter, left: Callable[[], float], on_screen: OnScreen = lambda screen: None,
-              series: SeriesFactory | None = None, screened: Ahead | None = None,
-              ahead: ScreensAhead | None = None) -> Entry:
+              series: SeriesFactory | None = None, screened: Ahead | None = None) -> Entry:
     """Render, check, screen, contest the best, and install a finalist that passes in full.
     `on_screen` hears of a screen that passed, before the contest and the final. `screened`: its
-    screen ahead on another GPU (`ahead`'s), taken as its screen where it screened this very
-    engine."""
+    screen ahead on another GPU, taken as its screen where it screened this very engine."""
     entry = Entry(index, candidate, ws.candidate_dir(index, describe(candidate.plan)))
     report.started(entry)
     model = state.spec.conventions if state.spec is not None else Conventions()  # no spec: unit tests
@@ -243,7 +236,7 @@ def judge_one(index: int, candidate: Candidate, state: SearchState, judge: Judge
         early = screened if screened is not None and screened.result is not None and screened.source == source \
             else None
         if early is not None:
-            ahead.take_into(early, entry.directory)
+            early.move_into(entry.directory)
         elif screened is not None and screened.error is not None:   # the spare's judge, not the engine
             report.line(f"     the screen ahead on GPU {screened.gpu} broke ({screened.error}): screened here")
         entry.result = challenge(entry, source, state, judge, ws, report, left, on_screen, series, early)

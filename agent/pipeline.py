@@ -54,7 +54,6 @@ class Pipeline:
         self.parallel = parallel if model_side and parallel > 1 else 1
         self.builtin: Proposer = proposer.fallback if self.parallel > 1 else proposer
         self.ready: list[Candidate] = [c for c in state.waiting if not state.tried(c)]
-        self.judging: list[Candidate] = []      # candidates of model code the judge took, their verdicts to come
         self.taken: dict[str, Candidate] = {}   # every candidate handed out whose verdict has not come, by key
         self.cut: list[Candidate] = []          # ... whose verdict the budget cut short: for a resumed run only
         self._kept_keys = [c.key() for c in self.ready]   # what `keep` last took (a resumed run's: its file's)
@@ -132,12 +131,10 @@ class Pipeline:
         self._best = best
         with self.cond:
             self.screen = None   # its verdict is in: the archive holds it, or it failed
-            self.taken.pop(key, None)
-            judged = [c for c in self.judging if c.key() == key]
-            if judged:
+            judged = self.taken.pop(key, None)
+            if judged is not None and judged.extra_variants:
                 if result.unfinished:   # judged again on --resume (agent/resume.py): still waiting
-                    self.cut.append(judged[0])
-                self.judging = [c for c in self.judging if c.key() != key]
+                    self.cut.append(judged)
                 self._kept()
             self.cond.notify_all()   # a worker waiting for room (or for a basis) may go on
 
@@ -181,8 +178,6 @@ class Pipeline:
         """`candidate`, handed to the judge: kept until its verdict if it carries model-written code
         (from the model, or built on it by the builtin walk or a merge, or any side of a serial run)."""
         self.taken[candidate.key()] = candidate
-        if candidate.extra_variants:
-            self.judging.append(candidate)
         self._kept()
         return candidate
 
@@ -194,7 +189,8 @@ class Pipeline:
         """Hand the waiting model candidates to `keep` (under the lock) where they changed: a run
         of the builtin walk alone writes nothing. A failure is logged once: the run goes on, only
         a resume would lose them."""
-        waiting = self.cut + self.judging + self.ready
+        judging = [c for c in self.taken.values() if c.extra_variants]   # handed out, in that order
+        waiting = self.cut + judging + self.ready
         keys = [c.key() for c in waiting]
         if keys == self._kept_keys:
             return

@@ -30,13 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.judge import TIMING
 from agent.records import Candidate, EvalResult
 from agent.workspace import AHEAD   # the workspace folder screens ahead are rendered and judged in
 
 POLL_SECONDS = 0.2         # how long the loop waits for a screen ahead before looking again
 
-# (engine.py, out dir, timeout s) → the screen's verdict, on one GPU's judge
-Screen = Callable[[Path, Path, float], EvalResult]
+# (engine.py, out dir, timeout s, phase) → a verdict, from one GPU's judge (agent/loop.py Judge)
+Judge = Callable[[Path, Path, float, str], EvalResult]
 # (candidate, its folder) → the engine's source where it rendered and passed the policy, else None
 Prepare = Callable[[Candidate, Path], "str | None"]
 
@@ -54,23 +55,32 @@ class Ahead:
     error: str | None = None        # the screen ahead itself failed (not the engine): the loop screens it
     done: threading.Event = field(default_factory=threading.Event)
 
+    def move_into(self, folder: Path) -> None:
+        """Move the screen's folder (verdict, logs) into the candidate's own `folder`; the rest of
+        the folder ahead (the same engine, rendered again there) goes."""
+        if (self.folder / TIMING).is_dir():
+            shutil.rmtree(folder / TIMING, ignore_errors=True)
+            shutil.move(str(self.folder / TIMING), str(folder / TIMING))
+        shutil.rmtree(self.folder, ignore_errors=True)
+
 
 class ScreensAhead:
-    """The run's spare GPUs, each with its judge (`screens`: GPU name → Screen), screening the
-    candidates the loop hands over in `start`; `finished` gives them back, first started first.
+    """The run's spare GPUs, each with its judge (`judges`: GPU name → Judge, asked for TIMING
+    verdicts only), screening the candidates the loop hands over in `start`; `finished` gives
+    them back, first started first.
     Each GPU's screens run in one thread for the whole run: a judge process dies with the thread
     that started it (PR_SET_PDEATHSIG is the thread's), so a thread a screen would restart the
     judge each time (its start, its setup and its worker's: ~10 s a screen on an H200)."""
 
-    def __init__(self, screens: dict[str, Screen], root: Path, prepare: Prepare, phase_folder: str):
-        self.screens, self.root, self.prepare, self.phase_folder = screens, root / AHEAD, prepare, phase_folder
+    def __init__(self, judges: dict[str, Judge], root: Path, prepare: Prepare):
+        self.judges, self.root, self.prepare = judges, root / AHEAD, prepare
         shutil.rmtree(self.root, ignore_errors=True)   # a killed run's: never a verdict of this one
-        self.free = list(screens)
+        self.free = list(judges)
         self.running: list[Ahead] = []   # handed over, not taken back yet, in the order started
         self.cond = threading.Condition()
         self.started = 0
-        self.jobs = {gpu: queue.SimpleQueue() for gpu in screens}
-        for gpu in screens:
+        self.jobs = {gpu: queue.SimpleQueue() for gpu in judges}
+        for gpu in judges:
             threading.Thread(target=self._serve, args=(gpu,), name=f"screens-gpu{gpu}", daemon=True).start()
 
     def idle(self) -> bool:
@@ -117,16 +127,6 @@ class ScreensAhead:
                 return
             self.cond.wait(seconds)
 
-    def take_into(self, ahead: Ahead, folder: Path) -> None:
-        """Move the screen's folder (verdict, logs) into the candidate's own `folder`; the rest of
-        the folder ahead (the same engine, rendered again there) goes."""
-        source = ahead.folder / self.phase_folder
-        if source.is_dir():
-            target = folder / self.phase_folder
-            shutil.rmtree(target, ignore_errors=True)
-            shutil.move(str(source), str(target))
-        shutil.rmtree(ahead.folder, ignore_errors=True)
-
     def close(self) -> None:
         """The GPUs' threads end after the screen they are on (whose judge the caller closes)."""
         for jobs in self.jobs.values():
@@ -146,8 +146,8 @@ class ScreensAhead:
         try:
             ahead.source = self.prepare(ahead.candidate, ahead.folder)
             if ahead.source is not None:
-                ahead.result = self.screens[ahead.gpu](ahead.folder / "engine.py", ahead.folder / self.phase_folder,
-                                                       timeout)
+                ahead.result = self.judges[ahead.gpu](ahead.folder / "engine.py", ahead.folder / TIMING, timeout,
+                                                      TIMING)
         except Exception as e:  # noqa: BLE001 - the loop judges it itself: a screen ahead is only a head start
             ahead.source, ahead.result = None, None
             ahead.error = f"{type(e).__name__}: {e}"

@@ -208,8 +208,7 @@ def test_a_spare_gpus_judge_lives_across_its_screens(tmp_path, monkeypatch):
         (folder / "engine.py").write_text("# engine\n")
         return "# engine\n"
     with Judge(settings, tmp_path / "logs") as judge, \
-            ScreensAhead({"1": loop.screen_of(lambda e, o, t, phase: judge.verdict(e, o, t, settings))},
-                         tmp_path, prepare, loop.TIMING) as ahead:
+            ScreensAhead({"1": lambda e, o, t, phase: judge.verdict(e, o, t, settings)}, tmp_path, prepare) as ahead:
         pids = []
         for i in range(3):
             ahead.start(Candidate(Plan("paged", params={"x": i}), "test", ""), 60)
