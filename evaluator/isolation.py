@@ -259,6 +259,9 @@ def _blocked_ancestors(path: Path) -> list[Path]:
     return [p for p in [*reversed(path.parents), path] if p.is_dir() and not os.stat(p).st_mode & stat.S_IXOTH]
 
 
+_OWN_MOUNTS: bool | None = None   # _own_mounts' answer, once asked
+
+
 def _own_mounts() -> bool:
     """This process in a mount namespace of its own whose mounts reach no one else's (every
     mount private); once. False where the kernel refuses (no CAP_SYS_ADMIN)."""
@@ -266,9 +269,6 @@ def _own_mounts() -> bool:
     if _OWN_MOUNTS is None:
         _OWN_MOUNTS = _libc.unshare(CLONE_NEWNS) == 0 and _libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
     return _OWN_MOUNTS
-
-
-_OWN_MOUNTS: bool | None = None
 
 
 def gpus_not_given(visible: str | None = None, table: Path = Path("/proc/driver/nvidia/gpus"),
@@ -446,8 +446,7 @@ class Jail:
         hidden = gpus_not_given() if uid is not None else ()
         blocker = self.root / "no-device"
         if hidden:
-            blocker.touch(mode=0)
-            os.chmod(blocker, 0)
+            blocker.touch(mode=0)   # no one's to open (the worker has no capability left to override it)
         self.spec = JailSpec(os.getpid(), uid, groups, reach, cap, hidden=hidden,
                              blocker=str(blocker) if hidden else None)
         if uid is not None:

@@ -313,15 +313,7 @@ class Scheduler:
                 seq.emit(Output(error=message, status=400, code=OUT_OF_MEMORY))
                 self._remove(seqs)
                 return
-            ids = [s.engine_id for s in seqs]
-            try:
-                self.engine.remove(ids)   # whatever the failed call left of their state
-            except Exception:  # noqa: BLE001 - a fresh prefill replaces what is left
-                log.exception("engine.remove failed")
-            for seq in seqs:
-                del self._live[seq.engine_id]
-                heapq.heappush(self._free_ids, seq.engine_id)
-                seq.engine_id = -1
+            self._release(seqs)   # whatever the failed call left of their state goes
             self._waiting.extendleft(reversed(seqs))   # at the head, in the order they came
             others = held - len(seqs)
             self._room = max(1, others if method == "prefill" and others else held // 2)
@@ -330,6 +322,18 @@ class Scheduler:
             log.warning("engine.%s ran out of memory with %d requests held: %d back to the queue, "
                         "at most %d held at once until requests finish (%s)",
                         method, held, len(seqs), self._room, why)
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        """Under the lock: `seqs` out of the engine and the live set, their ids back to the free
+        list (engine_id -1: they hold none)."""
+        try:
+            self.engine.remove([s.engine_id for s in seqs])
+        except Exception:  # noqa: BLE001 - the ids are still retired; a fresh prefill replaces state
+            log.exception("engine.remove failed")
+        for seq in seqs:
+            self._live.pop(seq.engine_id, None)
+            heapq.heappush(self._free_ids, seq.engine_id)
+            seq.engine_id = -1
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
         seqs = [s for s in seqs if s.engine_id >= 0 and not s.done]   # not those sent back to the queue
@@ -344,16 +348,10 @@ class Scheduler:
         seqs = [s for s in seqs if not s.done and s.engine_id >= 0]
         if not seqs:
             return
-        ids = [s.engine_id for s in seqs]
-        try:
-            self.engine.remove(ids)
-        except Exception:  # noqa: BLE001 - the ids are still retired; a fresh prefill replaces state
-            log.exception("engine.remove failed")
+        self._release(seqs)
         for seq in seqs:
             seq.done = True
-            self._live.pop(seq.engine_id, None)
-            heapq.heappush(self._free_ids, seq.engine_id)
-            self._finished += 1
+        self._finished += len(seqs)
         if self._room is not None:   # memory freed: the cap after an out-of-memory error grows back
             self._freed += len(seqs)
             if not self._live:
