@@ -61,16 +61,24 @@ def all_template_plans() -> list[Plan]:
 UNWALKED = {"paged": [{"megakernel": True}]}
 
 
-def test_every_template_passes_the_engine_policy():
-    checked = 0
+def distinct_renders(*model) -> dict[str, Plan]:
+    """Each distinct engine source the template plans render (a param that changes no text
+    renders the same source: checked once), with a plan that renders it. A combination the
+    engine refuses is not an engine to check."""
+    sources: dict[str, Plan] = {}
     for plan in all_template_plans():
         try:
-            source = render_engine(plan)
-        except Exception:  # noqa: BLE001 - a combination the engine refuses is not an engine to check
+            sources.setdefault(render_engine(plan, None, *model), plan)
+        except Exception:  # noqa: BLE001
             continue
+    return sources
+
+
+def test_every_template_passes_the_engine_policy():
+    sources = distinct_renders()
+    for source, plan in sources.items():
         assert policy.check_engine(source) == [], plan.describe()
-        checked += 1
-    assert checked > len(engines())
+    assert len(sources) > len(engines())
 
 
 @pytest.mark.parametrize("conventions", [dict(), dict(qkv_bias=True, tied=True), dict(qk_norm=True)],
@@ -80,16 +88,10 @@ def test_every_hugging_face_render_passes_the_engine_policy(conventions):
     breaks the policy (a loader that opened files itself made every HF candidate fail at policy
     on the H100, fifteenth session)."""
     from evaluator.checkpoint import Conventions
-    model = Conventions(hf=True, **conventions)
-    checked = 0
-    for plan in all_template_plans():
-        try:
-            source = render_engine(plan, None, model)
-        except Exception:  # noqa: BLE001 - an engine that does not run HF models is not proposed for them
-            continue
+    sources = distinct_renders(Conventions(hf=True, **conventions))
+    for source, plan in sources.items():
         assert policy.check_engine(source) == [], plan.describe()
-        checked += 1
-    assert checked >= 2   # the recompute and paged skeletons at least
+    assert len(sources) >= 2   # the recompute and paged skeletons at least
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED_FOR))

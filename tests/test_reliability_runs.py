@@ -553,7 +553,7 @@ def public_check(engine: Path, model) -> bool:
     return done.returncode == 0 and '"status": "passed"' in done.stdout
 
 
-KILLS = 3
+KILLS = 2
 KILL_WINDOW_SECONDS = (0.5, 12.0)   # from start-up to a few candidates into the run
 FINAL_BUDGET_SECONDS = 300.0   # generous: the final run stops two candidates past the record instead
 MORE_CANDIDATES = 1
