@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from evaluator import channel
+from evaluator import channel, slot_profile
 from evaluator.common import CRASH, EngineRaised, EvalFailure, WrongResult
 from evaluator.guards import digest_key, output_digest
 from evaluator.isolation import Jail
@@ -310,7 +310,8 @@ class RemoteModule:
 
     def profile(self, config: dict, weight_dir: str, trace: list[Op], tokens: list[list[torch.Tensor]]) -> dict:
         """The worker's profiled pass of `trace` on an engine of its own (evaluator/slot_profile.py):
-        its slot_ms as the worker reports it, unchecked: for the model's prompt, never a score."""
+        its slot_ms as the worker reports it, held to the pass's layout (slot_profile.claimed) but
+        not checked further: for the model's prompt, never a score."""
         ops = [{"kind": op.kind, "ids": [int(i) for i in op.request_ids],
                 "lengths": [int(t.numel()) for t in drawn] if op.kind == PREFILL else []}
                for op, drawn in zip(trace, tokens)]
@@ -318,7 +319,7 @@ class RemoteModule:
         answer = w.request({"op": "profile", "ops": ops, "config": config, "weight_dir": w.readable(weight_dir),
                             "device": w.device}, _flat_tokens([t for drawn in tokens for t in drawn]),
                            what="profiled pass")
-        return answer.get("slot_ms") if isinstance(answer.get("slot_ms"), dict) else {}
+        return slot_profile.claimed(answer.get("slot_ms"))
 
 
 def _flat_tokens(tensors: list[torch.Tensor]) -> bytes:

@@ -31,6 +31,7 @@ worker's claim: shown to the model, never scored (docs/reliability.md).
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections import defaultdict
 from typing import Callable
@@ -45,6 +46,8 @@ _SLOT_NAME = re.compile(r"^(\w+?)__(\w+)$")
 UNTIED_EPS_MS = 1e-6   # below this, a name's device time and its tied time differ by rounding only
 REPLAYED = "kernel {kernel} launched from no slot call (graph replays: every shape)"   # a slot_ms label
 KERNEL_NAME_CHARS = 60   # of a kernel's name in that label
+MAX_LABELS = 256         # shape labels a slot of a worker's claim may hold (a real pass: tens)
+MAX_LABEL_CHARS = 200    # of a label, and of the claim's source
 
 
 def _shape(value) -> str:
@@ -251,10 +254,46 @@ def profile_trace(torch, run: Callable[[], None], device: str, seen: Seen | None
     return result
 
 
+def _ms(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= sys.float_info.max
+
+
+def _label(value) -> bool:
+    return isinstance(value, str) and len(value) <= MAX_LABEL_CHARS
+
+
+def claimed(slot_ms) -> dict:
+    """A worker's slot_ms as the judge passes it on: `profile_trace`'s layout (known slots, finite
+    milliseconds and counts, short labels), rebuilt from those fields; {} (no profile) for anything
+    else. The claim goes into the agent's arithmetic and the model's prompts: a worker's "ms" that
+    was a string had stopped the LLM proposer for the rest of the run (red-team helper, thirty-seventh
+    session)."""
+    if not isinstance(slot_ms, dict) or not isinstance(slot_ms.get("slots"), dict) or len(slot_ms["slots"]) > len(CONTRACTS):
+        return {}
+    if not (_ms(slot_ms.get("total_ms")) and _ms(slot_ms.get("other_ms")) and _label(slot_ms.get("source", ""))):
+        return {}
+    slots = {}
+    for slot, entry in slot_ms["slots"].items():
+        shapes = entry.get("shapes") if isinstance(entry, dict) else None
+        calls = entry.get("calls") if isinstance(entry, dict) else None
+        if slot not in CONTRACTS or not _ms(entry.get("ms")) or not isinstance(calls, int) or isinstance(calls, bool) \
+                or calls < 0 or not isinstance(shapes, dict) or len(shapes) > MAX_LABELS \
+                or not all(_label(k) and _ms(v) for k, v in shapes.items()):
+            return {}
+        slots[slot] = {"ms": float(entry["ms"]), "calls": calls, "shapes": {k: float(v) for k, v in shapes.items()}}
+    out = {"slots": slots, "total_ms": float(slot_ms["total_ms"]), "other_ms": float(slot_ms["other_ms"]),
+           "source": slot_ms.get("source", "")}
+    rows = slot_ms.get("fused_rows")
+    if isinstance(rows, int) and not isinstance(rows, bool):
+        out["fused_rows"] = rows
+    return out
+
+
 def merge(total: dict | None, part: dict) -> dict:
-    """Two passes' slot_ms as one (the benchmark cases profiled one after another)."""
-    if not total:
-        return part
+    """Two passes' slot_ms as one (the benchmark cases profiled one after another); an empty one
+    (a claim `claimed` refused) adds nothing."""
+    if not total or not part:
+        return total or part
     out = {"source": part.get("source", total.get("source", "")),
            "total_ms": total["total_ms"] + part["total_ms"], "other_ms": total["other_ms"] + part["other_ms"],
            "slots": {}}

@@ -1453,3 +1453,35 @@ def test_the_worker_has_a_user_name_though_its_uid_has_no_account(recompute_sour
     engine = write_engine(recompute_source + "\n\nimport getpass\nassert getpass.getuser() == 'judge-worker'\n")
     result = evaluate(engine, tiny_model.config, tiny_model.weight_dir, **QUICK)
     assert result["status"] == "passed", result["error"]
+
+
+# A profiled pass whose slot_ms is not numbers: its "ms" a string, its other_ms a list.
+GARBLED_PROFILE = '''
+import evaluator.slot_profile as _sp
+_real = _sp.profile_trace
+
+
+def _garbled(*args, **kwargs):
+    claim = _real(*args, **kwargs)
+    claim["slots"] = {"linear": {"ms": "many", "calls": 1, "shapes": {"x": "y" * 100000}}}
+    claim["other_ms"] = [1]
+    return claim
+
+
+_sp.profile_trace = _garbled
+'''
+
+
+def test_a_profiled_pass_claiming_what_no_pass_gives_reaches_the_model_as_no_profile(recompute_source, write_engine,
+                                                                                    tiny_model):
+    """slot_ms is the worker's claim, shown to the model. Passed on verbatim, a string where a
+    number goes made the LLM proposer's prompt raise (prompts.profile: float('many')), and an
+    internal error there stops the model's side for the rest of the run; a label of any length went
+    into every later prompt. The judge keeps the pass's layout only; the verdict stands."""
+    from agent.providers import prompts
+    from agent.records import EvalResult
+    engine = write_engine(attacking_engine(recompute_source, at_import=GARBLED_PROFILE))
+    result = evaluate(engine, tiny_model.config, tiny_model.weight_dir, profile=True, **QUICK)
+    assert result["status"] == "passed", result["error"]
+    assert not result["slot_ms"].get("slots")
+    assert prompts.profile(EvalResult.from_dict(result)).source == prompts.ESTIMATED
