@@ -38,6 +38,7 @@ from agent import acceptance, policy, search
 from agent.archive import Archive
 from agent.judge import FINAL, RESULT as RESULT_FILE, STRESS, TIMING, VERIFY
 from agent.pipeline import Pipeline
+from agent.providers.proposals import UNIT_CHECKS
 from agent.records import DEADLINE, Candidate, EvalResult, Proposer, SearchState
 from agent.render import render_engine
 from agent.report import Entry, FinalDue, Reporter, describe
@@ -120,8 +121,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     ahead = None if not spares else ScreensAhead(
         {gpu: budget_aware(spare, others, state) for gpu, spare in spares.items()},
         ws.root, lambda candidate, folder: prepare(candidate, folder, state.device, model)[0])
-    if ahead is not None:
-        judge = recorded_alone(judge, ahead)
+    judge = recorded_alone(judge, ahead)
     with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line,
                   keep) as pipeline, ahead or contextlib.nullcontext():
         def fill() -> None:
@@ -206,17 +206,22 @@ def pick(pipeline: Pipeline, ahead: ScreensAhead | None,
             ahead.wait()
 
 
-def recorded_alone(judge: Judge, ahead: ScreensAhead) -> Judge:
+def recorded_alone(judge: Judge, ahead: ScreensAhead | None) -> Judge:
     """`judge`, whose verdicts that record a score others are compared with (VERIFY, FINAL) wait
-    until no model-written candidate is being screened ahead: such code on another GPU could slow
-    this one through what the host shares (its memory bandwidth, its PCIe links) and so lower the
-    score a later clear win of its own is measured against (agent/acceptance.py). The loop starts
-    no screen ahead meanwhile (it fills the spare GPUs between verdicts only). The repository's
-    own candidates (the builtin walk) are not waited for."""
+    until no model-written candidate is being screened ahead and no model code's unit check runs
+    (agent/providers/proposals.py UNIT_CHECKS; none starts meanwhile): such code on another GPU
+    could slow this one through what the host shares (its memory bandwidth, its PCIe links), a
+    unit check beside it on its very cores and GPU, and so lower the score a later clear win of its
+    own is measured against (agent/acceptance.py). The loop starts no screen ahead meanwhile (it
+    fills the spare GPUs between verdicts only). The repository's own candidates (the builtin walk)
+    are not waited for."""
     def call(engine: Path, out_dir: Path, timeout: float, phase: str) -> EvalResult:
-        if phase in (VERIFY, FINAL):
+        if phase not in (VERIFY, FINAL):
+            return judge(engine, out_dir, timeout, phase)
+        if ahead is not None:
             ahead.quiet()
-        return judge(engine, out_dir, timeout, phase)
+        with UNIT_CHECKS.held():
+            return judge(engine, out_dir, timeout, phase)
     return call
 
 

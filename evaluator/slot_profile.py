@@ -268,7 +268,8 @@ def claimed(slot_ms) -> dict:
     else. The claim goes into the agent's arithmetic and the model's prompts: a worker's "ms" that
     was a string had stopped the LLM proposer for the rest of the run (red-team helper, thirty-seventh
     session)."""
-    if not isinstance(slot_ms, dict) or not isinstance(slot_ms.get("slots"), dict) or len(slot_ms["slots"]) > len(CONTRACTS):
+    if not isinstance(slot_ms, dict) or not isinstance(slot_ms.get("slots"), dict) \
+            or len(slot_ms["slots"]) > len(CONTRACTS):
         return {}
     if not (_ms(slot_ms.get("total_ms")) and _ms(slot_ms.get("other_ms")) and _label(slot_ms.get("source", ""))):
         return {}

@@ -370,6 +370,57 @@ class ModelProposer(ListProposer):
             if self.plans else None
 
 
+def test_no_score_others_are_compared_with_is_timed_while_a_unit_check_runs_model_code(tmp_path, monkeypatch):
+    """A model episode's unit check runs model code on the judge's own host and GPU while the judge
+    works, and that code can see a judge's worker in /proc: a variant that burned the CPUs while
+    one lived halved the score timed beside it (red-team helper). VERIFY and FINAL wait for the
+    checks under way, and no check starts until they end; a screen runs beside them."""
+    from agent.providers import proposals
+    spans: dict[str, tuple[float, float]] = {}
+
+    def span(name: str, seconds: float) -> None:
+        start = time.monotonic()
+        time.sleep(seconds)
+        spans[name] = (start, time.monotonic())
+
+    def judge(engine, out_dir, timeout, phase):
+        span(phase, 0.3)
+        return passed(1.0)
+
+    def check(name: str, after: float = 0.0) -> threading.Thread:
+        def run() -> None:
+            time.sleep(after)
+            with proposals.UNIT_CHECKS.running():
+                span(name, 0.3)
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    recorded = loop.recorded_alone(judge, None)
+    first = check("check under way")
+    time.sleep(0.05)
+    second = check("check asked for meanwhile", after=0.1)
+    recorded(Path("engine.py"), tmp_path, 10.0, loop.FINAL)
+    third = check("check beside a screen")
+    time.sleep(0.05)
+    recorded(Path("engine.py"), tmp_path, 10.0, loop.TIMING)
+    for thread in (first, second, third):
+        thread.join()
+    assert spans["check under way"][1] <= spans[loop.FINAL][0]
+    assert spans[loop.FINAL][1] <= spans["check asked for meanwhile"][0]
+    assert spans["check beside a screen"][0] < spans[loop.TIMING][0] < spans["check beside a screen"][1]
+
+    class Held(Exception):
+        pass
+
+    def jail(device):   # the unit check itself holds its place while its jail exists
+        raise Held(proposals.UNIT_CHECKS.checks)
+    monkeypatch.setattr(proposals, "Jail", jail)
+    with pytest.raises(Held) as held:
+        proposals.unit_check("norm", "", "cpu", 1.0, 0)
+    assert held.value.args == (1,) and proposals.UNIT_CHECKS.checks == 0
+
+
 def test_no_score_others_are_compared_with_is_timed_while_model_code_runs_on_another_gpu(tmp_path, monkeypatch):
     """A model's candidate screened ahead could slow the first GPU through what the host shares,
     and so lower the recorded score its own clear win would be measured against: VERIFY and

@@ -16,6 +16,9 @@ import json
 import os
 import re
 import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from agent import policy
@@ -161,6 +164,49 @@ def _read_timings(result: dict) -> tuple[tuple[ShapeTiming, ...], str | None]:
         return (), "the timing result could not be read"
 
 
+class UnitChecks:
+    """The unit checks of model code running on this host, kept apart from the timings whose score
+    others are compared with (agent/loop.py recorded_alone). A check runs model code beside the
+    judge, on its cores and its GPU, and that code can tell when a judge's worker runs (any process
+    of a jail's uid in /proc): a variant that burned the CPUs while one lived, the policy passing
+    it, halved the score of the timing beside it (red-team helper, thirty-seventh session), and a
+    recorded score lowered so is what a later clear win of the same model is measured against.
+    `running()` around a check waits while such a timing runs; `held()` around the timing keeps new
+    checks from starting and waits for those under way (at most their timeout)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.checks = 0
+        self.timings = 0
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.timings)
+            self.checks += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.checks -= 1
+                self.cond.notify_all()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self.cond:
+            self.timings += 1
+            self.cond.wait_for(lambda: not self.checks)
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.timings -= 1
+                self.cond.notify_all()
+
+
+UNIT_CHECKS = UnitChecks()   # this process's: every proposer's checks, the loop's recorded timings
+
+
 def unit_check(slot: str, template: str, device: str, timeout: float, seed: int,
                timing: TimingRequest | None = None) -> UnitResult:
     """evaluator.slot_check.check_variant on model code, in a confined worker of its own
@@ -169,7 +215,7 @@ def unit_check(slot: str, template: str, device: str, timeout: float, seed: int,
     variant. The answer is parsed from the bounded tail of its output; it is advice (the engine
     holding the variant is judged again by the evaluator), so a variant that forges it (its
     correctness or its speed) gains nothing but a whole-engine benchmark."""
-    with Jail(device) as jail:
+    with UNIT_CHECKS.running(), Jail(device) as jail:
         src = jail.root / "variant.py"   # the agent's folder: readable by the worker, not replaceable
         src.write_text(template)
         argv = [str(UNIT_WORKER), slot, str(src), device, str(seed)]
