@@ -20,6 +20,12 @@ it over a socket (evaluator/channel.py). The jail stacks layers; each says what 
   the device nodes of the host's other GPUs are covered, in the worker's mount namespace, by a
   file it cannot open: a process it starts without that variable still cannot reach them (the
   way a devices cgroup confines a job to its GPUs). Else every GPU node stays as it is.
+- **Others' processes out of sight**: where it has a mount namespace of its own, the worker
+  mounts a fresh /proc with `hidepid=invisible` (Linux 5.8 and later, where each /proc mount has
+  options of its own), so it sees only its own uid's processes: not the judge, not another
+  jail's worker. Model code in a unit check had watched /proc for a judge's worker and burned
+  the CPUs only while one ran, halving the score timed beside it (red-team helper, thirty-eighth
+  session). An older kernel refuses the option and the layer is missing.
 - **No new privileges** (PR_SET_NO_NEW_PRIVS): no setuid binary gives anything back.
 - **Limits** (rlimits): file size, core dumps, processes of its uid, and on CPU with a CPU build
   of torch its address space; and always the judge watches the resident memory of every
@@ -72,6 +78,7 @@ CAP_DAC_READ_SEARCH, CAP_LAST = 2, 40
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWIPC, CLONE_NEWNS = 0x40000000, 0x10000000, 0x08000000, 0x00020000
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1   # netdevice(7): an interface's flags
 IFREQ_FLAGS = "16sH22x"   # struct ifreq with ifr_flags (its name, then a short, padded to 40 bytes)
 
@@ -303,6 +310,14 @@ def _cover(nodes: tuple[str, ...], blocker: str) -> bool:
                                  for node in nodes)
 
 
+def _hide_others() -> bool:
+    """A /proc of this process's own mounts that shows only its uid's processes. "invisible" is
+    the per-mount option of Linux 5.8+; an older kernel, whose /proc options are one for the whole
+    host, refuses the word instead of hiding the host's processes from everyone."""
+    return _own_mounts() and _libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                                         b"hidepid=invisible") == 0
+
+
 def _mount_view(paths: tuple[str, ...]) -> bool:
     """In a mount namespace of its own, make `paths` reachable for any uid without opening
     anything else: each folder on the way that others may not enter (a /root of mode 0700) is
@@ -354,6 +369,8 @@ def enter(spec: JailSpec) -> list[str]:
             keep = CAP_DAC_READ_SEARCH
     if spec.hidden and spec.blocker and _cover(spec.hidden, spec.blocker):
         held.append(f"only its judge's GPUs ({', '.join(spec.hidden)} out of reach)")
+    if spec.uid is not None and _hide_others():
+        held.append("others' processes out of sight (/proc hidepid)")
     if spec.uid is not None:
         for cap in range(CAP_LAST + 1):
             if cap != keep:
@@ -556,6 +573,8 @@ class Jail:
         missing = []
         if self.spec.uid is None:
             missing.append("own uid (the judge is not root)")
+        elif not any(h.startswith("others' processes") for h in held):
+            missing.append("others' processes hidden (/proc hidepid: Linux 5.8+ and a mount namespace)")
         if not any(h.startswith("no network") for h in held):
             missing.append("network namespace (refused by this kernel or container)")
         if self.memory_bytes and self.spec.address_space is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -302,6 +303,26 @@ def test_work_left_on_a_side_stream_is_timed(recompute_source, write_engine, tin
 
 
 @needs_root
+def test_a_worker_sees_no_process_but_its_own(recompute_source, write_engine, tiny_model):
+    """Under its own uid (a root judge) the worker's /proc shows only its uid's processes: not its
+    judge, not this test. A unit check's model code had watched /proc for a judge's worker and
+    slowed the host only while one ran (evaluator/isolation.py _hide_others)."""
+    if os.geteuid() != 0:
+        pytest.skip("the worker has its own uid only under a root judge")
+    probe = ("import os as _os\n"
+             f"if _os.path.exists('/proc/{os.getpid()}') or _os.path.exists('/proc/%d' % _os.getppid()):\n"
+             "    raise RuntimeError('sees processes of other uids')\n")
+    if tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2]) < (5, 8):
+        pytest.skip("this kernel keeps one set of /proc options for the host (before Linux 5.8)")
+    unshare = "import ctypes, os; os._exit(ctypes.CDLL(None, use_errno=True).unshare(0x00020000))"   # CLONE_NEWNS
+    if subprocess.run([sys.executable, "-c", unshare]).returncode != 0:
+        pytest.skip("no mount namespace here")
+    result = quick_evaluate(write_engine(probe + recompute_source), tiny_model)
+    assert result["status"] == "passed", result["error"]
+    assert "others' processes out of sight" in result["isolation"]
+    assert os.path.exists(f"/proc/{os.getpid()}")   # the host's /proc is untouched
+
+
 def test_a_device_node_of_a_gpu_the_judge_was_not_given_cannot_be_opened(recompute_source, write_engine, tiny_model,
                                                                          monkeypatch):
     """The covering of other GPUs' nodes (evaluator/isolation.py gpus_not_given), on a stand-in
