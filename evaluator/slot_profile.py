@@ -266,7 +266,7 @@ def claimed(slot_ms) -> dict:
     """A worker's slot_ms as the judge passes it on: `profile_trace`'s layout (known slots, finite
     milliseconds and counts, short labels), rebuilt from those fields; {} (no profile) for anything
     else. The claim goes into the agent's arithmetic and the model's prompts: a worker's "ms" that
-    was a string had stopped the LLM proposer for the rest of the run (red-team helper, thirty-seventh
+    was a string had stopped the LLM proposer for the rest of the run (red-team helper, thirty-eighth
     session)."""
     if not isinstance(slot_ms, dict) or not isinstance(slot_ms.get("slots"), dict) \
             or len(slot_ms["slots"]) > len(CONTRACTS):

@@ -169,7 +169,7 @@ class UnitChecks:
     others are compared with (agent/loop.py recorded_alone). A check runs model code beside the
     judge, on its cores and its GPU, and that code can tell when a judge's worker runs (any process
     of a jail's uid in /proc): a variant that burned the CPUs while one lived, the policy passing
-    it, halved the score of the timing beside it (red-team helper, thirty-seventh session), and a
+    it, halved the score of the timing beside it (red-team helper, thirty-eighth session), and a
     recorded score lowered so is what a later clear win of the same model is measured against.
     `running()` around a check waits while such a timing runs; `held()` around the timing keeps new
     checks from starting and waits for those under way (at most their timeout)."""
