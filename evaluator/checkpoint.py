@@ -140,17 +140,27 @@ def _number(value) -> bool:
 
 def _check_rope_forms(config: dict) -> None:
     """Refuse, naming both keys, a config whose two RoPE forms disagree: a `rope_theta` beside
-    `rope_parameters` with another base, or a `rope_scaling` beside it of another type or factors.
-    (Run either way, one of transformers' versions would compute another model: a sweep of unseen
-    configs found both read silently, twenty-ninth session.)"""
+    `rope_parameters` with another base, or a `rope_scaling` beside it of another type, factors or
+    base. (Run either way, one of transformers' versions would compute another model: a sweep of
+    unseen configs found both read silently, twenty-ninth session.) Transformers 5 reads a legacy
+    `rope_scaling` over `rope_parameters`, and a base inside it over `rope_theta`; 4.x reads
+    `rope_theta` (else 10000) and never a base inside either dict: a `rope_parameters` base
+    beside a `rope_scaling`, or a `rope_scaling` base, is refused where the two would differ
+    (the judge and the engines had each read one of them, 0.8 off at the logits)."""
+    top, legacy = config.get("rope_theta"), config.get("rope_scaling")
+    base = float(top) if _number(top) else DEFAULT_THETA      # 4.x's base, whatever the dicts hold
+    shown = f"'rope_theta' ({top!r})" if _number(top) else f"'rope_theta' (absent: {DEFAULT_THETA})"
+    if isinstance(legacy, dict) and _number(legacy.get("rope_theta")) and float(legacy["rope_theta"]) != base:
+        raise CheckpointError(f"model config keys 'rope_scaling.rope_theta' ({legacy['rope_theta']!r}) and {shown} "
+                              "disagree")
     params = config.get("rope_parameters")
     if not isinstance(params, dict):
         return
-    top, inner = config.get("rope_theta"), params.get("rope_theta")
-    if _number(top) and _number(inner) and float(top) != float(inner):
-        raise CheckpointError(f"model config keys 'rope_theta' ({config['rope_theta']!r}) and "
-                              f"'rope_parameters.rope_theta' ({params['rope_theta']!r}) disagree")
-    legacy = config.get("rope_scaling")
+    inner = params.get("rope_theta")
+    if _number(inner) and float(inner) != base and (_number(top) or isinstance(legacy, dict) and legacy):
+        raise CheckpointError(f"model config keys {shown} and 'rope_parameters.rope_theta' ({inner!r}) disagree"
+                              + ("" if _number(top) else " (a 'rope_scaling' beside them: transformers reads it, "
+                                                         "and the base outside 'rope_parameters')"))
     if isinstance(legacy, dict) and legacy:
         kind = _rope_kind(legacy)
         differ = kind != _rope_kind(params) or any(legacy.get(k) != params.get(k) for k in LLAMA3_KEYS if kind == "llama3")
@@ -189,6 +199,11 @@ def _rope_scaling(config: dict) -> Llama3Scaling | None:
         raise CheckpointError(f"model config key '{key}' of type llama3 needs a positive '{missing[0]}'")
     if not params["high_freq_factor"] > params["low_freq_factor"]:
         raise CheckpointError(f"model config key '{key}': high_freq_factor must exceed low_freq_factor")
+    top = config.get("original_max_position_embeddings")
+    if top is not None and top != params["original_max_position_embeddings"]:   # 5.x reads it, 4.x the key's own
+        raise CheckpointError(f"model config keys 'original_max_position_embeddings' ({top!r}) and "
+                              f"'{key}.original_max_position_embeddings' ({params['original_max_position_embeddings']!r}) "
+                              "disagree")
     return Llama3Scaling(float(params["factor"]), float(params["low_freq_factor"]),
                          float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
 
@@ -286,7 +301,12 @@ def with_conventions_of(config: dict, target: dict) -> dict:
     if out.get("head_dim") is None:
         out["head_dim"] = config["hidden_size"] // heads
     if "rope_parameters" in target:
-        out["rope_parameters"] = dict(target["rope_parameters"], rope_theta=out.pop("rope_theta", DEFAULT_THETA))
+        theta = out.pop("rope_theta", DEFAULT_THETA)
+        out["rope_parameters"] = dict(target["rope_parameters"], rope_theta=theta)
+        if target.get("rope_scaling"):   # transformers reads the rope_scaling beside it, and rope_theta
+            out["rope_theta"] = theta
+    if isinstance(out.get("rope_scaling"), dict) and "rope_theta" in out["rope_scaling"]:
+        out["rope_scaling"] = dict(out["rope_scaling"], rope_theta=out.get("rope_theta", DEFAULT_THETA))
     out["model_type"] = target.get("model_type", out.get("model_type"))
     if is_hf(target) and "model_type" not in target:
         del out["model_type"]   # a course name beside an architecture would be refused (conventions)

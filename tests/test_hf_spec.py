@@ -10,7 +10,7 @@ import torch
 
 from agent.cli import EXIT_BAD_INPUT, main
 from agent.spec import SpecError, load_spec
-from tests.hf_models import ARCHITECTURES, build
+from tests.hf_models import ARCHITECTURES, LLAMA3_SCALING, build
 
 pytest.importorskip("transformers")
 
@@ -90,6 +90,17 @@ BROKEN = {
     "rope_scaling beside rope_parameters": ("llama", lambda d: _edit_config(d, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0}, rope_scaling={"rope_type": "linear", "factor": 4.0}),
         "'rope_scaling' (linear) and 'rope_parameters' (default) disagree"),
+    # transformers 5 reads a legacy rope_scaling over rope_parameters, and a base inside it over rope_theta;
+    # 4.x reads rope_theta or 10000: each had been run with one base by the judge or the engines, 0.8 apart
+    "a rope_parameters base beside a rope_scaling": ("llama", lambda d: _edit_config(d, rope_parameters=dict(
+        LLAMA3_SCALING, rope_theta=500000.0), rope_scaling=LLAMA3_SCALING),
+        "'rope_theta' (absent: 10000.0) and 'rope_parameters.rope_theta' (500000.0) disagree"),
+    "a base inside rope_scaling": ("llama", lambda d: (_edit_config(d, rope_scaling=dict(
+        LLAMA3_SCALING, rope_theta=500000.0)), _drop_key(d, "rope_parameters")),
+        "'rope_scaling.rope_theta' (500000.0) and 'rope_theta' (absent: 10000.0) disagree"),
+    "original_max_position_embeddings outside the llama3 dict": (   # transformers 5 reads it, 4.x the dict's
+        "llama", lambda d: _edit_config(d, original_max_position_embeddings=128),
+        "'original_max_position_embeddings' (128) and 'rope_parameters.original_max_position_embeddings' (64)"),
     "a window and no max_position_embeddings": ("llama", lambda d: _edit_config(
         d, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16, max_position_embeddings=None),
         "no max_position_embeddings bounds"),

@@ -222,3 +222,24 @@ def test_random_models_that_take_a_targets_architecture_keep_their_own_shapes(ar
     target = {"architectures": [arch], "hidden_size": 64, "num_attention_heads": 4}
     for model in stress_models(random.Random(test_seed), quick=False, device="cpu", target_config=target):
         assert with_config_defaults(model.config) == model.config, model.name
+
+
+@pytest.mark.parametrize("rope", ["rope_parameters and rope_scaling", "a base inside rope_scaling"])
+def test_random_models_take_a_targets_two_rope_forms_with_their_own_base(rope, test_seed):
+    """A target holding both RoPE forms (or a base inside rope_scaling), which the agent takes where
+    they agree: each random model's own base goes into every form, so its config is one the
+    judge and the engines take (its rope_parameters base alone beside the target's rope_scaling
+    is refused as two bases)."""
+    from evaluator.checkpoint import conventions, rope_parameters, rope_theta
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    target = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4}
+    if rope == "a base inside rope_scaling":
+        target.update(rope_theta=500000.0, rope_scaling=dict(scaling, rope_theta=500000.0))
+    else:
+        target.update(rope_parameters=dict(scaling, rope_theta=10000.0), rope_scaling=scaling)
+    conventions(target)
+    for model in stress_models(random.Random(test_seed), quick=False, device="cpu", target_config=target):
+        assert conventions(model.config).rope_scaling is not None, model.name
+        assert rope_theta(model.config) == rope_parameters(model.config)["rope_theta"] == \
+            model.config.get("rope_theta", 10000.0), model.name
