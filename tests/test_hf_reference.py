@@ -68,6 +68,32 @@ def test_stray_biases_of_a_llama_folder_are_ignored_as_transformers_does(tmp_pat
     torch.testing.assert_close(ref.logits(tokens[0]).float(), want, atol=ATOL, rtol=RTOL)
 
 
+def test_a_tensor_of_another_dtype_beside_the_weights_is_ignored_by_the_engines(tmp_path):
+    """An unused int64 buffer in model.safetensors (transformers ignores it; the agent warns and takes
+    the folder): the engines' reader had raised KeyError 'I64' in create_engine, so no engine passed."""
+    from safetensors.torch import load_file, save_file
+
+    from agent.plan import Plan
+    from agent.render import render_engine
+    from agent.spec import load_spec
+    from evaluator.common import load_engine_module
+
+    model = build(tmp_path / "m", "LlamaForCausalLM")
+    path = model.folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.rotary_emb.position_ids"] = torch.arange(8)
+    save_file(tensors, path, metadata={"format": "pt"})
+    spec = load_spec(model.folder / "config.json", model.folder)
+    assert "unexpected tensor" in spec.warnings[0]
+    engine_file = tmp_path / "engine.py"
+    engine_file.write_text(render_engine(Plan("recompute"), None, spec.conventions))
+    engine = load_engine_module(engine_file).create_engine(model.config, str(model.folder), "cpu")
+    tokens = torch.randint(0, model.config["vocab_size"], (1, 16))
+    with torch.no_grad():
+        want = transformers_model(model.folder)(tokens).logits[0, -1].float()
+    torch.testing.assert_close(engine.prefill([0], [tokens[0]])[0].float(), want, atol=ATOL, rtol=RTOL)
+
+
 # Config keys a config.json may leave out, whose transformers default is its architecture's own
 # (evaluator/checkpoint.py CONFIG_DEFAULTS), with a model built at those values (unseen-checkpoints
 # sweep, thirty-sixth session: the engines had computed a Llama without rms_norm_eps at 1e-5).
