@@ -61,6 +61,8 @@ def test_forced_criterion_passes_the_paged_engine(qwen2, tmp_path):
 
 def test_forced_criterion_fails_an_engine_without_the_biases(qwen2, tmp_path):
     wrong = write_paged(qwen2, tmp_path / "engine.py", replace(qwen2.conventions, qkv_bias=False))
+    source = wrong.read_text()   # past its own check of the conventions (rendered_for), to the criterion
+    wrong.write_text(source.replace("RENDERED_FOR = (False,", "RENDERED_FOR = (True,", 1))
     r = evaluate(wrong, qwen2.config, qwen2.weight_dir, "cpu", criterion="bf16", **FAST)
     assert (r["status"], r["stage"], r["error_kind"]) == ("failed", "criterion", "wrong_result"), r["error"]
     assert "bf16 criterion FAILED" in r["error"]

@@ -104,3 +104,23 @@ def test_a_context_past_the_sliding_window_is_refused(tmp_path, engine_name):
         engine.decode([1], torch.randint(0, vocab, (1,)))             # and now 41
     with pytest.raises(ValueError, match="sliding window of 40"):
         engine.prefill([2], [torch.randint(0, vocab, (41,))])
+
+
+@pytest.mark.parametrize("engine_name", ["paged", "recompute"])
+def test_an_engine_refuses_a_config_of_other_conventions(tmp_path, engine_name):
+    """An engine is written for its target's conventions: given a folder of the same family whose
+    head is untied, it had used the embedding as the head (4 off at the logits); now create_engine
+    is a ValueError naming what differs. The architectures table it carries is the agent's."""
+    from evaluator.checkpoint import ARCHITECTURES
+    tied = build(tmp_path / "tied", "Qwen3ForCausalLM", tied=True)
+    untied = build(tmp_path / "untied", "Qwen3ForCausalLM")
+    spec = load_spec(tied.folder / "config.json", tied.folder)
+    if engine_name == "paged":
+        paged_engine(spec, tmp_path)
+    else:
+        (tmp_path / "engine.py").write_text(render_engine(Plan("recompute"), None, spec.conventions))
+    module = load_engine_module(tmp_path / "engine.py")
+    assert module.ARCHITECTURES == ARCHITECTURES
+    module.create_engine(tied.config, str(tied.folder), "cpu")
+    with pytest.raises(ValueError, match="tied embeddings True; this config's model has tied embeddings False"):
+        module.create_engine(untied.config, str(untied.folder), "cpu")
