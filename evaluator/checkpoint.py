@@ -82,6 +82,11 @@ class Conventions:
     config_defaults: tuple[tuple[str, float | int], ...] = ()   # CONFIG_DEFAULTS of its architecture
 
     @property
+    def architectures(self) -> dict[str, tuple[bool, bool]]:
+        """ARCHITECTURES, for an engine to tell a config of other conventions (rendered in)."""
+        return dict(ARCHITECTURES)
+
+    @property
     def rope_style(self) -> str:
         return "rotate_half" if self.hf else "interleaved"
 
