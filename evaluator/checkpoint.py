@@ -116,8 +116,12 @@ def with_config_defaults(config: dict) -> dict:
     """The config with its architecture's defaults written in for the keys it leaves out: read so
     by the spec, the reference, the judge and the engines (a Qwen2 config without
     num_key_value_heads is 32 KV heads in transformers, not one a query head; a Llama config without
-    rms_norm_eps is 1e-6, and the engines had computed with the course's 1e-5)."""
-    return {**config_defaults(config), **config}
+    rms_norm_eps is 1e-6, and the engines had computed with the course's 1e-5). A null
+    num_key_value_heads is what transformers makes of it: one KV head a query head."""
+    out = {**config_defaults(config), **config}
+    if is_hf(config) and "num_key_value_heads" in config and config["num_key_value_heads"] is None:
+        out["num_key_value_heads"] = config.get("num_attention_heads")
+    return out
 
 
 def rope_parameters(config: dict) -> dict:

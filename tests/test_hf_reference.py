@@ -139,6 +139,33 @@ def test_keys_a_config_leaves_out_take_the_architectures_defaults(tmp_path, arch
             - want).abs().max() > ATOL
 
 
+def test_a_null_kv_head_count_is_one_kv_head_a_query_head_as_transformers_reads_it(tmp_path):
+    """"num_key_value_heads": null is num_attention_heads to transformers (every architecture
+    here), not the Qwen2 default of 32 that leaving the key out gives, nor a missing key."""
+    from transformers import AutoConfig
+
+    from agent.plan import Plan
+    from agent.render import render_engine
+    from agent.spec import load_spec
+    from evaluator.common import load_engine_module
+
+    seed = random.randrange(2**31)
+    model = build(tmp_path / "m", "Qwen2ForCausalLM", seed=seed, num_attention_heads=4, num_key_value_heads=4)
+    path = model.folder / "config.json"
+    written = dict(json.loads(path.read_text()), num_key_value_heads=None)
+    path.write_text(json.dumps(written))
+    assert AutoConfig.from_pretrained(model.folder).num_key_value_heads == 4
+    assert load_spec(path, model.folder).kv_heads == 4
+    tokens = torch.randint(0, model.config["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = transformers_model(model.folder)(tokens).logits[0, -1].float()
+    engine_file = tmp_path / "engine.py"
+    engine_file.write_text(render_engine(Plan("paged"), None, load_spec(path, model.folder).conventions))
+    engine = load_engine_module(engine_file).create_engine(written, str(model.folder), "cpu")
+    torch.testing.assert_close(engine.prefill([0], [tokens[0]])[0].float(), want, atol=ATOL, rtol=RTOL,
+                               msg=lambda m: f"engine, seed {seed}: {m}")
+
+
 def test_a_folder_with_both_a_single_file_and_shards_is_read_as_transformers_reads_it(tmp_path):
     """model.safetensors wins over an index and its shards (transformers 4.x and 5.x): the shards
     of another model beside it had been what the reference and the engines read."""
