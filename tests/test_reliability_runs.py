@@ -521,8 +521,8 @@ def test_a_full_disk_ends_the_run_cleanly(cli_env, tmp_path, monkeypatch, capsys
 
 # --- whole runs: the budget with a hanging candidate, kill -9 then --resume ---------------
 
-BUDGET_SECONDS = 60.0       # the conservative engine (about 10 s on 2 cores, 30 and more loaded: the suite
-                            # runs two tests at once) and the hang, which takes the rest
+BUDGET_SECONDS = 30.0       # the conservative engine (2-3 s on 2 cores with the suite's other worker busy,
+                            # thirty-eighth session; ~10 s where it compiles) and the hang, which takes the rest
 BUDGET_OVERRUN_SECONDS = 15.0   # killing and sweeping the hung evaluator, on a loaded machine
 
 
