@@ -6,7 +6,7 @@
 
 Quick mode (small traces, for CPU and CI) is the default on CPU, full mode on CUDA.
 
-Random models (MHA, GQA, MQA; fp16 and bf16 configs; head_dim not hidden/heads; 1 to 4
+Random models (MHA, GQA with groups of 2, 3, 4 and 6, MQA; fp16 and bf16 configs; head_dim not hidden/heads; 1 to 4
 layers; vocab up to 32k; norm weights not all ones; weights larger than the toy init, on CUDA
 no larger than lets the judge stay near fp32: judge_safe_weights) each
 run four scenarios (traces.py): a >= 1024-token prompt beside a 1-token one (in quick mode
@@ -143,12 +143,18 @@ def _head_dim(rng: random.Random, hidden: int, heads: int, choices: list[int]) -
     return rng.choice([d for d in choices if d * heads != hidden])
 
 
+# GQA query and KV head counts: groups of 2, 3, 4 and 6 (a kernel that packs a group's heads into
+# a power-of-two tile must mask the rest; 12 and 6 heads are no power of two either).
+GQA_HEADS = [4, 6, 8, 12]
+GQA_KV_HEADS = (2, 3, 4)
+
+
 def _model(rng: random.Random, kind: str, dtype_name: str, hidden_choices: list[int],
            head_dims: list[int], max_vocab: int, explicit: bool = True) -> dict:
-    heads = rng.choice([4, 8] if kind == "gqa" else [2, 4, 8])
+    heads = rng.choice(GQA_HEADS if kind == "gqa" else [2, 4, 8])
     hidden = rng.choice([h for h in hidden_choices if h % heads == 0])
     if kind == "gqa":
-        kv = rng.choice([g for g in (2, 4) if g < heads])
+        kv = rng.choice([g for g in GQA_KV_HEADS if g < heads and heads % g == 0])
     else:
         kv = heads if kind == "mha" else 1
     config = {
