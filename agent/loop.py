@@ -298,7 +298,8 @@ def challenge(entry: Entry, source: str, state: SearchState, judge: Judge, ws: W
         timeout = timeout_for(state, budget)
         return spent("repeated timing", cut_by_budget(timings.result(label, timeout), timeout, budget, state))
     try:
-        decision = acceptance.contest(screen, state.best_result, timing, timing, again)
+        with UNIT_CHECKS.held():   # no model code beside paired timings a model's own engine may be in
+            decision = acceptance.contest(screen, state.best_result, timing, timing, again)
     finally:
         if timings is not None:
             timings.close()   # the timings the decision did not need are not run

@@ -13,6 +13,7 @@ import pytest
 from agent import acceptance, loop
 from agent.plan import Param, Plan, Variant
 from agent.providers.builtin import BuiltinProposer
+from agent.providers.proposals import UNIT_CHECKS
 from agent.judge import CONSERVATIVE_CASE
 from agent.records import DEADLINE, MARGIN_FLOOR, MIN_GAIN, MIN_SAFETY_MARGIN, Candidate, EvalResult, SearchState, improves
 from agent.report import Reporter
@@ -524,7 +525,9 @@ def test_max_candidates_1_still_judges_the_conservative_in_full(tmp_path, monkey
 
 def test_a_contest_times_through_the_series_in_its_order_and_closes_it(tmp_path, monkeypatch):
     """The repeated timings go to the series (agent/judge.py Series: one evaluator for all of
-    them), asked in acceptance.order(); once the contest decides, the series is closed."""
+    them), asked in acceptance.order(), while no unit check of model code runs (agent/providers/
+    proposals.py UNIT_CHECKS: its code could slow one side); once the contest decides, the series
+    is closed."""
     a = Plan("paged")
     made = []
 
@@ -534,7 +537,7 @@ def test_a_contest_times_through_the_series_in_its_order_and_closes_it(tmp_path,
             made.append(self)
 
         def result(self, label, timeout):
-            assert not self.closed
+            assert not self.closed and UNIT_CHECKS.timings == 1   # no unit check of model code beside it
             self.asked.append(label)
             return passed(1.05 if dict(self.timings)[label].parent.name.startswith("002") else 1.0)
 
