@@ -38,6 +38,9 @@ ROPE_TYPES = ("default", "llama3")
 DEFAULT_WINDOW = 4096                   # Mistral's and Qwen's configs' sliding_window when a config has no such key
 QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")   # a window only with use_sliding_window
 QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28     # their configs' default: layers from this one on slide
+# Layer kinds of `layer_types` the engines run: a sliding layer slides only where attention_window
+# says transformers makes it (a Qwen config with use_sliding_window false attends fully there).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' config classes' own defaults where they differ from what this code derives for a key a
 # config leaves out (rms_norm_eps 1e-5 as SPEC.md says, num_key_value_heads = num_attention_heads,
 # head_dim = hidden_size / num_attention_heads): an HF config.json without the key means these, in
@@ -248,9 +251,9 @@ def conventions(config: dict) -> Conventions:
                               "'partial_rotary_factor')")
     _check_window(config)
     layer_types = config.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise CheckpointError("unsupported feature: layers other than full attention (model config key "
-                              "'layer_types')")
+    if any(t not in LAYER_TYPES for t in layer_types):   # a sliding layer is attention_window's to rule on
+        raise CheckpointError("unsupported feature: layers other than full or sliding attention (model config "
+                              "key 'layer_types')")
     return Conventions(hf=True, rope_scaling=_rope_scaling(config), qkv_bias=qkv_bias, qk_norm=qk_norm,
                        tied=bool(config.get("tie_word_embeddings", False)),
                        config_defaults=tuple(sorted(config_defaults(config).items())))

@@ -84,6 +84,8 @@ BROKEN = {
     "a Qwen window with no sliding_window key": ("sharded", lambda d: (_edit_config(
         d, use_sliding_window=True, max_window_layers=1, layer_types=None, max_position_embeddings=8192),
         _drop_key(d, "sliding_window")), "sliding window 4096 shorter than max_position_embeddings 8192"),
+    "a layer kind the engines do not run": ("sharded", lambda d: _edit_config(
+        d, layer_types=["linear_attention", "full_attention"]), "'layer_types'"),
     "model_type not the architecture's": ("llama", lambda d: _edit_config(d, model_type="gemma"), "'model_type'"),
     "two RoPE bases": ("llama", lambda d: _edit_config(d, rope_theta=500000.0, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0}), "'rope_theta' (500000.0) and 'rope_parameters.rope_theta'"),
@@ -136,6 +138,9 @@ INERT_WINDOWS = {
                                                                        max_window_layers=28, layer_types=None)),
     "Qwen2 whose layer_types are all full": ("sharded", dict(sliding_window=16, use_sliding_window=True,
                                                              max_window_layers=1)),
+    # transformers sets a Qwen sliding_window to None without use_sliding_window, whatever layer_types say
+    "Qwen2 whose layer_types slide without use_sliding_window": ("sharded", dict(
+        sliding_window=16, use_sliding_window=False, layer_types=["sliding_attention", "full_attention"])),
 }
 
 
