@@ -121,7 +121,7 @@ def run(state: SearchState, proposer: Proposer, judge: Judge, ws: Workspace, rep
     ahead = None if not spares else ScreensAhead(
         {gpu: budget_aware(spare, others, state) for gpu, spare in spares.items()},
         ws.root, lambda candidate, folder: prepare(candidate, folder, state.device, model)[0])
-    judge = recorded_alone(judge, ahead)
+    judge = recorded_alone(judge, ahead, left)
     with Pipeline(proposer, state, parallel, deadline - RESERVE_SECONDS - MIN_EVAL_SECONDS, report.line,
                   keep) as pipeline, ahead or contextlib.nullcontext():
         def fill() -> None:
@@ -206,7 +206,7 @@ def pick(pipeline: Pipeline, ahead: ScreensAhead | None,
             ahead.wait()
 
 
-def recorded_alone(judge: Judge, ahead: ScreensAhead | None) -> Judge:
+def recorded_alone(judge: Judge, ahead: ScreensAhead | None, left: Callable[[], float]) -> Judge:
     """`judge`, whose verdicts that record a score others are compared with (VERIFY, FINAL) wait
     until no model-written candidate is being screened ahead and no model code's unit check runs
     (agent/providers/proposals.py UNIT_CHECKS; none starts meanwhile): such code on another GPU
@@ -214,14 +214,16 @@ def recorded_alone(judge: Judge, ahead: ScreensAhead | None) -> Judge:
     unit check beside it on its very cores and GPU, and so lower the score a later clear win of its
     own is measured against (agent/acceptance.py). The loop starts no screen ahead meanwhile (it
     fills the spare GPUs between verdicts only). The repository's own candidates (the builtin walk)
-    are not waited for."""
+    are not waited for. The wait is the budget's: the verdict's timeout, asked for before it, is cut
+    to what `left` says is left after it (a unit check runs up to its timeout, minutes, and a final
+    given its full timeout after one had run past the budget's end)."""
     def call(engine: Path, out_dir: Path, timeout: float, phase: str) -> EvalResult:
         if phase not in (VERIFY, FINAL):
             return judge(engine, out_dir, timeout, phase)
         if ahead is not None:
             ahead.quiet()
         with UNIT_CHECKS.held():
-            return judge(engine, out_dir, timeout, phase)
+            return judge(engine, out_dir, min(timeout, max(left(), 0.0)), phase)
     return call
 
 

@@ -396,7 +396,7 @@ def test_no_score_others_are_compared_with_is_timed_while_a_unit_check_runs_mode
         thread.start()
         return thread
 
-    recorded = loop.recorded_alone(judge, None)
+    recorded = loop.recorded_alone(judge, None, lambda: 60.0)
     first = check("check under way")
     time.sleep(0.05)
     second = check("check asked for meanwhile", after=0.1)
@@ -419,6 +419,76 @@ def test_no_score_others_are_compared_with_is_timed_while_a_unit_check_runs_mode
     with pytest.raises(Held) as held:
         proposals.unit_check("norm", "", "cpu", 1.0, 0)
     assert held.value.args == (1,) and proposals.UNIT_CHECKS.checks == 0
+
+
+def test_the_wait_for_a_unit_check_is_spent_from_the_recorded_timings_budget(tmp_path):
+    """A FINAL asked for with the budget's last seconds as its timeout, then kept waiting by a unit
+    check under way (up to the check's timeout, minutes), is given only what is left after the
+    wait: with its timeout as asked it had run past the budget's end."""
+    from agent.providers import proposals
+    given: list[float] = []
+
+    def judge(engine, out_dir, timeout, phase):
+        given.append(timeout)
+        return passed(1.0)
+
+    ends = time.monotonic() + 1.0
+    started = threading.Event()
+
+    def check() -> None:
+        with proposals.UNIT_CHECKS.running():
+            started.set()
+            time.sleep(0.5)
+    thread = threading.Thread(target=check)
+    thread.start()
+    started.wait()
+    loop.recorded_alone(judge, None, lambda: ends - time.monotonic())(Path("engine.py"), tmp_path,
+                                                                     ends - time.monotonic(), loop.FINAL)
+    thread.join()
+    assert given and given[0] <= 0.55, given
+
+
+def test_a_unit_checks_wait_for_a_recorded_timing_comes_out_of_its_timeout(tmp_path, monkeypatch):
+    """A unit check asked for with the run's last seconds as its timeout, kept waiting by a FINAL,
+    runs only what is left after the wait: given its whole timeout after it, it had run into the
+    time kept for the final, which then waited for it in turn."""
+    import subprocess
+
+    from agent.providers import proposals
+    given: list[float] = []
+
+    class Worker:
+        returncode = 0
+
+        def wait(self, timeout):
+            given.append(timeout)
+            raise subprocess.TimeoutExpired("unit worker", timeout)
+
+    class FakeJail:
+        def __init__(self, device):
+            self.root = tmp_path
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def spawn(self, argv, pass_fds=()):
+            return Worker()
+    monkeypatch.setattr(proposals, "Jail", FakeJail)
+    held = threading.Event()
+
+    def timing() -> None:
+        with proposals.UNIT_CHECKS.held():
+            held.set()
+            time.sleep(0.5)
+    thread = threading.Thread(target=timing)
+    thread.start()
+    held.wait()
+    proposals.unit_check("norm", "", "cpu", 1.0, 0)
+    thread.join()
+    assert given and given[0] <= 0.55, given
 
 
 def test_no_score_others_are_compared_with_is_timed_while_model_code_runs_on_another_gpu(tmp_path, monkeypatch):

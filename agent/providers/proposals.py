@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -171,7 +172,8 @@ class UnitChecks:
     of a jail's uid in /proc): a variant that burned the CPUs while one lived, the policy passing
     it, halved the score of the timing beside it (red-team helper, thirty-eighth session), and a
     recorded score lowered so is what a later clear win of the same model is measured against.
-    `running()` around a check waits while such a timing runs; `held()` around the timing keeps new
+    `running()` around a check waits while such a timing runs (and gives the seconds it waited,
+    which the check's timeout must not add to the run); `held()` around the timing keeps new
     checks from starting and waits for those under way (at most their timeout)."""
 
     def __init__(self):
@@ -180,12 +182,13 @@ class UnitChecks:
         self.timings = 0
 
     @contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self) -> Iterator[float]:
+        asked = time.monotonic()
         with self.cond:
             self.cond.wait_for(lambda: not self.timings)
             self.checks += 1
         try:
-            yield
+            yield time.monotonic() - asked
         finally:
             with self.cond:
                 self.checks -= 1
@@ -214,8 +217,10 @@ def unit_check(slot: str, template: str, device: str, timeout: float, seed: int,
     output capped, killed whole at the end), then with `timing` its time against the current
     variant. The answer is parsed from the bounded tail of its output; it is advice (the engine
     holding the variant is judged again by the evaluator), so a variant that forges it (its
-    correctness or its speed) gains nothing but a whole-engine benchmark."""
-    with UNIT_CHECKS.running(), Jail(device) as jail:
+    correctness or its speed) gains nothing but a whole-engine benchmark. A wait for a recorded
+    timing (UNIT_CHECKS) comes out of `timeout`, which the caller bounds by the run's budget."""
+    with UNIT_CHECKS.running() as waited, Jail(device) as jail:
+        timeout = max(timeout - waited, 0.0)
         src = jail.root / "variant.py"   # the agent's folder: readable by the worker, not replaceable
         src.write_text(template)
         argv = [str(UNIT_WORKER), slot, str(src), device, str(seed)]
