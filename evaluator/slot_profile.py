@@ -262,6 +262,17 @@ def _label(value) -> bool:
     return isinstance(value, str) and len(value) <= MAX_LABEL_CHARS
 
 
+def _slot_entry(entry) -> bool:
+    """One slot's part of a claim in profile_trace's layout: its ms, its count of calls, each
+    label's ms (a slot given as a number or a list had raised here, and the passed verdict had
+    carried a crash)."""
+    if not isinstance(entry, dict):
+        return False
+    calls, shapes = entry.get("calls"), entry.get("shapes")
+    return _ms(entry.get("ms")) and isinstance(calls, int) and not isinstance(calls, bool) and calls >= 0 \
+        and isinstance(shapes, dict) and len(shapes) <= MAX_LABELS and all(_label(k) and _ms(v) for k, v in shapes.items())
+
+
 def claimed(slot_ms) -> dict:
     """A worker's slot_ms as the judge passes it on: `profile_trace`'s layout (known slots, finite
     milliseconds and counts, short labels), rebuilt from those fields; {} (no profile) for anything
@@ -275,13 +286,10 @@ def claimed(slot_ms) -> dict:
         return {}
     slots = {}
     for slot, entry in slot_ms["slots"].items():
-        shapes = entry.get("shapes") if isinstance(entry, dict) else None
-        calls = entry.get("calls") if isinstance(entry, dict) else None
-        if slot not in CONTRACTS or not _ms(entry.get("ms")) or not isinstance(calls, int) or isinstance(calls, bool) \
-                or calls < 0 or not isinstance(shapes, dict) or len(shapes) > MAX_LABELS \
-                or not all(_label(k) and _ms(v) for k, v in shapes.items()):
+        if slot not in CONTRACTS or not _slot_entry(entry):
             return {}
-        slots[slot] = {"ms": float(entry["ms"]), "calls": calls, "shapes": {k: float(v) for k, v in shapes.items()}}
+        slots[slot] = {"ms": float(entry["ms"]), "calls": entry["calls"],
+                       "shapes": {k: float(v) for k, v in entry["shapes"].items()}}
     out = {"slots": slots, "total_ms": float(slot_ms["total_ms"]), "other_ms": float(slot_ms["other_ms"]),
            "source": slot_ms.get("source", "")}
     rows = slot_ms.get("fused_rows")

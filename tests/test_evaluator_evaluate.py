@@ -153,6 +153,17 @@ def test_a_workers_claimed_numbers_are_read_or_dropped_never_raised_on():
         assert all(math.isnan(x) for x in _numbers(claimed, 2)), claimed
 
 
+def test_a_profiled_pass_claim_of_any_shape_is_its_layout_or_no_profile_never_raised_on():
+    """slot_profile.claimed reads the worker's slot_ms: a slot given as a number, a list, a string
+    or null (not the dict the pass writes) is no profile. It had raised AttributeError, and the
+    verdict, passed already, was written with a crash."""
+    from evaluator.slot_profile import claimed
+    good = {"ms": 1.0, "calls": 2, "shapes": {"rms_norm x[1,8]": 1.0}}
+    assert claimed({"slots": {"norm": good}, "total_ms": 2.0, "other_ms": 1.0})["slots"]["norm"] == good
+    for entry in (5, [good], "fast", None, {**good, "calls": -1}, {**good, "shapes": [1]}):
+        assert claimed({"slots": {"norm": entry}, "total_ms": 2.0, "other_ms": 1.0}) == {}, entry
+
+
 def test_score_is_the_geometric_mean_of_floor_fractions():
     assert score([{"floor_fraction": 0.01}, {"floor_fraction": 1.0}]) == pytest.approx(0.1)
     assert score([{"floor_fraction": 0.5}]) == pytest.approx(0.5)
