@@ -160,16 +160,18 @@ def _check_rope_forms(config: dict) -> None:
     beside a `rope_scaling`, or a `rope_scaling` base, is refused where the two would differ
     (the judge and the engines had each read one of them, 0.8 off at the logits)."""
     top, legacy = config.get("rope_theta"), config.get("rope_scaling")
-    base = float(top) if _number(top) else DEFAULT_THETA      # 4.x's base, whatever the dicts hold
+    # 4.x's base, whatever the dicts hold; compared as the numbers they are (an integer past float's
+    # range has no float(): it had ended the agent with a traceback instead of this one line)
+    base = top if _number(top) else DEFAULT_THETA
     shown = f"'rope_theta' ({top!r})" if _number(top) else f"'rope_theta' (absent: {DEFAULT_THETA})"
-    if isinstance(legacy, dict) and _number(legacy.get("rope_theta")) and float(legacy["rope_theta"]) != base:
+    if isinstance(legacy, dict) and _number(legacy.get("rope_theta")) and legacy["rope_theta"] != base:
         raise CheckpointError(f"model config keys 'rope_scaling.rope_theta' ({legacy['rope_theta']!r}) and {shown} "
                               "disagree")
     params = config.get("rope_parameters")
     if not isinstance(params, dict):
         return
     inner = params.get("rope_theta")
-    if _number(inner) and float(inner) != base and (_number(top) or isinstance(legacy, dict) and legacy):
+    if _number(inner) and inner != base and (_number(top) or isinstance(legacy, dict) and legacy):
         raise CheckpointError(f"model config keys {shown} and 'rope_parameters.rope_theta' ({inner!r}) disagree"
                               + ("" if _number(top) else " (a 'rope_scaling' beside them: transformers reads it, "
                                                          "and the base outside 'rope_parameters')"))

@@ -100,6 +100,9 @@ BROKEN = {
     "a base inside rope_scaling": ("llama", lambda d: (_edit_config(d, rope_scaling=dict(
         LLAMA3_SCALING, rope_theta=500000.0)), _drop_key(d, "rope_parameters")),
         "'rope_scaling.rope_theta' (500000.0) and 'rope_theta' (absent: 10000.0) disagree"),
+    "a base inside rope_scaling past float's range": ("llama", lambda d: (_edit_config(d, rope_scaling=dict(
+        LLAMA3_SCALING, rope_theta=10**400)), _drop_key(d, "rope_parameters")),   # float() had raised OverflowError
+        "'rope_scaling.rope_theta' (1000"),
     "original_max_position_embeddings outside the llama3 dict": (   # transformers 5 reads it, 4.x the dict's
         "llama", lambda d: _edit_config(d, original_max_position_embeddings=128),
         "'original_max_position_embeddings' (128) and 'rope_parameters.original_max_position_embeddings' (64)"),
