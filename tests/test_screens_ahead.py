@@ -510,3 +510,21 @@ def test_no_score_others_are_compared_with_is_timed_while_model_code_runs_on_ano
     assert recorded and model
     assert not [(r[1:3], m[1]) for r in recorded for m in model if r[4] < m[5] and m[4] < r[5]]
     assert len(state.history) == 5 and installed_key(ws) == plans[-1].key()
+
+
+def test_a_recorded_timing_interrupted_while_it_waits_for_a_check_holds_no_later_check_back(monkeypatch):
+    """Ctrl-C while a VERIFY or FINAL waits for a unit check under way: the timing never runs, and
+    no later check waits for it (it had left its count raised, and every later check blocked)."""
+    from agent.providers import proposals
+    checks = proposals.UnitChecks()
+
+    def interrupted(predicate, timeout=None):
+        raise KeyboardInterrupt
+    with checks.running():
+        monkeypatch.setattr(checks.cond, "wait_for", interrupted)
+        with pytest.raises(KeyboardInterrupt), checks.held():
+            pass
+        monkeypatch.undo()
+    assert checks.timings == 0
+    with checks.running() as waited:
+        assert waited < 1.0

@@ -197,11 +197,12 @@ class UnitChecks:
     @contextmanager
     def held(self) -> Iterator[None]:
         with self.cond:
-            self.timings += 1
-            self.cond.wait_for(lambda: not self.checks)
+            self.timings += 1     # first: checks asked for from now on wait, so none can starve it
         try:
+            with self.cond:
+                self.cond.wait_for(lambda: not self.checks)
             yield
-        finally:
+        finally:   # also where the wait itself is interrupted: no check waits on a timing that never ran
             with self.cond:
                 self.timings -= 1
                 self.cond.notify_all()
