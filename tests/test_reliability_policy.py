@@ -81,14 +81,16 @@ def test_every_template_passes_the_engine_policy():
     assert len(sources) > len(engines())
 
 
-@pytest.mark.parametrize("conventions", [dict(), dict(qkv_bias=True, tied=True), dict(qk_norm=True)],
-                         ids=["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("conventions", [dict(), dict(qkv_bias=True, tied=True, llama3=True), dict(qk_norm=True)],
+                         ids=["llama", "qwen2-tied-llama3", "qwen3"])
 def test_every_hugging_face_render_passes_the_engine_policy(conventions):
     """A model folder's engines read its files through torch alone: the run judges no engine that
     breaks the policy (a loader that opened files itself made every HF candidate fail at policy
     on the H100, fifteenth session)."""
-    from evaluator.checkpoint import Conventions
-    sources = distinct_renders(Conventions(hf=True, **conventions))
+    from evaluator.checkpoint import Conventions, Llama3Scaling
+    scaling = Llama3Scaling(8.0, 1.0, 4.0, 8192) if conventions.get("llama3") else None
+    sources = distinct_renders(Conventions(hf=True, rope_scaling=scaling,
+                                           **{k: v for k, v in conventions.items() if k != "llama3"}))
     for source, plan in sources.items():
         assert policy.check_engine(source) == [], plan.describe()
     assert len(sources) >= 2   # the recompute and paged skeletons at least
