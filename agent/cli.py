@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=env("parallel"),
                    help=f"model requests in flight while the judge works, one evaluation at a time "
                         f"[{ENV['parallel']}; default {DEFAULT_PARALLEL} for an LLM provider, 1 for builtin]")
-    p.add_argument("--builtin-walk", default=env("builtin_walk", "full"),
+    p.add_argument("--builtin-walk", choices=BUILTIN_WALKS, default=env("builtin_walk", "full"),
                    help=f"what the builtin proposer tries [{ENV['builtin_walk']}; default full: the library's kernel "
                         "variants, then engine parameters; params: the all-torch engine and its parameters only, "
                         "so that kernels come from the model alone]")
@@ -130,14 +130,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, choices in (("device", DEVICES), ("provider", NAMES), ("builtin_walk", BUILTIN_WALKS)):
         if getattr(args, name) not in choices:  # argparse checks flags, not environment defaults
             p.error(f"{ENV[name]}={getattr(args, name)!r}: choose from {', '.join(choices)}")
-    if args.budget is not None and not float(args.budget) > 0:
-        p.error(f"--budget must be a positive number of seconds, got {args.budget}")
-    if args.parallel is not None and not int(args.parallel) >= 1:
-        p.error(f"--parallel must be at least 1, got {args.parallel}")
-    if args.gpus is not None and not int(args.gpus) >= 1:
-        p.error(f"--gpus must be at least 1, got {args.gpus}")
-    if args.max_candidates is not None and not int(args.max_candidates) >= 1:
-        p.error(f"--max-candidates must be at least 1, got {args.max_candidates}")
+    def source(name: str) -> str:   # what the user set: the flag, or the variable it came from
+        flag = "--" + name.replace("_", "-")
+        from_flag = any(arg == flag or arg.startswith(flag + "=") for arg in given)
+        return flag if from_flag or env(name) is None else ENV[name]
+    # inf (or nan) seconds is no budget: the run would never end on its own
+    if args.budget is not None and not 0 < float(args.budget) < float("inf"):
+        p.error(f"{source('budget')} must be a positive, finite number of seconds, got {args.budget}")
+    for name in ("parallel", "gpus", "max_candidates"):
+        if getattr(args, name) is not None and not int(getattr(args, name)) >= 1:
+            p.error(f"{source(name)} must be at least 1, got {getattr(args, name)}")
     return args
 
 
@@ -263,8 +265,10 @@ def selftest_commands(cfg: RunConfig) -> list[str]:
             for name in ("test_correctness.py", "stress.py", "benchmark_throughput.py")]
 
 
-def closing_lines(ws: Workspace, entries: list[Entry], cfg: RunConfig) -> list[str]:
+def closing_lines(ws: Workspace, entries: list[Entry], cfg: RunConfig, interrupted: bool = False) -> list[str]:
     verdict = ws.installed_verdict()
+    if verdict is None and interrupted:   # Ctrl-C before the first verdict had blamed the budget
+        return ["result: no candidate passed: interrupted before a verdict; workspace/engine.py was not written"]
     if verdict is None:
         # a budget too short for even the conservative engine's verdict read as a broken engine
         # ("verify: FAILED at unknown (timeout)"; a new-user walkthrough, thirty-third session)
@@ -398,7 +402,7 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
     except (KeyboardInterrupt, SystemExit):
         interrupted = True
         report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")
-    report.finish(closing_lines(ws, report.entries, cfg))
+    report.finish(closing_lines(ws, report.entries, cfg, interrupted))
     if interrupted:
         return EXIT_INTERRUPTED
     return EXIT_OK if ws.installed_verdict() else EXIT_NO_ENGINE

@@ -171,3 +171,21 @@ def test_a_bad_number_in_the_environment_is_named_by_its_variable(monkeypatch, c
         cli.parse_args([])
     assert e.value.code == 2 and f"{variable}={value!r}: {words}" in capsys.readouterr().err
     assert cli.parse_args([f"--{variable.lower()}", "7"]) is not None
+
+
+@pytest.mark.parametrize("env,argv,words", [
+    ({"BUDGET": "-1"}, [], "BUDGET must be a positive, finite number"),
+    ({"MAX_CANDIDATES": "0"}, [], "MAX_CANDIDATES must be at least 1"),
+    ({"MAX_CANDIDATES": "5"}, ["--max-candidates", "0"], "--max-candidates must be at least 1"),
+    ({}, ["--budget", "inf"], "--budget must be a positive, finite number"),
+    ({"BUILTIN_WALK": "full"}, ["--builtin-walk", "bogus"], "argument --builtin-walk: invalid choice"),
+])
+def test_a_bad_value_is_named_by_where_it_came_from(monkeypatch, capsys, env, argv, words):
+    """`BUDGET=-1` said "--budget must be ...", `--builtin-walk bogus` "BUILTIN_WALK='bogus'", and
+    `--budget inf` ran with "budget infs" (a new-user walkthrough): each names what the user set."""
+    from agent import cli
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
