@@ -7,6 +7,7 @@ the server runs until stopped: a first Ctrl-C (or SIGTERM) lets requests in flig
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -41,6 +42,14 @@ def tcp_port(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """A non-negative, finite number of seconds (-1 and nan had been taken and cut every stop at once)."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a non-negative number of seconds")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = ServeSettings()
     p = argparse.ArgumentParser(prog="bash run.sh serve", description=__doc__.splitlines()[0])
@@ -50,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="weights folder [default: the one the run that wrote the engine used, from results.json]")
     p.add_argument("--config", type=Path, default=None,
                    help="model config [default: config.json or model_config.json in or beside --weights]")
-    p.add_argument("--device", default="auto", help="auto | cuda | cpu [auto]")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="[auto]")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=tcp_port, default=8000)
     p.add_argument("--max-batch", type=positive, default=defaults.max_batch, help="requests decoded per step")
@@ -63,10 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=positive, default=defaults.max_body_bytes)
     p.add_argument("--no-thinking", action="store_true",
                    help="render chat templates with enable_thinking=false (requests may override)")
-    p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
+    p.add_argument("--shutdown-grace", type=seconds, default=SHUTDOWN_GRACE_S,
                    help="seconds a stop (SIGTERM, Ctrl-C) lets requests in flight finish before cutting them "
                         "[%(default)s]")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower,   # uvicorn's; another had been a KeyError traceback
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
     return p.parse_args(argv)
 
 
@@ -82,7 +92,8 @@ def can_listen(host: str, port: int) -> str | None:
                     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 s.bind(address)
     except OSError as e:
-        return f"cannot listen on {host}:{port}: {e.strerror or e}"
+        hint = " (another server there? pick one with --port)" if e.errno == errno.EADDRINUSE else ""
+        return f"cannot listen on {host}:{port}: {e.strerror or e}{hint}"
     return None
 
 
@@ -99,7 +110,7 @@ def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     busy = can_listen(args.host, args.port)
     if busy:
-        print(f"error: {busy} (another server there? pick one with --port)", file=sys.stderr)
+        print(f"error: {busy}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         source = resolve_source(args.engine, args.weights, args.config)

@@ -109,6 +109,29 @@ def test_serve_bad_inputs_exit_2(tmp_path, tiny_model):
     assert port.returncode == 2 and "99999 is not a TCP port" in port.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("argv,words", [(["--log-level", "loud"], "argument --log-level: invalid choice"),
+                                         (["--device", "tpu"], "argument --device: invalid choice"),
+                                         (["--shutdown-grace", "-1"], "-1 is not a non-negative number"),
+                                         (["--shutdown-grace", "nan"], "nan is not a non-negative number")])
+def test_bad_serve_flags_are_refused_by_the_parser(capsys, argv, words):
+    """`--log-level loud` had loaded the engine, then ended in uvicorn's KeyError traceback;
+    `--device tpu` served "on tpu"; `--shutdown-grace -1` cut every stop at once (a new-user walkthrough)."""
+    from serve.__main__ import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+    assert parse_args(["--log-level", "DEBUG"]).log_level == "debug"
+
+
+def test_a_host_that_does_not_resolve_is_not_called_a_busy_port(capsys, monkeypatch):
+    """It had said "(another server there? pick one with --port)"."""
+    from serve.__main__ import main
+    monkeypatch.delenv("RUN_SH_CALLER_DIR", raising=False)
+    assert main(["--host", "no.such.host.invalid", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot listen on no.such.host.invalid:0") and "--port" not in err[0]
+
+
 def test_a_relative_engine_path_through_run_sh_serve_is_the_callers(tmp_path, tiny_model):
     """`bash run.sh serve` runs Python from the repository; a relative --engine still names the
     caller's file (agent/caller.py)."""
