@@ -82,6 +82,10 @@ def _error(e: ApiError) -> JSONResponse:
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":   # had read "0: JSON decode error", param "0"
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}", None
+    if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):   # had read "body: Field required"
+        return "the body is empty: a JSON object is expected", None
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     return f"{param or 'body'}: {first.get('msg', 'invalid request')}", param

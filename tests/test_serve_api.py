@@ -328,6 +328,19 @@ def test_framework_errors_in_openai_shape(served):
         assert r.json()["error"]["code"] == status
 
 
+def test_a_body_that_is_not_json_or_is_empty_is_named_so():
+    """Not JSON had read "0: JSON decode error" with param "0", an empty body "body: Field
+    required" (a new-user walkthrough). The errors as FastAPI reports them."""
+    from serve.api import _validation_message
+    assert _validation_message([{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
+                                 "ctx": {"error": "Expecting value"}}]) == (
+        "the body is not valid JSON: Expecting value", None)
+    assert _validation_message([{"type": "missing", "loc": ("body",), "msg": "Field required"}]) == (
+        "the body is empty: a JSON object is expected", None)
+    assert _validation_message([{"type": "missing", "loc": ("body", "prompt"), "msg": "Field required"}]) == (
+        "prompt: Field required", "prompt")
+
+
 def test_queue_full_is_503_with_retry_after(tiny_model, recompute_engine_path):
     """The scheduler is not started, so the one queued request stays queued."""
     service, _ = make_service(recompute_engine_path, tiny_model.weight_dir, max_queue=1)
