@@ -136,3 +136,15 @@ def test_session_reads_the_judges_floor_fractions_of_the_engine_the_run_left(tmp
     (tmp_path / "results.json").write_text(json.dumps(run))
     assert judged_fractions(tmp_path / "results.json") == pytest.approx({"prefill": 10.0, "decode": 5.0})
     assert judged_fractions(tmp_path / "missing.json") == {}
+
+
+def test_the_prelude_runs_where_there_is_no_nvidia_smi(tmp_path, monkeypatch):
+    """`python3 -m scripts.gpu hf` on a CPU machine ended in a FileNotFoundError traceback for
+    nvidia-smi before doing anything (a new-user walkthrough); `hf --tiny` is meant to run there."""
+    from scripts.gpu import common
+    monkeypatch.setattr(common, "WHEELS", str(tmp_path / "no-wheels"))
+    monkeypatch.setenv("PATH", str(tmp_path))   # nothing to find, nvidia-smi included
+    monkeypatch.setattr(common.subprocess, "run", lambda cmd, **kw: (_ for _ in ()).throw(FileNotFoundError(cmd[0]))
+                        if cmd[0] == "nvidia-smi" else subprocess.CompletedProcess(cmd, 0, "torch x triton y\n", ""))
+    common.prelude(tmp_path / "out")
+    assert (tmp_path / "out" / "gpu.txt").read_text().startswith("no GPU")

@@ -95,8 +95,11 @@ def prelude(out: Path) -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--upgrade", "--target", WHEEL_SITE, *map(str, wheels)], check=True)
         os.environ["PYTHONPATH"] = WHEEL_SITE
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip()
+    try:   # no nvidia-smi (a CPU machine: `hf --tiny` runs there) had been a FileNotFoundError traceback
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip()
+    except OSError:
+        smi = "no GPU (nvidia-smi not found)"
     versions = subprocess.run([sys.executable, "-c", "import torch, triton; "
                                "print('torch', torch.__version__, 'triton', triton.__version__)"],
                               capture_output=True, text=True).stdout.strip()
