@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the `evaluator` package i
 
 import torch  # noqa: E402
 
-from evaluator.common import (EngineRaised, ModelDims, Tolerance, WrongResult, call_engine,  # noqa: E402
+from evaluator.common import (EngineRaised, ModelDims, Tolerance, WrongResult, call_engine, check_harness_inputs,  # noqa: E402
                               compute_dtype, harness_parser, load_config, load_engine_module,
                               make_generator, parse_cases, resolve_device, synchronize)
 from evaluator.floor import Hardware, detect_hardware, floor_seconds  # noqa: E402
@@ -349,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peak-tflops", type=float, help="GEMM peak for the floor (default: by device)")
     p.add_argument("--no-verify", action="store_true", help="skip the reference check of the timed outputs")
     a = p.parse_args(argv)
+    check_harness_inputs(a.engine, a.model_config, a.weight_dir)
     device = resolve_device(a.device)
     config = load_config(a.model_config)
     hw = detect_hardware(device, compute_dtype(config, device), a.bandwidth_gbs, a.peak_tflops)

@@ -286,6 +286,32 @@ def harness_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+WEIGHT_FILES = ("model.pt", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def check_harness_inputs(engine, model_config=None, weight_dir=None) -> None:
+    """The self-test scripts' inputs, or one `error:` line naming the bad one and exit 2: a
+    misspelt path had been a traceback (ConfigError, EngineRaised, FileNotFoundError from inside
+    create_engine) that read as the engine failing (a new-user walkthrough)."""
+    problem = None
+    if not Path(engine).is_file():
+        problem = f"engine file not found: {engine}"
+    elif model_config is not None:
+        try:
+            load_config(model_config)
+        except ConfigError as e:
+            problem = str(e)
+    if problem is None and weight_dir is not None:
+        folder = Path(weight_dir)
+        if not folder.is_dir():
+            problem = f"weights directory not found: {weight_dir}"
+        elif not any((folder / name).is_file() for name in WEIGHT_FILES):
+            problem = f"{weight_dir} holds none of {', '.join(WEIGHT_FILES)}"
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_cases(text: str) -> list[str]:
     """`--cases a,b,c` as a list."""
     return [c.strip() for c in text.split(",") if c.strip()]

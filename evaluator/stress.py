@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the `evaluator` package i
 import torch  # noqa: E402
 
 from evaluator.checkpoint import is_hf, save_hf_weights, with_conventions_of  # noqa: E402
-from evaluator.common import (WEIGHT_FILE, EvalFailure, Tolerance, call_engine,  # noqa: E402
+from evaluator.common import (WEIGHT_FILE, EvalFailure, Tolerance, call_engine, check_harness_inputs,  # noqa: E402
                               compute_dtype, load_config, load_engine_module, load_weights,
                               make_generator, resolve_device)
 from evaluator.guards import FunctionIdentities, ThreadWatch  # noqa: E402
@@ -408,6 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if bool(a.model_config) != bool(a.weight_dir):
         p.error("--model-config and --weight-dir go together")
+    check_harness_inputs(a.engine, a.model_config, a.weight_dir)
     target = (a.model_config, a.weight_dir) if a.model_config else None
     quick = a.quick or (not a.full and resolve_device(a.device) != "cuda")
     report = run_stress(a.engine, a.device, a.seed, quick, target, a.fail_fast,

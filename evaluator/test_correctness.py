@@ -19,7 +19,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the `evaluator` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evaluator.common import (Tolerance, call_engine, harness_parser, load_config,  # noqa: E402
+from evaluator.common import (Tolerance, call_engine, check_harness_inputs, harness_parser, load_config,  # noqa: E402
                               load_engine_module, make_generator, resolve_device)
 from evaluator.guards import FunctionIdentities  # noqa: E402
 from evaluator.reference_model import ReferenceModel  # noqa: E402
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--atol", type=float, default=1e-2)
     p.add_argument("--rtol", type=float, default=1e-2)
     a = p.parse_args(argv)
+    check_harness_inputs(a.engine, a.model_config, a.weight_dir)
     result = run_public_sequence(a.engine, a.model_config, a.weight_dir, a.device, a.atol, a.rtol)
     print(json.dumps(result, indent=2))
 

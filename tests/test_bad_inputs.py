@@ -189,3 +189,23 @@ def test_a_bad_value_is_named_by_where_it_came_from(monkeypatch, capsys, env, ar
     with pytest.raises(SystemExit) as e:
         cli.parse_args(argv)
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["test_correctness", "stress", "benchmark_throughput"])
+def test_the_self_test_scripts_name_a_missing_input_in_one_line(tmp_path, capsys, script):
+    """README's re-run commands with a misspelt engine, config or weights path ended in a
+    traceback (EngineRaised, ConfigError, FileNotFoundError from create_engine; a new-user walkthrough)."""
+    import importlib
+    main = importlib.import_module(f"evaluator.{script}").main
+    engine, config, weights = tmp_path / "engine.py", tmp_path / "config.json", tmp_path / "weights"
+    engine.write_text("")
+    config.write_text("{}")
+    weights.mkdir()
+    for args, words in [((tmp_path / "none.py", config, weights), "engine file not found"),
+                        ((engine, tmp_path / "none.json", weights), "model config not found"),
+                        ((engine, config, tmp_path / "none"), "weights directory not found"),
+                        ((engine, config, weights), "holds none of model.pt")]:
+        with pytest.raises(SystemExit) as e:
+            main([f"--{flag}={value}" for flag, value in zip(("engine", "model-config", "weight-dir"), args)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
