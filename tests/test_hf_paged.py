@@ -124,3 +124,6 @@ def test_an_engine_refuses_a_config_of_other_conventions(tmp_path, engine_name):
     module.create_engine(tied.config, str(tied.folder), "cpu")
     with pytest.raises(ValueError, match="tied embeddings True; this config's model has tied embeddings False"):
         module.create_engine(untied.config, str(untied.folder), "cpu")
+    # the course's config (no architectures) had read "q/k/v biases None, q/k norm None"
+    with pytest.raises(ValueError, match=r"written for a Hugging Face model folder .*'architectures': None"):
+        module.create_engine({k: v for k, v in tied.config.items() if k != "architectures"}, str(tied.folder), "cpu")
