@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -187,6 +188,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [c for c in args.classes if c not in CLASSES]
     if bad or any(c < 1 for c in args.concurrency) or args.requests < 1:
         p.error(f"unknown class {bad[0]}" if bad else "concurrency levels and --requests must be positive")
+    folder = args.out.parent   # checked before the run: a missing one had lost the whole run to a traceback
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        p.error(f"--out {args.out}: the folder {folder} does not exist or cannot be written")
     return args
 
 
@@ -194,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         report = asyncio.run(bench(args))
+    except httpx.TransportError as e:   # had not said which server
+        print(f"error: cannot reach {args.url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

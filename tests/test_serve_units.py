@@ -206,3 +206,18 @@ def test_sampler_presence_and_frequency_penalties(test_seed):
     assert out == [second[0], best[1], best[2], best[3]]
     assert torch.equal(logits, before)
     assert sample(logits, params, [None] * 4).tolist() == best   # no history given: nothing taken off
+
+
+def test_bench_refuses_an_out_folder_it_cannot_write_before_running(tmp_path, capsys):
+    """`--out /nope/x.json` ran the whole benchmark, then lost it to a FileNotFoundError traceback."""
+    from serve.bench import main
+    with pytest.raises(SystemExit) as e:
+        main(["--url", "http://127.0.0.1:9", "--out", str(tmp_path / "none" / "x.json")])
+    assert e.value.code == 2 and "does not exist or cannot be written" in capsys.readouterr().err
+
+
+def test_bench_names_the_server_it_cannot_reach(tmp_path, capsys):
+    from serve.bench import main
+    assert main(["--url", "http://127.0.0.1:9", "--concurrency", "1", "--requests", "1", "--warmup", "0",
+                 "--classes", "short", "--out", str(tmp_path / "b.json")]) == 1
+    assert "error: cannot reach http://127.0.0.1:9" in capsys.readouterr().err
