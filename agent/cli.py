@@ -231,8 +231,12 @@ def ensure_toy_weights(cfg: RunConfig) -> None:
     cfg.weights.mkdir(parents=True, exist_ok=True)
     tmp = cfg.weights / f".{WEIGHTS_FILE}.partial"
     print(f"making toy weights: {target}", flush=True)
-    done = subprocess.run([sys.executable, str(TOY_WEIGHTS_SCRIPT), "--config", str(cfg.config), "--output", str(tmp)],
-                          cwd=REPO, capture_output=True, text=True)
+    try:
+        done = subprocess.run([sys.executable, str(TOY_WEIGHTS_SCRIPT), "--config", str(cfg.config),
+                               "--output", str(tmp)], cwd=REPO, capture_output=True, text=True)
+    except BaseException:   # Ctrl-C: no half-written file left behind
+        tmp.unlink(missing_ok=True)
+        raise
     if done.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         raise SpecError(f"could not make toy weights with {TOY_WEIGHTS_SCRIPT.name}: "
@@ -297,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:   # Ctrl-C while toy weights are made or a large checkpoint checked: had been a traceback
+        print("interrupted before the run started; nothing written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: kill the evaluator
     with contextlib.ExitStack() as held:   # the workspace's lock, until the run ends
         return run_in(Workspace(cfg.workspace), cfg, args, spec, started, held)

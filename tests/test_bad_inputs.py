@@ -209,3 +209,26 @@ def test_the_self_test_scripts_name_a_missing_input_in_one_line(tmp_path, capsys
             main([f"--{flag}={value}" for flag, value in zip(("engine", "model-config", "weight-dir"), args)])
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+def test_ctrl_c_while_toy_weights_are_made_is_130_and_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during "making toy weights" (or a large checkpoint's check) had been a
+    KeyboardInterrupt traceback and exit -2 (a new-user walkthrough)."""
+    from types import SimpleNamespace
+
+    from agent import cli
+    config, weights = tmp_path / "model_config.json", tmp_path / "weights"
+    config.write_text("{}")
+    monkeypatch.setattr(cli, "REPO_CONFIG", config)
+    monkeypatch.setattr(cli, "REPO_WEIGHTS", weights)
+
+    def interrupted(cmd, **kw):
+        Path(cmd[cmd.index("--output") + 1]).write_bytes(b"half")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli.subprocess, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli.ensure_toy_weights(SimpleNamespace(config=config, weights=weights))
+    assert list(weights.iterdir()) == []
+    monkeypatch.setattr(cli, "ensure_toy_weights", lambda cfg: interrupted(["--output", str(weights / "x")]))
+    assert cli.main(["--config", str(config), "--weights", str(weights), "--workspace", str(tmp_path / "ws")]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["interrupted before the run started; nothing written"]
