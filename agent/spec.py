@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from evaluator.checkpoint import (COURSE_EPS, SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, CheckpointError, Conventions,
-                                 conventions, rope_parameters, stored_dtype_name, with_config_defaults)
+                                 conventions, not_a_folder, rope_parameters, stored_dtype_name, with_config_defaults)
 
 WEIGHTS_FILE = "model.pt"
 REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
@@ -214,7 +214,7 @@ def load_state_dict(weight_dir: Path) -> dict:
     from evaluator.common import load_course_file   # torch with it: only where weights are read
 
     if not weight_dir.is_dir():
-        raise SpecError(f"weights directory not found: {weight_dir}")
+        raise SpecError(not_a_folder(weight_dir))
     path = weight_dir / WEIGHTS_FILE
     if not path.is_file():
         held = [name for name in HF_WEIGHT_FILES if (weight_dir / name).is_file()]

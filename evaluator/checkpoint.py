@@ -102,6 +102,14 @@ class Conventions:
         return ", ".join(parts)
 
 
+def not_a_folder(weight_dir: Path | str) -> str:
+    """The one line for a weights path that is no folder: a file given for it (a config, a model.pt)
+    is said as such, not as missing."""
+    if Path(weight_dir).exists():
+        return f"weights must be a folder, and {weight_dir} is a file (give the folder that holds it)"
+    return f"weights directory not found: {weight_dir}"
+
+
 def is_hf(config: dict) -> bool:
     return "architectures" in config
 
@@ -368,7 +376,7 @@ def list_tensors(folder: str | Path) -> dict[str, TensorInfo]:
     file, or a name stored twice."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise CheckpointError(f"weights directory not found: {folder}")
+        raise CheckpointError(not_a_folder(folder))
     files = _safetensors_files(folder)
     out: dict[str, TensorInfo] = {}
     if files:

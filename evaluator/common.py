@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from evaluator.checkpoint import (COURSE_EPS, is_hf, load_hf_weights, rope_theta, stored_dtype_name,
+from evaluator.checkpoint import (COURSE_EPS, is_hf, load_hf_weights, not_a_folder, rope_theta, stored_dtype_name,
                                  with_config_defaults)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -304,7 +304,7 @@ def check_harness_inputs(engine, model_config=None, weight_dir=None) -> None:
     if problem is None and weight_dir is not None:
         folder = Path(weight_dir)
         if not folder.is_dir():
-            problem = f"weights directory not found: {weight_dir}"
+            problem = not_a_folder(folder)
         elif not any((folder / name).is_file() for name in WEIGHT_FILES):
             problem = f"{weight_dir} holds none of {', '.join(WEIGHT_FILES)}"
     if problem is not None:

@@ -130,6 +130,8 @@ def test_file_problems(tmp_path):
         load_spec(tmp_path / "bad.json", weights)
     with pytest.raises(SpecError, match="weights directory not found"):
         load_spec(config, tmp_path / "none")
+    with pytest.raises(SpecError, match="weights must be a folder, and .*model.pt is a file"):
+        load_spec(config, weights / "model.pt")
     (weights / "model.pt").unlink()
     with pytest.raises(SpecError, match="missing weights file: .*model.pt"):
         load_spec(config, weights)
