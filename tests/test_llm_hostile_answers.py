@@ -151,3 +151,33 @@ def test_a_unit_check_never_runs_past_the_run(monkeypatch):
     proposer._deadline = time.monotonic() + 40.0
     proposer._check(llm._Episode(kind=llm.KERNEL, what="x", slot="silu_mul", variant="llm_1"), CODE, paged_state())
     assert 30.0 < seen[0] <= 40.0, seen
+
+
+_CHAT = {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+
+
+@pytest.mark.parametrize("protocol,raw", [
+    ("openai", json.dumps({**_CHAT, "choices": [{"index": 0, "message": None}]})),
+    ("openai", json.dumps({**_CHAT, "choices": [{"index": 0, "message": {"content": [{"type": "text"}]}}]})),
+    ("openai", json.dumps({**_CHAT, "choices": "abc"})),
+    ("openai", "<html>a proxy's page</html>"),
+    ("openai", json.dumps(_CHAT)[:-1] + ', "usage": {"prompt_tokens": ' + "9" * 5000 + "}}"),
+    ("anthropic", json.dumps({"type": "message", "model": "m", "content": [{"type": "text", "text": 5}]})),
+    ("anthropic", "[1]"),
+], ids=["null-message", "content-list", "choices-str", "html", "5000-digits", "text-int", "list"])
+def test_an_answer_that_parses_but_is_no_chat_answer_is_a_server_error_and_retried(protocol, raw):
+    """A 200 body of the wrong shape had raised AttributeError, TypeError or ValueError out of the
+    client: the model's part of the run stopped as an internal error (thirty-ninth session)."""
+    from scripts.llm_server import ScriptedServer
+    from tests.test_providers import MESSAGES, stack
+    log = []
+    html = {"Content-Type": "text/html"} if raw.startswith("<") else {}   # the SDK hands back the text
+    with ScriptedServer(protocol, [{"raw": raw, "headers": html}, {"text": "ok"}]) as server:
+        client, metered = stack(protocol, server.url, log)
+        assert client.complete(MESSAGES, 100).text == "ok"
+    assert "server" in log[0] and metered.usage.calls == 2
+
+
+def test_a_usage_count_past_floats_range_is_estimated():
+    assert counted(10 ** 400, 77) == 77

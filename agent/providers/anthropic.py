@@ -5,11 +5,10 @@ goes through our transcript, budget and backoff layers (agent/providers/chat.py)
 """
 from __future__ import annotations
 
-import json
 import os
 
 from agent.providers.chat import (SERVER, TIMEOUT, UNREACHABLE, ChatError, Message, Reply,
-                                  clean_text, retry_after_of, shown_url, status_error)
+                                  clean_text, retry_after_of, shape_error, shown_url, status_error)
 
 DEFAULT_MODEL = "claude-sonnet-4-5"
 
@@ -42,15 +41,21 @@ class AnthropicChat:
             raise status_error(e.status_code, e.message, retry_after_of(e)) from e
         except sdk.APIError as e:  # a malformed answer
             raise ChatError(SERVER, str(e)) from e
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # a body that is not JSON (or not UTF-8):
+        except ValueError as e:   # a body that is not JSON, not UTF-8, or an integer past int()'s 4300 digits:
             raise ChatError(SERVER, f"the answer did not parse as JSON: {e}") from e   # the SDK lets it out
         except RecursionError as e:        # a body nested past the JSON parser's recursion
             raise ChatError(SERVER, "the answer is JSON nested too deeply to parse") from e
+        try:   # the SDK builds the answer without checking its shape: content not a list, text not a string...
+            return self._reply(r)
+        except (AttributeError, TypeError, KeyError, IndexError) as e:
+            raise shape_error(e) from e
+
+    def _reply(self, r) -> Reply:
         text = clean_text("".join(getattr(b, "text", "") or "" for b in r.content or [] if getattr(b, "type", "") == "text"))
         usage = r.usage   # estimated where absent (budget.counted)
         return Reply(text=text, input_tokens=getattr(usage, "input_tokens", None),
                      output_tokens=getattr(usage, "output_tokens", None),
-                     model=r.model or self.model, finish_reason=r.stop_reason or "")
+                     model=str(r.model or self.model), finish_reason=str(r.stop_reason or ""))
 
 
 def create(options):

@@ -62,10 +62,12 @@ def counted(reported: object, estimate: int) -> int:
     """The tokens a server reported for a call, or `estimate` where what it reported cannot be a
     count (missing, null, negative, NaN, not a number): NaN or a negative number in the totals
     made every later limit check pass, and a null one raised (red-team helper, twenty-ninth session)."""
-    if isinstance(reported, bool) or not isinstance(reported, (int, float)) or not math.isfinite(reported) \
-            or reported < 0:
+    if isinstance(reported, bool) or not isinstance(reported, (int, float)) or reported < 0:
         return estimate
-    return int(reported)
+    try:
+        return int(reported) if math.isfinite(reported) else estimate
+    except OverflowError:   # an integer past float's range (JSON holds any): it had raised out of the client
+        return estimate
 
 
 def estimate_tokens(messages: list[Message]) -> int:

@@ -206,6 +206,14 @@ def status_error(status: int, message: str, retry_after: float | None = None) ->
     return ChatError(BAD_REQUEST, f"HTTP {status}: {message}")
 
 
+def shape_error(e: Exception) -> ChatError:
+    """A 200 answer that parsed but is not a chat answer (`message: null`, `choices` a string, a
+    proxy's HTML page, content a list or a number): a server error, retried. Reading it had raised
+    AttributeError or TypeError out of the client, which stopped the model for the rest of the run
+    as an internal error (red-team helper, thirty-ninth session)."""
+    return ChatError(SERVER, f"the answer is not a chat answer ({type(e).__name__}: {str(e)[:200]})")
+
+
 # How long a server asks a client to wait, in the order trusted: OpenAI's and Anthropic's
 # millisecond header, the standard one (seconds or an HTTP date), then the reset times of the
 # exhausted rate limits (OpenAI: durations such as "1s", "6m0s", "20ms"; Anthropic: RFC 3339 times).

@@ -7,11 +7,10 @@ attempt goes through our transcript, budget and backoff layers (agent/providers/
 """
 from __future__ import annotations
 
-import json
 import os
 
 from agent.providers.chat import (SERVER, TIMEOUT, UNREACHABLE, ChatError, Message, Reply,
-                                  clean_text, retry_after_of, shown_url, status_error)
+                                  clean_text, retry_after_of, shape_error, shown_url, status_error)
 
 DEFAULT_MODEL = "gpt-5"
 OFFICIAL_HOST = "api.openai.com"
@@ -48,16 +47,22 @@ class OpenAIChat:
             raise status_error(e.status_code, e.message, retry_after_of(e)) from e
         except sdk.APIError as e:  # a malformed answer
             raise ChatError(SERVER, str(e)) from e
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # a body that is not JSON (or not UTF-8):
+        except ValueError as e:   # a body that is not JSON, not UTF-8, or an integer past int()'s 4300 digits:
             raise ChatError(SERVER, f"the answer did not parse as JSON: {e}") from e   # the SDK lets it out
         except RecursionError as e:        # a body nested past the JSON parser's recursion
             raise ChatError(SERVER, "the answer is JSON nested too deeply to parse") from e
+        try:   # the SDK builds the answer without checking its shape: null message, content not a string...
+            return self._reply(r)
+        except (AttributeError, TypeError, KeyError, IndexError) as e:
+            raise shape_error(e) from e
+
+    def _reply(self, r) -> Reply:
         choice = r.choices[0] if r.choices else None
         text = clean_text((choice.message.content or "") if choice is not None else "")
         usage = r.usage   # absent or partial on some compatible servers: None, estimated (budget.counted)
         return Reply(text=text, input_tokens=getattr(usage, "prompt_tokens", None),
                      output_tokens=getattr(usage, "completion_tokens", None),
-                     model=r.model or self.model, finish_reason=(choice.finish_reason or "") if choice else "")
+                     model=str(r.model or self.model), finish_reason=str(choice.finish_reason or "") if choice else "")
 
 
 def create(options):
