@@ -181,3 +181,35 @@ def test_an_answer_that_parses_but_is_no_chat_answer_is_a_server_error_and_retri
 
 def test_a_usage_count_past_floats_range_is_estimated():
     assert counted(10 ** 400, 77) == 77
+
+
+def test_an_answer_longer_than_its_token_limit_is_cut_before_it_is_recorded_or_sent_back(tmp_path, monkeypatch):
+    """3.5 MB of prose for a 16000-token answer, its usage saying 1 token: the transcript held it,
+    the repair round sent it back, and the token budget refused that request as a worst case past
+    its limit, which stopped the model for the rest of the run (thirty-ninth session)."""
+    from scripts.llm_server import ScriptedServer
+    from tests.test_providers import answer, openai_proposer
+    monkeypatch.setenv("LLM_KERNELS_ON_CPU", "0")   # a plan episode: no unit check
+    flood = json.dumps({**_CHAT, "choices": [{"index": 0, "message": {"role": "assistant", "content": "word " * 700_000}}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    with ScriptedServer("openai", [{"raw": flood}, {"text": answer("plan_change", "")}]) as server:
+        proposer = openai_proposer(tmp_path, monkeypatch, server.url)
+        candidate = proposer.ask(paged_state())
+    assert proposer.active and candidate is not None and len(server.requests) == 2
+    assert len(json.dumps(server.requests[1]["body"])) < 400_000
+    assert sum(f.stat().st_size for f in (tmp_path / "transcripts").iterdir()) < 1_000_000
+
+
+def test_a_verdicts_detail_sent_back_to_the_model_is_bounded(tmp_path, monkeypatch):
+    """A plan naming 8000 unknown slots (or a unit check's output: 12 lines of any length) made a
+    repair round of hundreds of thousands of tokens, which the token budget's refusal of the next
+    round turned into the model's stop for the run (thirty-ninth session)."""
+    from scripts.llm_server import ScriptedServer
+    from tests.test_providers import answer, openai_proposer
+    monkeypatch.setenv("LLM_KERNELS_ON_CPU", "0")
+    bogus = json.dumps({"plan": {"slots": {f"s{i}": "x" for i in range(8_000)}}})
+    with ScriptedServer("openai", [{"text": f"```json\n{bogus}\n```"}, {"text": answer("plan_change", "")}]) as server:
+        proposer = openai_proposer(tmp_path, monkeypatch, server.url)
+        assert proposer.ask(paged_state()) is not None
+    repair = server.requests[1]["body"]["messages"][-1]["content"]
+    assert "unknown slot 's0'" in repair and "more characters cut" in repair and len(repair) < 5_000

@@ -20,7 +20,7 @@ import json
 import re
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -64,6 +64,12 @@ class ChatClient(Protocol):
         """One answer to `messages`, or ChatError."""
 
 
+# The most characters an answer of `max_tokens` tokens is taken to hold (code runs 3-4 a token): a
+# server that ignored the limit sent megabytes, which the repair round sent back, whose request the
+# token budget then refused as a worst case past the limit, and a refusal stops the model for the run.
+CHARS_PER_TOKEN_AT_MOST = 10
+
+
 class DeadlineClient:
     """One attempt within `seconds` in all (LLM_TIMEOUT_S, which the run's deadline checks take
     a request to last at most): an SDK's timeout bounds each read of the socket, not the answer,
@@ -71,7 +77,8 @@ class DeadlineClient:
     timeout, a serial run 735 s past its budget (red-team helper, twenty-ninth session). The
     attempt runs in a daemon thread; past the deadline it is a TIMEOUT, and the thread is left to
     its socket (it holds no lock of ours and writes nowhere; the budget counts the attempt's
-    worst case: agent/providers/budget.py)."""
+    worst case: agent/providers/budget.py). An answer longer than `max_tokens` could be is cut
+    there (CHARS_PER_TOKEN_AT_MOST), before the transcript records it."""
 
     def __init__(self, inner: ChatClient, seconds: float):
         self.inner, self.seconds = inner, seconds
@@ -92,7 +99,10 @@ class DeadlineClient:
             raise ChatError(TIMEOUT, f"no whole answer within {self.seconds:.0f}s")
         if "error" in outcome:
             raise outcome["error"]
-        return outcome["reply"]
+        reply, most = outcome["reply"], max_tokens * CHARS_PER_TOKEN_AT_MOST
+        if len(reply.text) > most:   # past what `max_tokens` could hold: cut, as a server would have
+            reply = replace(reply, text=reply.text[:most], finish_reason="length")
+        return reply
 
 
 def shown_url(url: str | None) -> str | None:

@@ -51,6 +51,11 @@ LLM_TURN, BUILTIN_TURN = "llm", "builtin"
 FATAL = frozenset({AUTH, BUDGET, REPLAY, UNREACHABLE})
 DETAIL_CHARS = 600   # of a verdict's detail, in the history that goes into the next prompt
 LOG_CHARS = 300      # of a verdict's detail, in the log line
+# Of a verdict's detail, in the repair or refinement round that sends it back: a unit check's output
+# (12 lines of any length: an exception holding 2 MB, or the check's result line forged) or a plan
+# naming 10000 unknown slots made that request hundreds of thousands of tokens, and the token budget's
+# refusal of the next one stopped the model for the rest of the run (red-team helper, thirty-ninth session).
+FEEDBACK_CHARS = 4000
 SEED_STRIDE = 7919   # unit-check seeds: run seed * stride + check number
 HISTORY_LINES = 12   # most recent attempts shown in a prompt, to bound its size
 EVAL_RESERVE_S = 60.0  # run time kept free after a request, for judging what it produced
@@ -183,6 +188,11 @@ def _timing_note(verdict: Verdict) -> str:
         return f" (not timed: {_first_line(verdict.timing_error, 120)})"
     ratio = verdict.ratio()
     return f" ({ratio:.2f}x the current variant's time at the call shapes)" if ratio is not None else ""
+
+
+def _bounded(detail: str, limit: int = FEEDBACK_CHARS) -> str:
+    """A verdict's detail as the model is sent it: its lines kept, at most `limit` characters."""
+    return detail if len(detail) <= limit else detail[:limit] + f"… ({len(detail) - limit} more characters cut)"
 
 
 def _first_line(text: str, limit: int = LOG_CHARS) -> str:
@@ -590,13 +600,13 @@ class LLMProposer:
 
     def _repair(self, episode: _Episode, verdict: Verdict, r: int, rounds: int) -> str:
         functions = [f"{fn}__{episode.variant}" for fn in SLOT_FUNCTIONS[episode.slot]] if episode.slot else []
-        return prompts.render("repair", verdict=verdict.verdict, detail=verdict.detail, round=r, rounds=rounds,
+        return prompts.render("repair", verdict=verdict.verdict, detail=_bounded(verdict.detail), round=r, rounds=rounds,
                               kind=episode.kind, functions=functions)
 
     def _refine(self, episode: _Episode, verdict: Verdict, refinement: int) -> str:
         functions = [f"{fn}__{episode.variant}" for fn in SLOT_FUNCTIONS[episode.slot]]
         current = episode.timing.current_name
-        return prompts.render("refine", variant=episode.variant, detail=verdict.detail, ratio=verdict.ratio(),
+        return prompts.render("refine", variant=episode.variant, detail=_bounded(verdict.detail), ratio=verdict.ratio(),
                               current=current, lines=prompts.timing_lines(verdict.timings, current),
                               refinement=refinement, refinements=self.settings.refine_rounds, functions=functions)
 
