@@ -12,7 +12,7 @@ import pytest
 from agent.extract import ExtractError, extract_json
 from agent.providers import proposals
 from agent.providers.budget import Budget, MeteredClient, counted
-from agent.providers.chat import TIMEOUT, ChatError, DeadlineClient, Reply, shown_url
+from agent.providers.chat import TIMEOUT, ChatError, DeadlineClient, RecordingClient, Reply, RetryingClient, shown_url
 from agent.providers.prices import Price
 from tests.test_providers import paged_state
 
@@ -213,3 +213,25 @@ def test_a_verdicts_detail_sent_back_to_the_model_is_bounded(tmp_path, monkeypat
         assert proposer.ask(paged_state()) is not None
     repair = server.requests[1]["body"]["messages"][-1]["content"]
     assert "unknown slot 's0'" in repair and "more characters cut" in repair and len(repair) < 5_000
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_an_api_key_the_server_writes_back_is_not_logged_or_recorded(protocol, tmp_path):
+    """"Incorrect API key provided: sk-..." in an error, or the key in an answer, had gone into
+    results.log and the transcript as the server sent them (thirty-ninth session)."""
+    from scripts.llm_server import ScriptedServer
+    from agent.providers.anthropic import AnthropicChat
+    from agent.providers.openai import OpenAIChat
+    key = "sk-secret-0123456789"
+    error = json.dumps({"error": {"message": f"Incorrect API key provided: {key}", "type": "x"}})
+    steps = [{"status": 429, "raw": error, "retry_after": "0"}, {"text": f"the key is {key}"}, {"status": 401, "raw": error}]
+    log = []
+    with ScriptedServer(protocol, steps) as server:
+        chat = (OpenAIChat if protocol == "openai" else AnthropicChat)("m", key, server.url, 5.0)
+        recorded = RecordingClient(chat, tmp_path / "t.jsonl")
+        client = RetryingClient(recorded, log.append, base_delay=0.0)
+        assert client.complete([{"role": "user", "content": "hi"}], 100).text == "the key is ***"
+        with pytest.raises(ChatError) as e:
+            client.complete([{"role": "user", "content": "hi"}], 100)
+    assert "Incorrect API key provided: ***" in e.value.message and "Incorrect API key provided: ***" in log[0]
+    assert key not in (tmp_path / "t.jsonl").read_text() + "\n".join(log) + str(e.value)

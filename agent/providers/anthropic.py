@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 from agent.providers.chat import (SERVER, TIMEOUT, UNREACHABLE, ChatError, Message, Reply,
-                                  clean_text, retry_after_of, shape_error, shown_url, status_error)
+                                  clean_text, retry_after_of, shape_error, shown_url, status_error,
+                                  without_key)
 
 DEFAULT_MODEL = "claude-sonnet-4-5"
 
@@ -24,9 +25,13 @@ class AnthropicChat:
         self._sdk = anthropic
         self.model = model
         self.base_url = base_url
+        self._key = api_key
         self.client = anthropic.Anthropic(api_key=api_key, base_url=base_url, timeout=timeout, max_retries=0)
 
     def complete(self, messages: list[Message], max_tokens: int) -> Reply:
+        return without_key(self._complete, self._key, messages, max_tokens)
+
+    def _complete(self, messages: list[Message], max_tokens: int) -> Reply:
         sdk = self._sdk
         system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
         turns = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"]

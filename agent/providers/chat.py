@@ -113,6 +113,25 @@ def shown_url(url: str | None) -> str | None:
     return re.sub(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)?[^/@]*@", lambda m: (m.group(1) or "") + "***@", url, count=1)
 
 
+KEY_SHOWN_FROM = 8   # characters: a key shorter than this is no secret a server could echo by chance
+
+
+def without_key(complete: Callable[[list[Message], int], "Reply"], key: str | None,
+                messages: list[Message], max_tokens: int) -> "Reply":
+    """`complete(messages, max_tokens)` with the API key, wherever the server wrote it back (an error
+    message "Incorrect API key provided: sk-...", an answer's text), replaced by ***: it had gone
+    into results.log and the transcript as the server sent it (red-team helper, thirty-ninth session)."""
+    if not key or len(key) < KEY_SHOWN_FROM:
+        return complete(messages, max_tokens)
+    try:
+        reply = complete(messages, max_tokens)
+    except ChatError as e:
+        if key not in e.message:
+            raise
+        raise ChatError(e.kind, e.message.replace(key, "***"), e.retry_after) from e.__cause__
+    return replace(reply, text=reply.text.replace(key, "***")) if key in reply.text else reply
+
+
 def clean_text(text: str) -> str:
     """An answer's text as valid UTF-8: a lone surrogate (JSON lets a server send one) cannot be
     sent back in the next request's messages, and the SDK's encoder raised there, ending the

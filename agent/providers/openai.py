@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 
 from agent.providers.chat import (SERVER, TIMEOUT, UNREACHABLE, ChatError, Message, Reply,
-                                  clean_text, retry_after_of, shape_error, shown_url, status_error)
+                                  clean_text, retry_after_of, shape_error, shown_url, status_error,
+                                  without_key)
 
 DEFAULT_MODEL = "gpt-5"
 OFFICIAL_HOST = "api.openai.com"
@@ -29,12 +30,16 @@ class OpenAIChat:
         self._sdk = openai
         self.model = model
         self.base_url = base_url
+        self._key = api_key
         self.client = openai.OpenAI(api_key=api_key or PLACEHOLDER_KEY, base_url=base_url,
                                     timeout=timeout, max_retries=0)
         # OpenAI's own reasoning models refuse `max_tokens`; many compatible servers only know it.
         self.limit_field = "max_completion_tokens" if base_url is None or OFFICIAL_HOST in base_url else "max_tokens"
 
     def complete(self, messages: list[Message], max_tokens: int) -> Reply:
+        return without_key(self._complete, self._key, messages, max_tokens)
+
+    def _complete(self, messages: list[Message], max_tokens: int) -> Reply:
         sdk = self._sdk
         try:
             r = self.client.chat.completions.create(model=self.model, messages=messages,
