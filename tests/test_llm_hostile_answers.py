@@ -235,3 +235,17 @@ def test_an_api_key_the_server_writes_back_is_not_logged_or_recorded(protocol, t
             client.complete([{"role": "user", "content": "hi"}], 100)
     assert "Incorrect API key provided: ***" in e.value.message and "Incorrect API key provided: ***" in log[0]
     assert key not in (tmp_path / "t.jsonl").read_text() + "\n".join(log) + str(e.value)
+
+
+def test_a_servers_long_error_message_is_cut_before_the_log_and_the_transcript(tmp_path):
+    """A 429 whose message held 5 MB wrote 5 MB to results.log and to the transcript on every attempt:
+    a run's 40 calls of such errors, gigabytes (thirty-ninth session)."""
+    from scripts.llm_server import ScriptedServer
+    from agent.providers.openai import OpenAIChat
+    error = json.dumps({"error": {"message": "slow down " * 200_000, "type": "x"}})
+    log = []
+    with ScriptedServer("openai", [{"status": 429, "raw": error, "retry_after": "0"}, {"text": "ok"}]) as server:
+        recorded = RecordingClient(OpenAIChat("m", "k", server.url, 5.0), tmp_path / "t.jsonl")
+        assert RetryingClient(recorded, log.append, base_delay=0.0).complete([{"role": "user", "content": "hi"}], 100).text == "ok"
+    assert "slow down" in log[0] and "more characters cut" in log[0] and len(log[0]) < 3_000
+    assert (tmp_path / "t.jsonl").stat().st_size < 10_000

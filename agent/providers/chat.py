@@ -42,10 +42,17 @@ class Reply:
     finish_reason: str = ""
 
 
+# Of an error's message (the server's own text, as the SDK hands it on), in the log and the transcript:
+# a 429 carrying 5 MB of message wrote 5 MB to each, per attempt (red-team helper, thirty-ninth session).
+ERROR_CHARS = 2000
+
+
 class ChatError(Exception):
     """A call that produced no usable answer, classified so the caller can decide."""
 
     def __init__(self, kind: str, message: str, retry_after: float | None = None):
+        if len(message) > ERROR_CHARS:
+            message = message[:ERROR_CHARS] + f"… ({len(message) - ERROR_CHARS} more characters cut)"
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.message = message
