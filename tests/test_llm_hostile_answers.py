@@ -168,7 +168,7 @@ _CHAT = {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
 ], ids=["null-message", "content-list", "choices-str", "html", "5000-digits", "text-int", "list"])
 def test_an_answer_that_parses_but_is_no_chat_answer_is_a_server_error_and_retried(protocol, raw):
     """A 200 body of the wrong shape had raised AttributeError, TypeError or ValueError out of the
-    client: the model's part of the run stopped as an internal error (thirty-ninth session)."""
+    client: the model's part of the run stopped as an internal error (thirty-eighth session)."""
     from scripts.llm_server import ScriptedServer
     from tests.test_providers import MESSAGES, stack
     log = []
@@ -186,7 +186,7 @@ def test_a_usage_count_past_floats_range_is_estimated():
 def test_an_answer_longer_than_its_token_limit_is_cut_before_it_is_recorded_or_sent_back(tmp_path, monkeypatch):
     """3.5 MB of prose for a 16000-token answer, its usage saying 1 token: the transcript held it,
     the repair round sent it back, and the token budget refused that request as a worst case past
-    its limit, which stopped the model for the rest of the run (thirty-ninth session)."""
+    its limit, which stopped the model for the rest of the run (thirty-eighth session)."""
     from scripts.llm_server import ScriptedServer
     from tests.test_providers import answer, openai_proposer
     monkeypatch.setenv("LLM_KERNELS_ON_CPU", "0")   # a plan episode: no unit check
@@ -203,7 +203,7 @@ def test_an_answer_longer_than_its_token_limit_is_cut_before_it_is_recorded_or_s
 def test_a_verdicts_detail_sent_back_to_the_model_is_bounded(tmp_path, monkeypatch):
     """A plan naming 8000 unknown slots (or a unit check's output: 12 lines of any length) made a
     repair round of hundreds of thousands of tokens, which the token budget's refusal of the next
-    round turned into the model's stop for the run (thirty-ninth session)."""
+    round turned into the model's stop for the run (thirty-eighth session)."""
     from scripts.llm_server import ScriptedServer
     from tests.test_providers import answer, openai_proposer
     monkeypatch.setenv("LLM_KERNELS_ON_CPU", "0")
@@ -218,7 +218,7 @@ def test_a_verdicts_detail_sent_back_to_the_model_is_bounded(tmp_path, monkeypat
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
 def test_an_api_key_the_server_writes_back_is_not_logged_or_recorded(protocol, tmp_path):
     """"Incorrect API key provided: sk-..." in an error, or the key in an answer, had gone into
-    results.log and the transcript as the server sent them (thirty-ninth session)."""
+    results.log and the transcript as the server sent them (thirty-eighth session)."""
     from scripts.llm_server import ScriptedServer
     from agent.providers.anthropic import AnthropicChat
     from agent.providers.openai import OpenAIChat
@@ -239,7 +239,7 @@ def test_an_api_key_the_server_writes_back_is_not_logged_or_recorded(protocol, t
 
 def test_a_servers_long_error_message_is_cut_before_the_log_and_the_transcript(tmp_path):
     """A 429 whose message held 5 MB wrote 5 MB to results.log and to the transcript on every attempt:
-    a run's 40 calls of such errors, gigabytes (thirty-ninth session)."""
+    a run's 40 calls of such errors, gigabytes (thirty-eighth session)."""
     from scripts.llm_server import ScriptedServer
     from agent.providers.openai import OpenAIChat
     error = json.dumps({"error": {"message": "slow down " * 200_000, "type": "x"}})

@@ -43,7 +43,7 @@ class Reply:
 
 
 # Of an error's message (the server's own text, as the SDK hands it on), in the log and the transcript:
-# a 429 carrying 5 MB of message wrote 5 MB to each, per attempt (red-team helper, thirty-ninth session).
+# a 429 carrying 5 MB of message wrote 5 MB to each, per attempt (red-team helper, thirty-eighth session).
 ERROR_CHARS = 2000
 
 
@@ -127,7 +127,7 @@ def without_key(complete: Callable[[list[Message], int], "Reply"], key: str | No
                 messages: list[Message], max_tokens: int) -> "Reply":
     """`complete(messages, max_tokens)` with the API key, wherever the server wrote it back (an error
     message "Incorrect API key provided: sk-...", an answer's text), replaced by ***: it had gone
-    into results.log and the transcript as the server sent it (red-team helper, thirty-ninth session)."""
+    into results.log and the transcript as the server sent it (red-team helper, thirty-eighth session)."""
     if not key or len(key) < KEY_SHOWN_FROM:
         return complete(messages, max_tokens)
     try:
@@ -246,7 +246,7 @@ def shape_error(e: Exception) -> ChatError:
     """A 200 answer that parsed but is not a chat answer (`message: null`, `choices` a string, a
     proxy's HTML page, content a list or a number): a server error, retried. Reading it had raised
     AttributeError or TypeError out of the client, which stopped the model for the rest of the run
-    as an internal error (red-team helper, thirty-ninth session)."""
+    as an internal error (red-team helper, thirty-eighth session)."""
     return ChatError(SERVER, f"the answer is not a chat answer ({type(e).__name__}: {str(e)[:200]})")
 
 

@@ -54,7 +54,7 @@ LOG_CHARS = 300      # of a verdict's detail, in the log line
 # Of a verdict's detail, in the repair or refinement round that sends it back: a unit check's output
 # (12 lines of any length: an exception holding 2 MB, or the check's result line forged) or a plan
 # naming 10000 unknown slots made that request hundreds of thousands of tokens, and the token budget's
-# refusal of the next one stopped the model for the rest of the run (red-team helper, thirty-ninth session).
+# refusal of the next one stopped the model for the rest of the run (red-team helper, thirty-eighth session).
 FEEDBACK_CHARS = 4000
 SEED_STRIDE = 7919   # unit-check seeds: run seed * stride + check number
 HISTORY_LINES = 12   # most recent attempts shown in a prompt, to bound its size
