@@ -112,7 +112,7 @@ def test_a_reply_without_usage_is_counted_by_its_text_and_a_timed_out_attempt_by
         def complete(self, messages, max_tokens):
             return Reply("y" * 40_000, None, None, "quiet")
     metered = MeteredClient(NoUsage(), Budget(max_calls=100, max_tokens=50_000, max_cost_usd=100.0), Price(0.0, 0.0))
-    metered.complete([{"role": "user", "content": "hi"}], 1_000)
+    metered.complete([{"role": "user", "content": "hi"}], 20_000)
     assert metered.usage.output_tokens > 10_000
 
     class Cut:
@@ -177,6 +177,21 @@ def test_an_answer_that_parses_but_is_no_chat_answer_is_a_server_error_and_retri
         client, metered = stack(protocol, server.url, log)
         assert client.complete(MESSAGES, 100).text == "ok"
     assert "server" in log[0] and metered.usage.calls == 2
+
+
+def test_usage_past_what_a_call_can_be_billed_is_not_believed():
+    """A server claiming 1e300 tokens for a call: counted at most at the call's max_tokens out and
+    the prompt's bytes in, so the budget is not spent in one call (it had stopped the model)."""
+    class Inflating:
+        provider, model = "test", "inflating"
+
+        def complete(self, messages, max_tokens):
+            return Reply("ok", 10 ** 300, 10 ** 300, "inflating")
+    metered = MeteredClient(Inflating(), Budget(max_calls=100, max_tokens=50_000, max_cost_usd=100.0),
+                            Price(1.0, 1.0))
+    for _ in range(5):
+        metered.complete([{"role": "user", "content": "hi"}], 1_000)
+    assert metered.usage.output_tokens == 5 * 1_000 and metered.usage.input_tokens < 5 * 100
 
 
 def test_a_usage_count_past_floats_range_is_estimated():

@@ -16,6 +16,8 @@ from agent.providers.chat import BUDGET, TIMEOUT, ChatClient, ChatError, Message
 from agent.providers.prices import Price
 
 CHARS_PER_TOKEN = 3  # a conservative estimate of prompt tokens before the call (code is dense)
+TOKENS_A_MESSAGE = 16   # a chat template's framing of one message (role, separators), generously
+TOKENS_A_PROMPT = 64    # and of the whole prompt (a system preamble the server adds)
 
 
 @dataclass
@@ -68,6 +70,15 @@ def counted(reported: object, estimate: int) -> int:
         return int(reported) if math.isfinite(reported) else estimate
     except OverflowError:   # an integer past float's range (JSON holds any): it had raised out of the client
         return estimate
+
+
+def most_input_tokens(messages: list[Message]) -> int:
+    """What a call's prompt can honestly be billed at most: a byte-level tokenizer gives a token
+    at least one byte, plus each message's framing. A server's usage past it (or output past the
+    call's max_tokens) is not believed: 1e308 tokens had spent the budget in one call and stopped
+    the model for the rest of the run (red-team helper, thirty-eighth session)."""
+    return sum(len(str(m.get("content", "")).encode("utf-8", "replace")) + TOKENS_A_MESSAGE
+               for m in messages) + TOKENS_A_PROMPT
 
 
 def estimate_tokens(messages: list[Message]) -> int:
@@ -131,8 +142,8 @@ class MeteredClient:
             with self._lock:
                 self._held_tokens -= worst_tokens
                 self._held_cost -= worst_cost
-        used_in = counted(reply.input_tokens, estimate_tokens(messages))
-        used_out = counted(reply.output_tokens, len(reply.text) // CHARS_PER_TOKEN + 1)
+        used_in = min(counted(reply.input_tokens, estimate_tokens(messages)), most_input_tokens(messages))
+        used_out = min(counted(reply.output_tokens, len(reply.text) // CHARS_PER_TOKEN + 1), max_tokens)
         with self._lock:
             self.usage.input_tokens += used_in
             self.usage.output_tokens += used_out
