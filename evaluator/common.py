@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from evaluator.checkpoint import (COURSE_EPS, is_hf, load_hf_weights, not_a_folder, rope_theta, stored_dtype_name,
-                                 with_config_defaults)
+from evaluator.checkpoint import (COURSE_EPS, SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, is_hf, load_hf_weights,
+                                 not_a_folder, rope_theta, stored_dtype_name, with_config_defaults)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WEIGHT_FILE = "model.pt"
@@ -286,7 +286,7 @@ def harness_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-WEIGHT_FILES = ("model.pt", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+WEIGHT_FILES = (WEIGHT_FILE, SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN)   # a weights folder holds one
 
 
 def check_harness_inputs(engine, model_config=None, weight_dir=None) -> None:

@@ -21,9 +21,9 @@ it over a socket (evaluator/channel.py). The jail stacks layers; each says what 
   file it cannot open: a process it starts without that variable still cannot reach them (the
   way a devices cgroup confines a job to its GPUs). Else every GPU node stays as it is.
 - **Others' processes out of sight**: under a uid of its own (a root judge) and where it has a
-  mount namespace of its own, the worker mounts a fresh /proc with `hidepid=invisible` (Linux 5.8 and later, where each /proc mount has
-  options of its own), so it sees only its own uid's processes: not the judge, not another
-  jail's worker. Model code in a unit check had watched /proc for a judge's worker and burned
+  mount namespace of its own, the worker mounts a fresh /proc with `hidepid=invisible` (Linux
+  5.8 and later, where each /proc mount has options of its own), so it sees only its own uid's
+  processes: not the judge, not another jail's worker. Model code in a unit check had watched /proc for a judge's worker and burned
   the CPUs only while one ran, halving the score timed beside it (red-team helper, thirty-eighth
   session). An older kernel refuses the option and the layer is missing.
 - **No new privileges** (PR_SET_NO_NEW_PRIVS): no setuid binary gives anything back.

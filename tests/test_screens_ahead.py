@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable, ContextManager
 
 import pytest
 
@@ -421,6 +422,20 @@ def test_no_score_others_are_compared_with_is_timed_while_a_unit_check_runs_mode
     assert held.value.args == (1,) and proposals.UNIT_CHECKS.checks == 0
 
 
+def holding(gate: Callable[[], ContextManager], seconds: float) -> threading.Thread:
+    """A thread inside `gate()` (UNIT_CHECKS.running or .held) for `seconds`, started and already in."""
+    inside = threading.Event()
+
+    def hold() -> None:
+        with gate():
+            inside.set()
+            time.sleep(seconds)
+    thread = threading.Thread(target=hold)
+    thread.start()
+    inside.wait()
+    return thread
+
+
 def test_the_wait_for_a_unit_check_is_spent_from_the_recorded_timings_budget(tmp_path):
     """A FINAL asked for with the budget's last seconds as its timeout, then kept waiting by a unit
     check under way (up to the check's timeout, minutes), is given only what is left after the
@@ -433,15 +448,7 @@ def test_the_wait_for_a_unit_check_is_spent_from_the_recorded_timings_budget(tmp
         return passed(1.0)
 
     ends = time.monotonic() + 1.0
-    started = threading.Event()
-
-    def check() -> None:
-        with proposals.UNIT_CHECKS.running():
-            started.set()
-            time.sleep(0.5)
-    thread = threading.Thread(target=check)
-    thread.start()
-    started.wait()
+    thread = holding(proposals.UNIT_CHECKS.running, 0.5)   # a check under way
     loop.recorded_alone(judge, None, lambda: ends - time.monotonic())(Path("engine.py"), tmp_path,
                                                                      ends - time.monotonic(), loop.FINAL)
     thread.join()
@@ -477,15 +484,7 @@ def test_a_unit_checks_wait_for_a_recorded_timing_comes_out_of_its_timeout(tmp_p
         def spawn(self, argv, pass_fds=()):
             return Worker()
     monkeypatch.setattr(proposals, "Jail", FakeJail)
-    held = threading.Event()
-
-    def timing() -> None:
-        with proposals.UNIT_CHECKS.held():
-            held.set()
-            time.sleep(0.5)
-    thread = threading.Thread(target=timing)
-    thread.start()
-    held.wait()
+    thread = holding(proposals.UNIT_CHECKS.held, 0.5)   # a recorded timing under way
     proposals.unit_check("norm", "", "cpu", 1.0, 0)
     thread.join()
     assert given and given[0] <= 0.55, given

@@ -47,12 +47,17 @@ class Reply:
 ERROR_CHARS = 2000
 
 
+def cut(text: str, limit: int) -> str:
+    """`text`, or its first `limit` characters and how many more there were: what a server or a
+    verdict sends at any length, as the log, the transcript or the next prompt may hold it."""
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit} more characters cut)"
+
+
 class ChatError(Exception):
     """A call that produced no usable answer, classified so the caller can decide."""
 
     def __init__(self, kind: str, message: str, retry_after: float | None = None):
-        if len(message) > ERROR_CHARS:
-            message = message[:ERROR_CHARS] + f"… ({len(message) - ERROR_CHARS} more characters cut)"
+        message = cut(message, ERROR_CHARS)
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.message = message

@@ -33,7 +33,7 @@ from agent.plan import ENGINES, Plan
 from agent.providers import prompts
 from agent.providers.budget import Budget, MeteredClient, Usage
 from agent.providers.chat import (AUTH, BUDGET, REPLAY, UNREACHABLE, ChatClient, ChatError,
-                                  DeadlineClient, Log, RecordingClient, RetryingClient, shown_url)
+                                  DeadlineClient, Log, RecordingClient, RetryingClient, cut, shown_url)
 from agent.providers.prices import price_for
 from agent.providers.replay import TimingTape
 from agent.providers.proposals import (DUPLICATE, NO_CODE, TimingRequest, Verdict, check_kernel_answer,
@@ -188,11 +188,6 @@ def _timing_note(verdict: Verdict) -> str:
         return f" (not timed: {_first_line(verdict.timing_error, 120)})"
     ratio = verdict.ratio()
     return f" ({ratio:.2f}x the current variant's time at the call shapes)" if ratio is not None else ""
-
-
-def _bounded(detail: str, limit: int = FEEDBACK_CHARS) -> str:
-    """A verdict's detail as the model is sent it: its lines kept, at most `limit` characters."""
-    return detail if len(detail) <= limit else detail[:limit] + f"… ({len(detail) - limit} more characters cut)"
 
 
 def _first_line(text: str, limit: int = LOG_CHARS) -> str:
@@ -600,14 +595,14 @@ class LLMProposer:
 
     def _repair(self, episode: _Episode, verdict: Verdict, r: int, rounds: int) -> str:
         functions = [f"{fn}__{episode.variant}" for fn in SLOT_FUNCTIONS[episode.slot]] if episode.slot else []
-        return prompts.render("repair", verdict=verdict.verdict, detail=_bounded(verdict.detail), round=r, rounds=rounds,
-                              kind=episode.kind, functions=functions)
+        return prompts.render("repair", verdict=verdict.verdict, detail=cut(verdict.detail, FEEDBACK_CHARS), round=r,
+                              rounds=rounds, kind=episode.kind, functions=functions)
 
     def _refine(self, episode: _Episode, verdict: Verdict, refinement: int) -> str:
         functions = [f"{fn}__{episode.variant}" for fn in SLOT_FUNCTIONS[episode.slot]]
         current = episode.timing.current_name
-        return prompts.render("refine", variant=episode.variant, detail=_bounded(verdict.detail), ratio=verdict.ratio(),
-                              current=current, lines=prompts.timing_lines(verdict.timings, current),
+        return prompts.render("refine", variant=episode.variant, detail=cut(verdict.detail, FEEDBACK_CHARS),
+                              ratio=verdict.ratio(), current=current, lines=prompts.timing_lines(verdict.timings, current),
                               refinement=refinement, refinements=self.settings.refine_rounds, functions=functions)
 
     def _candidate(self, episode: _Episode, verdict: Verdict, state: SearchState) -> Candidate | None:
