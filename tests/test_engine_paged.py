@@ -7,8 +7,10 @@ slots and for every CUDA variant on disk.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -145,6 +147,27 @@ def test_header_params_match_template_defaults():
     assert module.INITIAL_CACHE_TOKENS == declared["cache_tokens"]
     assert module.MAX_GRAPH_BATCH == declared["max_graph_batch"]
     assert module.MAX_GRAPH_TOKENS == declared["max_graph_tokens"]
+
+
+KERNEL_PARAM_DEFAULT = re.compile(r"params\.get\('(\w+)', ([^)]+)\)")
+
+
+def test_kernel_templates_default_the_skeletons_params_alike():
+    """A kernel variant reads skeleton params (pdl, fused_reduce) from the plan's params, which may
+    leave them out: each template's default must be the skeleton's `# param:` default, or an
+    engine rendered without the param runs otherwise than the plan says (pdl turned on by default
+    in the skeleton alone would have left every kernel without it)."""
+    declared = {name: p.default for name, p in engine_params("paged").items()}
+    seen = set()
+    for path in sorted((Path(__file__).resolve().parents[1] / "templates" / "kernels").rglob("*.j2")):
+        for name, default in KERNEL_PARAM_DEFAULT.findall(path.read_text()):
+            if name in declared:
+                assert ast.literal_eval(default) == declared[name], f"{path.name}: {name} defaults to {default}"
+                seen.add(name)
+    assert {"pdl", "fused_reduce"} <= seen
+    source = render_engine(Plan("paged", {"linear": "triton", "decode_attention": "triton_split"}))
+    assert "LINEAR_PDL__triton = True and PDL_SUPPORTED" in source
+    assert "DECODE_PDL__triton_split = True and PDL_SUPPORTED" in source
 
 
 def test_params_reach_the_engine():
@@ -700,13 +723,16 @@ def test_cuda(tmp_path, slots, graphs, cfg):
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("cfg", [config(), config(num_key_value_heads=2, head_dim=24, num_attention_heads=8)],
                          ids=["fp16", "fp16-gqa"])
-def test_cuda_fused_reduce(tmp_path, graphs, cfg):
-    """The linear and split decode kernels with fused_reduce (last-program reductions) through the
-    engine's traces, captured graphs and eager passes both; decode batches of 6 and 2 rows."""
+@pytest.mark.parametrize("kernel_params", [{"fused_reduce": True}, {"pdl": True}],
+                         ids=["fused_reduce", "pdl"])
+def test_cuda_fused_reduce_and_pdl(tmp_path, graphs, cfg, kernel_params):
+    """The linear and split decode kernels with fused_reduce (last-program reductions) or pdl (every
+    decode kernel launched early, GEMMs loading weights before their wait) through the engine's
+    traces, captured graphs and eager passes both; decode batches of 6 and 2 rows."""
     slots = {**CUDA_PLANS.get("all-cuda", FUSED_REDUCE_SLOTS), **FUSED_REDUCE_SLOTS}
     plan = Plan("paged", slots=slots, params={**SMALL_CACHE, "decode_graphs": graphs, "max_graph_batch": 4,
                                               "prefill_graphs": graphs, "max_graph_tokens": 64,
-                                              "fused_reduce": True, "decode_splits": 3})
+                                              "decode_splits": 3, **kernel_params})
     c = Checked(plan, cfg, tmp_path, device="cuda", atol=GPU_ATOL, rtol=GPU_RTOL, scale=GPU_SCALE[cfg["torch_dtype"]])
     # The fused kernels themselves, not the torch variants a failed compile falls back to (probe_kernels).
     assert {s: c.engine.kernels.variants[s] for s in ("linear", "decode_attention")} == \

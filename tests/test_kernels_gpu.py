@@ -64,6 +64,8 @@ TUNINGS = [
     ("linear", "triton", {"linear_gemm_block_n": 32, "linear_block_k": 32}),
     ("linear", "triton", {"linear_gemm_block_n": 64, "linear_gemm_warps": 2, "linear_stages": 1}),
     ("decode_attention", "triton_exact", {"pdl": True}),
+    ("decode_attention", "triton_split", {"pdl": True, "decode_splits": 5}),
+    ("linear", "triton", {"pdl": True, "linear_splits": 7, "linear_block_k": 64}),
     ("norm", "triton", {"pdl": True}),
     ("linear", "triton", {"fused_reduce": True}),
     ("linear", "triton", {"fused_reduce": True, "pdl": True}),
