@@ -80,6 +80,9 @@ class SlotCheckResult:
 
 # Swapped in for the renderer's prelude under --interpret: triton on the CPU (TRITON_INTERPRET=1).
 _INTERPRET_PRELUDE_LINE = "    if not torch.cuda.is_available():\n        raise ImportError\n"
+# ... and PDL off: the interpreter runs no gdc_wait (inline asm), and pdl is on by default, so on
+# an sm_90 host, where the prelude finds PDL supported, every interpreted PDL kernel raised.
+_INTERPRET_PDL = ("PDL_SUPPORTED = (", "PDL_SUPPORTED = False and (")
 
 
 class _InterpretedLibdevice:
@@ -95,10 +98,11 @@ class _InterpretedLibdevice:
 def import_interpreted(text: str, tag: str = "variant"):
     """A rendered variant module imported to run its Triton kernels on the CPU: TRITON_INTERPRET=1
     (set for this process: triton.jit reads it as it decorates), the prelude's CUDA test dropped,
-    libdevice swapped for _InterpretedLibdevice. The interpreter runs a grid's programs one after
-    another, in order."""
+    PDL off, libdevice swapped for _InterpretedLibdevice. The interpreter runs a grid's programs
+    one after another, in order."""
     os.environ["TRITON_INTERPRET"] = "1"
-    module = import_module_text(text.replace(_INTERPRET_PRELUDE_LINE, ""), f"interpret_{tag}")
+    module = import_module_text(text.replace(_INTERPRET_PRELUDE_LINE, "").replace(*_INTERPRET_PDL),
+                                f"interpret_{tag}")
     for name, value in list(vars(module).items()):
         if getattr(value, "__name__", "").endswith(".libdevice") and type(value).__name__ == "module":
             setattr(module, name, _InterpretedLibdevice())

@@ -195,3 +195,18 @@ def test_every_variant_with_staged_tiles_sizes_them_from_the_device():
             if "tl.dot" in text:
                 assert re.search(r"fit_(gemm_)?shared_memory\(", text), f"{slot}/{v.name} sizes no tile"
             assert "launch_pdl=" not in text, f"{slot}/{v.name}: launch_pdl without a feature check"
+
+
+
+def test_pdl_is_off_under_triton_s_interpreter():
+    """import_interpreted turns the prelude's PDL_SUPPORTED off: the interpreter runs no gdc_wait,
+    and pdl is on by default, so on an sm_90 host (where the prelude finds PDL supported) every
+    interpreted linear or triton_split kernel raised."""
+    from evaluator import slot_check
+    old, new = slot_check._INTERPRET_PDL
+    assert PRELUDE.count(old) == 1
+    source = render_slot_module("linear", "triton", {}).replace(*slot_check._INTERPRET_PDL)
+    namespace = {}
+    exec(source[source.index(new):source.index("# Shared memory one Triton program")],
+         {"triton": object(), "torch": torch, "_triton_has_pdl": lambda: True}, namespace)
+    assert namespace["PDL_SUPPORTED"] is False
