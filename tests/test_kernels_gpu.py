@@ -60,11 +60,12 @@ TUNINGS = [
     ("linear", "triton", {"linear_splits": 1}),
     ("linear", "triton", {"linear_splits": 7, "linear_block_n": 16, "linear_block_k": 64}),
     ("linear", "triton", {"linear_splits": 64, "linear_block_n": 64, "linear_warps": 8, "linear_stages": 2}),
-    ("linear", "triton", {"pdl": True}),
+    ("linear", "triton", {"pdl": False}),     # pdl is on by default: the plain launches too
     ("linear", "triton", {"linear_gemm_block_n": 32, "linear_block_k": 32}),
     ("linear", "triton", {"linear_gemm_block_n": 64, "linear_gemm_warps": 2, "linear_stages": 1}),
     ("decode_attention", "triton_exact", {"pdl": True}),
     ("decode_attention", "triton_split", {"pdl": True, "decode_splits": 5}),
+    ("decode_attention", "triton_split", {"pdl": False, "decode_splits": 5}),
     ("linear", "triton", {"pdl": True, "linear_splits": 7, "linear_block_k": 64}),
     ("norm", "triton", {"pdl": True}),
     ("linear", "triton", {"fused_reduce": True}),
