@@ -210,3 +210,17 @@ def test_pdl_is_off_under_triton_s_interpreter():
     exec(source[source.index(new):source.index("# Shared memory one Triton program")],
          {"triton": object(), "torch": torch, "_triton_has_pdl": lambda: True}, namespace)
     assert namespace["PDL_SUPPORTED"] is False
+
+
+def test_a_weight_copied_at_the_call_is_read_after_the_wait():
+    """A PDL GEMM reads its first weight block before gdc_wait: right only for a weight no earlier
+    kernel writes. A weight with strided columns is copied by the call itself (the kernel just
+    before), so that launch goes without PDL."""
+    ns = slot_namespace("linear", "triton", SM90_SHARED)
+    ns["LINEAR_PDL__triton"] = True
+    w = torch.zeros(8, 4)
+    strided = torch.zeros(4, 8).t()
+    assert ns["_pdl_for__triton"](ns["_rows_contiguous__triton"](w), w)
+    assert not ns["_pdl_for__triton"](ns["_rows_contiguous__triton"](strided), strided)
+    ns["LINEAR_PDL__triton"] = False
+    assert not ns["_pdl_for__triton"](w, w)
