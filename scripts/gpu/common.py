@@ -39,7 +39,9 @@ def library_plans() -> dict[str, Plan]:
     """Plans by name: `torch` (every slot on its torch variant), `lib` (the plan the builtin
     search jumps to, agent.search.PREFERRED), `lib split` (with triton_split decode: the same plan
     since PREFERRED chose it, sixth session; the name stays for the recorded commands), both with
-    the linear slot's Triton variant, that variant with programmatic dependent launch on, and `lib exact`
+    the linear slot's Triton variant, that variant with programmatic dependent launch on (`lib linear pdl`: the
+    same plan as `lib linear` since pdl became the default, thirty-ninth session; the name stays for the recorded
+    commands), and `lib exact`
     (the attention variants that round like the reference: what `lib` bound on bf16 models before the
     eighteenth session, and still does in the course format)."""
     from agent.search import PREFERRED

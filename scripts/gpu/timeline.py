@@ -20,7 +20,7 @@ by their own time under cProfile (another fresh engine).
 
 The engine is --engine, else --plan (one of scripts.gpu.common.library_plans; default
 "lib split linear", run.sh's usual final plan) with --params added to its params. Several --params
-(e.g. `--params '{}' --params '{"pdl": true}'`; `--params '{}' --params '{"fused_reduce": true}'`
+(e.g. `--params '{"pdl": false}' --params '{}'`, pdl being on by default; `--params '{}' --params '{"fused_reduce": true}'`
 for the split reductions done in the split kernels' last programs) profile each set in a child
 process of its own (cut at PLAN_TIMEOUT_S), full output in --out/planN.txt, and print each one's
 spans, whole calls, fresh-engine host functions and heaviest kernels side by side.
