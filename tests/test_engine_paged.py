@@ -149,7 +149,7 @@ def test_header_params_match_template_defaults():
     assert module.MAX_GRAPH_TOKENS == declared["max_graph_tokens"]
 
 
-KERNEL_PARAM_DEFAULT = re.compile(r"params\.get\('(\w+)', ([^)]+)\)")
+KERNEL_PARAM_DEFAULT = re.compile(r"params\.get\(['\"](\w+)['\"], ([^)]+)\)")
 
 
 def test_kernel_templates_default_the_skeletons_params_alike():
