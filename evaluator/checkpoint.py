@@ -256,9 +256,7 @@ def conventions(config: dict) -> Conventions:
     if config.get("hidden_act", "silu") not in ("silu", "swish"):
         raise CheckpointError(f"unsupported feature: activation {config['hidden_act']!r} (model config key "
                               f"'hidden_act'; only SwiGLU/silu)")
-    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise CheckpointError("unsupported feature: partial rotary embeddings (model config key "
-                              "'partial_rotary_factor')")
+    _check_full_rotary(config)
     _check_window(config)
     layer_types = config.get("layer_types") or []
     if any(t not in LAYER_TYPES for t in layer_types):   # a sliding layer is attention_window's to rule on
@@ -267,6 +265,22 @@ def conventions(config: dict) -> Conventions:
     return Conventions(hf=True, rope_scaling=_rope_scaling(config), qkv_bias=qkv_bias, qk_norm=qk_norm,
                        tied=bool(config.get("tie_word_embeddings", False)),
                        config_defaults=tuple(sorted(config_defaults(config).items())))
+
+
+def _check_full_rotary(config: dict) -> None:
+    """Refuse partial rotary embeddings wherever a config says so: the top-level key (4.x reads it),
+    or inside `rope_parameters` / `rope_scaling`, where transformers 5 moves it and its llama3 path
+    reads it (its forward then fails). A null or a non-number is refused alike: a null had ended
+    the agent with a TypeError traceback (unseen-configs sweep, h45)."""
+    for key, holder in (("partial_rotary_factor", config), ("rope_parameters", config.get("rope_parameters")),
+                        ("rope_scaling", config.get("rope_scaling"))):
+        if not isinstance(holder, dict) or "partial_rotary_factor" not in holder:
+            continue
+        value = holder["partial_rotary_factor"]
+        if not _number(value) or value != 1:
+            name = key if holder is config else f"{key}.partial_rotary_factor"
+            raise CheckpointError(f"unsupported feature: partial rotary embeddings (model config key '{name}' = "
+                                  f"{value!r})"[:300])
 
 
 def attention_window(config: dict) -> int | None:

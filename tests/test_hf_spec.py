@@ -120,6 +120,13 @@ BROKEN = {
         "sharded", lambda d: _drop_key(d, "num_key_value_heads"),
         "num_key_value_heads 32 (model config key 'num_key_value_heads') (absent from the config, so read as its "
         "default: num_key_value_heads 32)"),
+    # partial rotary embeddings: a null had ended the agent with a traceback; inside rope_parameters (where
+    # transformers 5 moves it) its llama3 path reads it and its forward fails, and it had been run full
+    "a null partial_rotary_factor": ("llama", lambda d: _edit_config(d, partial_rotary_factor=None),
+                                     "partial rotary embeddings (model config key 'partial_rotary_factor' = None)"),
+    "partial_rotary_factor inside rope_parameters": ("llama", lambda d: _edit_config(d, rope_parameters=dict(
+        LLAMA3_SCALING, rope_theta=10000.0, partial_rotary_factor=0.5)),
+        "model config key 'rope_parameters.partial_rotary_factor' = 0.5"),
     "missing tensor": ("bin", lambda d: torch.save({k: v for k, v in torch.load(d / "pytorch_model.bin").items()
                                                     if "q_norm" not in k}, d / "pytorch_model.bin"),
                        "missing tensor 'model.layers.0.self_attn.q_norm.weight'"),
