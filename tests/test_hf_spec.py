@@ -127,6 +127,10 @@ BROKEN = {
     "partial_rotary_factor inside rope_parameters": ("llama", lambda d: _edit_config(d, rope_parameters=dict(
         LLAMA3_SCALING, rope_theta=10000.0, partial_rotary_factor=0.5)),
         "model config key 'rope_parameters.partial_rotary_factor' = 0.5"),
+    # a null base beside rope_parameters: transformers 5 reads the inner one, 4.x fails, and the judge and
+    # the engines had raised TypeError on float(None) after the spec had read 10000 (h45)
+    "a null rope_theta": ("llama", lambda d: _edit_config(d, rope_theta=None),
+                          "'rope_theta' must be a positive number, got None"),
     "missing tensor": ("bin", lambda d: torch.save({k: v for k, v in torch.load(d / "pytorch_model.bin").items()
                                                     if "q_norm" not in k}, d / "pytorch_model.bin"),
                        "missing tensor 'model.layers.0.self_attn.q_norm.weight'"),
