@@ -52,6 +52,11 @@ CONFIG_DEFAULTS = {
     "Qwen3ForCausalLM": {"rms_norm_eps": 1e-6, "num_key_value_heads": 32, "head_dim": 128},
 }
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Flags and counts an HF config may leave out but not set null: transformers 5's config classes refuse
+# a null there, 4.x reads it as false or fails, and this code had read each its own way (a null
+# max_window_layers beside use_sliding_window passed the agent and made every engine raise in
+# create_engine; unseen-configs sweep, h45).
+NOT_NULL = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "max_window_layers")
 # Config keys that mean experts (mixture of experts): the reference runs dense MLPs only.
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 DEFAULT_THETA = 10000.0
@@ -243,6 +248,10 @@ def conventions(config: dict) -> Conventions:
         raise CheckpointError(f"model config key 'model_type' is {model_type!r}, not {MODEL_TYPES[archs[0]]!r} "
                               f"as 'architectures' ({archs[0]}) says: transformers builds the model model_type "
                               "names")
+    for key in NOT_NULL:
+        if key in config and config[key] is None:
+            raise CheckpointError(f"model config key '{key}' is null: transformers reads no model from it (give "
+                                  "its value, or leave the key out for its default)")
     _check_rope_forms(config)
     qkv_bias, qk_norm = ARCHITECTURES[archs[0]]
     for key in MOE_KEYS:

@@ -131,6 +131,11 @@ BROKEN = {
     # the engines had raised TypeError on float(None) after the spec had read 10000 (h45)
     "a null rope_theta": ("llama", lambda d: _edit_config(d, rope_theta=None),
                           "'rope_theta' must be a positive number, got None"),
+    "a null max_window_layers": ("sharded", lambda d: _edit_config(   # every engine had raised in create_engine
+        d, max_window_layers=None, use_sliding_window=True, sliding_window=4096, layer_types=None),
+        "model config key 'max_window_layers' is null"),
+    "a null tie_word_embeddings": ("llama", lambda d: _edit_config(d, tie_word_embeddings=None),
+                                   "model config key 'tie_word_embeddings' is null"),
     "missing tensor": ("bin", lambda d: torch.save({k: v for k, v in torch.load(d / "pytorch_model.bin").items()
                                                     if "q_norm" not in k}, d / "pytorch_model.bin"),
                        "missing tensor 'model.layers.0.self_attn.q_norm.weight'"),
