@@ -57,6 +57,9 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 # max_window_layers beside use_sliding_window passed the agent and made every engine raise in
 # create_engine; unseen-configs sweep, h45).
 NOT_NULL = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "max_window_layers")
+# ... and per architecture: a null head_dim is hidden / heads to Llama's and Mistral's configs, but
+# Qwen3's refuses it and Qwen2's attention takes None for the size (transformers fails either way).
+NOT_NULL_FOR = {"Qwen2ForCausalLM": ("head_dim",), "Qwen3ForCausalLM": ("head_dim",)}
 # Config keys that mean experts (mixture of experts): the reference runs dense MLPs only.
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 DEFAULT_THETA = 10000.0
@@ -248,7 +251,7 @@ def conventions(config: dict) -> Conventions:
         raise CheckpointError(f"model config key 'model_type' is {model_type!r}, not {MODEL_TYPES[archs[0]]!r} "
                               f"as 'architectures' ({archs[0]}) says: transformers builds the model model_type "
                               "names")
-    for key in NOT_NULL:
+    for key in NOT_NULL + NOT_NULL_FOR.get(archs[0], ()):
         if key in config and config[key] is None:
             raise CheckpointError(f"model config key '{key}' is null: transformers reads no model from it (give "
                                   "its value, or leave the key out for its default)")

@@ -136,6 +136,8 @@ BROKEN = {
         "model config key 'max_window_layers' is null"),
     "a null tie_word_embeddings": ("llama", lambda d: _edit_config(d, tie_word_embeddings=None),
                                    "model config key 'tie_word_embeddings' is null"),
+    "a null head_dim of a Qwen": ("bin", lambda d: _edit_config(d, head_dim=None),   # Qwen3: transformers refuses
+                                  "model config key 'head_dim' is null"),
     "missing tensor": ("bin", lambda d: torch.save({k: v for k, v in torch.load(d / "pytorch_model.bin").items()
                                                     if "q_norm" not in k}, d / "pytorch_model.bin"),
                        "missing tensor 'model.layers.0.self_attn.q_norm.weight'"),
