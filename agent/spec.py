@@ -213,7 +213,7 @@ def check_window_covers(spec: ModelSpec, cases: list[str]) -> None:
                         "every position and refuse a context past the window)")
 
 
-def load_state_dict(weight_dir: Path) -> dict:
+def load_state_dict(weight_dir: Path, config_path: Path | None = None) -> dict:
     from evaluator.common import load_course_file   # torch with it: only where weights are read
 
     if not weight_dir.is_dir():
@@ -223,6 +223,10 @@ def load_state_dict(weight_dir: Path) -> dict:
         held = [name for name in HF_WEIGHT_FILES if (weight_dir / name).is_file()]
         why = (f" ({weight_dir} holds {held[0]}: a Hugging Face folder's config.json names its class in "
                "'architectures', e.g. [\"LlamaForCausalLM\"], and this one has no such key)") if held else ""
+        if held and config_path is not None and not (weight_dir / "config.json").is_file():
+            # the run fell back to the course's config: the folder's own config.json is what is missing
+            why = (f" ({weight_dir} holds {held[0]} but no config.json, so the model config read was {config_path}, "
+                   "a course config: give the folder's config.json)")
         raise SpecError(f"missing weights file: {path}{why}")
     try:
         state = load_course_file(path)
@@ -309,4 +313,4 @@ def load_spec(config_path: str | Path, weight_dir: str | Path) -> ModelSpec:
         from agent.checkpoint import check_hf_weights
 
         return check_hf_weights(spec, SpecError)
-    return check_weights(spec, load_state_dict(weight_dir))
+    return check_weights(spec, load_state_dict(weight_dir, config_path))

@@ -213,3 +213,15 @@ def test_a_null_head_dim_reads_as_absent_as_in_transformers(tmp_path):
     _edit_config(model.folder, head_dim=0)
     with pytest.raises(SpecError, match="'head_dim' must be a positive integer"):
         load_spec(model.folder / "config.json", model.folder)
+
+
+def test_a_folder_without_config_json_is_said_to_lack_it(folders, tmp_path):
+    """--weights DIR with no DIR/config.json reads the course's config: the line had said that config
+    lacked 'architectures', as if the folder's own config.json did (unseen-configs sweep, h45)."""
+    from agent.judge import REPO
+
+    folder = _copy(folders["llama"].folder, tmp_path / "m")
+    (folder / "config.json").unlink()
+    with pytest.raises(SpecError) as e:
+        load_spec(REPO / "target" / "model_config.json", folder)
+    assert "holds model.safetensors but no config.json" in str(e.value) and "\n" not in str(e.value)
