@@ -176,6 +176,12 @@ def _check_rope_forms(config: dict) -> None:
     beside a `rope_scaling`, or a `rope_scaling` base, is refused where the two would differ
     (the judge and the engines had each read one of them, 0.8 off at the logits)."""
     top, legacy = config.get("rope_theta"), config.get("rope_scaling")
+    if legacy and not isinstance(legacy, dict):   # a list or a string had ended the agent with a traceback
+        raise CheckpointError(f"model config key 'rope_scaling' must be an object, got {legacy!r}"[:200])
+    nested = config.get("rope_parameters")
+    if isinstance(nested, dict) and any(isinstance(v, dict) for v in nested.values()):
+        raise CheckpointError("unsupported feature: RoPE settings per layer type (model config key 'rope_parameters' "
+                              f"holds objects: {', '.join(k for k, v in nested.items() if isinstance(v, dict))})"[:300])
     # 4.x's base, whatever the dicts hold; compared as the numbers they are (an integer past float's
     # range has no float(): it had ended the agent with a traceback instead of this one line)
     base = top if _number(top) else DEFAULT_THETA

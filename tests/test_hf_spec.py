@@ -138,6 +138,11 @@ BROKEN = {
                                    "model config key 'tie_word_embeddings' is null"),
     "a null head_dim of a Qwen": ("bin", lambda d: _edit_config(d, head_dim=None),   # Qwen3: transformers refuses
                                   "model config key 'head_dim' is null"),
+    "rope_scaling not an object": ("llama", lambda d: (_edit_config(d, rope_scaling="llama3"),   # had been a traceback
+                                                       _drop_key(d, "rope_parameters")),
+                                   "model config key 'rope_scaling' must be an object, got 'llama3'"),
+    "rope_parameters per layer type": ("sharded", lambda d: _edit_config(d, rope_parameters={   # transformers fails
+        "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}), "RoPE settings per layer type"),
     "missing tensor": ("bin", lambda d: torch.save({k: v for k, v in torch.load(d / "pytorch_model.bin").items()
                                                     if "q_norm" not in k}, d / "pytorch_model.bin"),
                        "missing tensor 'model.layers.0.self_attn.q_norm.weight'"),
