@@ -277,6 +277,8 @@ def conventions(config: dict) -> Conventions:
     _check_full_rotary(config)
     _check_window(config)
     layer_types = config.get("layer_types") or []
+    if not isinstance(layer_types, list):   # a number had ended the agent with a TypeError traceback
+        raise CheckpointError(f"model config key 'layer_types' must be a list of layer kinds, got {layer_types!r}"[:200])
     if any(t not in LAYER_TYPES for t in layer_types):   # a sliding layer is attention_window's to rule on
         raise CheckpointError("unsupported feature: layers other than full or sliding attention (model config "
                               "key 'layer_types')")

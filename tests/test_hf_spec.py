@@ -143,6 +143,8 @@ BROKEN = {
                                    "model config key 'rope_scaling' must be an object, got 'llama3'"),
     "rope_parameters per layer type": ("sharded", lambda d: _edit_config(d, rope_parameters={   # transformers fails
         "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}), "RoPE settings per layer type"),
+    "layer_types not a list": ("sharded", lambda d: _edit_config(d, layer_types=5),   # had been a traceback
+                               "model config key 'layer_types' must be a list of layer kinds, got 5"),
     "missing tensor": ("bin", lambda d: torch.save({k: v for k, v in torch.load(d / "pytorch_model.bin").items()
                                                     if "q_norm" not in k}, d / "pytorch_model.bin"),
                        "missing tensor 'model.layers.0.self_attn.q_norm.weight'"),
