@@ -14,6 +14,7 @@ from pathlib import Path
 
 from evaluator.checkpoint import (COURSE_EPS, SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, CheckpointError, Conventions,
                                  conventions, not_a_folder, rope_parameters, stored_dtype_name, with_config_defaults)
+from evaluator.checkpoint import shown as _shown   # a config value quoted briefly, as the evaluator's lines do
 
 WEIGHTS_FILE = "model.pt"
 REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
@@ -102,14 +103,6 @@ def read_config(path: Path) -> dict:
         return load_config(path)
     except ConfigError as e:
         raise SpecError(str(e)) from None
-
-
-def _shown(value: object) -> str:
-    """A config value as an error message may quote it: short, whatever its size."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
 
 
 def _positive_int(config: dict, key: str, default: int | None = None) -> int:

@@ -66,6 +66,15 @@ DEFAULT_THETA = 10000.0
 COURSE_EPS = 1e-5        # SPEC.md's rms_norm_eps where a course config has none
 
 
+def shown(value: object) -> str:
+    """A config value as an error message may quote it: short, whatever its size (a 400-digit
+    integer had made a refusal a 400-character line)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
 class CheckpointError(ValueError):
     """A model folder or config this code cannot run, said in one line naming the key or file."""
 
@@ -226,7 +235,7 @@ def _rope_scaling(config: dict) -> Llama3Scaling | None:
     params = rope_parameters(config)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
-        raise CheckpointError(f"unsupported feature: RoPE type {kind!r} (model config key '{key}'; "
+        raise CheckpointError(f"unsupported feature: RoPE type {shown(kind)} (model config key '{key}'; "
                               f"supported: {', '.join(ROPE_TYPES)})")
     if kind == "default":
         return None
@@ -237,8 +246,8 @@ def _rope_scaling(config: dict) -> Llama3Scaling | None:
         raise CheckpointError(f"model config key '{key}': high_freq_factor must exceed low_freq_factor")
     top = config.get("original_max_position_embeddings")
     if top is not None and top != params["original_max_position_embeddings"]:   # 5.x reads it, 4.x the key's own
-        raise CheckpointError(f"model config keys 'original_max_position_embeddings' ({top!r}) and "
-                              f"'{key}.original_max_position_embeddings' ({params['original_max_position_embeddings']!r}) "
+        raise CheckpointError(f"model config keys 'original_max_position_embeddings' ({shown(top)}) and "
+                              f"'{key}.original_max_position_embeddings' ({shown(params['original_max_position_embeddings'])}) "
                               "disagree")
     return Llama3Scaling(float(params["factor"]), float(params["low_freq_factor"]),
                          float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
@@ -254,7 +263,7 @@ def conventions(config: dict) -> Conventions:
                               f"supported: {', '.join(ARCHITECTURES)})"[:300])
     model_type = config.get("model_type")
     if model_type is not None and model_type != MODEL_TYPES[archs[0]]:
-        raise CheckpointError(f"model config key 'model_type' is {model_type!r}, not {MODEL_TYPES[archs[0]]!r} "
+        raise CheckpointError(f"model config key 'model_type' is {shown(model_type)}, not {MODEL_TYPES[archs[0]]!r} "
                               f"as 'architectures' ({archs[0]}) says: transformers builds the model model_type "
                               "names")
     for key in NOT_NULL + NOT_NULL_FOR.get(archs[0], ()):
@@ -272,7 +281,7 @@ def conventions(config: dict) -> Conventions:
         raise CheckpointError(f"unsupported feature: attention biases for {archs[0]} (model config key "
                               f"'attention_bias')")
     if config.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise CheckpointError(f"unsupported feature: activation {config['hidden_act']!r} (model config key "
+        raise CheckpointError(f"unsupported feature: activation {shown(config['hidden_act'])} (model config key "
                               f"'hidden_act'; only SwiGLU/silu)")
     _check_full_rotary(config)
     _check_window(config)
@@ -334,9 +343,9 @@ def _check_window(config: dict) -> None:
         return
     limit = config.get("max_position_embeddings")
     if not isinstance(window, int) or not isinstance(limit, int) or limit > window:
-        context = (f"max_position_embeddings {limit!r}" if isinstance(limit, int) else
+        context = (f"max_position_embeddings {shown(limit)}" if isinstance(limit, int) else
                    "the context, which no max_position_embeddings bounds")
-        raise CheckpointError(f"unsupported feature: sliding window {window!r} shorter than {context} "
+        raise CheckpointError(f"unsupported feature: sliding window {shown(window)} shorter than {context} "
                               f"(model config key 'sliding_window'; set max_position_embeddings to at most the "
                               f"window to run it)")
 

@@ -232,3 +232,15 @@ def test_a_folder_without_config_json_is_said_to_lack_it(folders, tmp_path):
     with pytest.raises(SpecError) as e:
         load_spec(REPO / "target" / "model_config.json", folder)
     assert "holds model.safetensors but no config.json" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["hidden_act", "model_type", "max_position_embeddings"])
+def test_a_huge_value_is_quoted_briefly(folders, tmp_path, key):
+    """A 400-digit value of a key the conventions refuse is one short line (it had been quoted whole).
+    max_position_embeddings: past the Mistral window it is refused before the spec's size bound."""
+    folder = _copy(folders["llama"].folder, tmp_path / "m")
+    _edit_config(folder, **{key: 10**400}, **({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+                                              if key == "max_position_embeddings" else {}))
+    with pytest.raises(SpecError) as e:
+        load_spec(folder / "config.json", folder)
+    assert "an integer of about 401 digits" in str(e.value) and len(str(e.value)) < 300, str(e.value)[:300]
