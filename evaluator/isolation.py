@@ -66,7 +66,7 @@ from pathlib import Path
 
 from evaluator import triton_cache
 from evaluator.sweep import (children, forget_child, jail_prefix, kill_new_children, kill_uid, live_processes_of, processes,
-                             remove_files_of, session_of, start_child, sweep_stale_jails)
+                             remove_files_of, remove_tree, session_of, start_child, sweep_stale_jails)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -566,7 +566,7 @@ class Jail:
         kill_new_children(self._children_before)
         if self.spec.uid is not None:
             remove_files_of(self.spec.uid)
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_tree(self.root)
 
     def layers(self, held: list[str]) -> str:
         """One line for the log: the layers the worker holds, and the ones this machine lacks."""

@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import stat
+import subprocess
 import tempfile
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import Callable, TypeVar
 # folders one level down); `_world_writable()` adds any other found two levels from the root.
 SHARED_TEMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/dev/mqueue", "/var/crash")
 T = TypeVar("T")
+REMOVE_SECONDS = 600.0            # for one folder's removal (rm -r of a worker's leftovers)
 KILL_ROUNDS = 50                  # sweeps for processes of the uid (a fork loop races the first ones)
 # A jail's folder names the judge that made it, so a later judge can tell a live jail from one
 # whose judge was SIGKILLed before it could clean up (judge-worker-<pid>-<start time>-XXXX).
@@ -83,7 +85,27 @@ def sweep_stale_jails() -> None:
         if home is not None and stat.S_ISDIR(home.st_mode) and home.st_uid not in (0, os.geteuid()):
             kill_uid(home.st_uid)
             remove_files_of(home.st_uid)
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_tree(folder)
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """`path` and everything under it, links not followed, never raising: a worker's folders may be
+    of any depth. Python's shutil.rmtree recurses once a level, and a worker that left a folder
+    3000 levels deep in its home raised RecursionError out of its jail's cleanup (the verdict kept
+    "passed") and then out of every later judge's start (sweep_stale_jails: every verdict after
+    it a crash, for good; red-team helper, forty-fourth session). `rm -r` walks with fts, to any
+    depth; where there is none, rmtree, whose RecursionError leaves the rest in place."""
+    rm = shutil.which("rm") or "/bin/rm"
+    try:
+        subprocess.run([rm, "-rf", "--one-file-system", "--", os.fspath(path)], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=REMOVE_SECONDS)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if os.path.lexists(path):
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        except RecursionError:
+            pass
 
 
 def session_of(pid: int) -> int | None:
@@ -180,7 +202,7 @@ def remove_files_of(uid: int) -> None:
                 continue
             if st.st_uid == uid:
                 if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(e.path, ignore_errors=True)
+                    remove_tree(e.path)
                 else:
                     try:
                         os.unlink(e.path)

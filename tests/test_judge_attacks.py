@@ -1311,6 +1311,48 @@ def test_a_file_left_in_a_deeper_world_writable_folder_is_removed(recompute_sour
     assert not left.exists()
 
 
+DEEP_FOLDERS = '''
+import os
+
+
+def _deep(where, levels=3000):
+    """A folder `levels` deep under `where` (each level entered by descriptor: no path grows)."""
+    os.mkdir(where)
+    fd = os.open(where, os.O_RDONLY)
+    for _ in range(levels):
+        os.mkdir("a", dir_fd=fd)
+        inner = os.open("a", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+'''
+
+
+def _rm_rf(paths) -> None:
+    """Whatever is left, at any depth (rm walks with fts; shutil.rmtree would recurse)."""
+    subprocess.run(["rm", "-rf", "--", *map(str, paths)], check=False)
+
+
+@needs_root
+def test_a_folder_thousands_of_levels_deep_is_removed_and_later_judges_still_start(recompute_source, write_engine,
+                                                                                  tiny_model, canary):
+    """Folders 3000 levels deep in the worker's home and in /tmp. shutil.rmtree recursed once a level:
+    its RecursionError came out of the jail's cleanup (the verdict still "passed", the jail's folder
+    left) and then out of every later judge's start, whose sweep of stale jails met that folder: a
+    run's every verdict after this engine's a crash. Now both are removed and the verdict has no error."""
+    left = canary(Path("/tmp"), "-deep")
+    at_import = "_deep(os.path.join(os.environ['HOME'], 'deep'))\n_deep(@LEFT@)\n"
+    engine = write_engine(attacking_engine(recompute_source, top=DEEP_FOLDERS, at_import=at_import, left=left))
+    before = set(Path(tempfile.gettempdir()).glob(sweep.jail_prefix() + "*"))
+    try:
+        result = evaluate(engine, tiny_model.config, tiny_model.weight_dir, **QUICK)
+        after = set(Path(tempfile.gettempdir()).glob(sweep.jail_prefix() + "*")) - before
+        assert result["status"] == "passed" and result["error"] is None, result["error"]
+        assert after == set() and not left.exists()
+    finally:
+        _rm_rf([left, *(set(Path(tempfile.gettempdir()).glob(sweep.jail_prefix() + "*")) - before)])
+
+
 SYSV_SEGMENT = '''
 import ctypes
 
