@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from evaluator import triton_cache
-from evaluator.sweep import (children, forget_child, jail_prefix, kill_new_children, kill_uid, live_processes_of, processes,
+from evaluator.sweep import (SHARED_TEMP, children, forget_child, jail_prefix, kill_new_children, kill_uid, live_processes_of, processes,
                              remove_files_of, remove_tree, session_of, start_child, sweep_stale_jails)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -440,6 +440,8 @@ class Jail:
     proc: subprocess.Popen | None = field(init=False, default=None)
     log_path: Path = field(init=False)
     _children_before: set[int] = field(init=False)
+    _memory_devs: dict = field(init=False, default_factory=dict)   # device -> memory-backed (resident_bytes)
+    _memory_folder_list: list | None = field(init=False, default=None)
 
     def __post_init__(self):
         protect_judge()
@@ -535,22 +537,72 @@ class Jail:
             return f.read(limit).decode(errors="replace").strip()
 
     def resident_bytes(self) -> int:
-        """Resident memory of the worker and everything it started (every process of its uid,
-        or its session when it shares the judge's uid): children count against the cap too."""
+        """Memory of the worker and everything it started (every process of its uid, or its session
+        when it shares the judge's uid): children count against the cap too. Each process's own pages
+        (anonymous and file-backed, as resident), and once each the memory-backed files (tmpfs,
+        memfds, SysV segments) they hold open or map and those its uid left in the memory-backed
+        shared folders (/dev/shm): held in memfds, 2 GiB had passed a 1 GiB cap unseen, and with no
+        bound but the descriptor limit a worker could take the host's memory, whose OOM killer then
+        picks the judge or the agent (red-team helper, forty-fourth session)."""
         if self.proc is None:
             return 0
         if self.spec.uid is not None:
             pids = live_processes_of(self.spec.uid)
         else:
             pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and session_of(int(p)) == self.proc.pid]
-        total = 0
+        total, seen = 0, set()
         for pid in pids:
-            try:
-                with open(f"/proc/{pid}/statm") as f:
-                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            except (OSError, ValueError, IndexError):
+            rss = _rss_kib(pid)
+            if rss is None:
                 continue
+            anon, file, shmem = rss
+            mapped = self._count_shared(f"/proc/{pid}/map_files", seen, _virtual_mappings(pid))
+            total += (anon + file + (0 if mapped is not None else shmem)) * 1024
+            total += (mapped or 0) + (self._count_shared(f"/proc/{pid}/fd", seen) or 0)
+        for folder in self._memory_folders():
+            total += _files_of(folder, self.spec.uid, seen) if self.spec.uid is not None else 0
         return total
+
+    def _memory_backed(self, link: str, dev: int) -> bool:
+        """Whether the file `link` (a /proc magic link) names lies on a memory-backed file system
+        (statfs, once a device)."""
+        if dev not in self._memory_devs:
+            self._memory_devs[dev] = _on_memory_fs(link)
+        return self._memory_devs[dev]
+
+    def _count_shared(self, folder: str, seen: set, names: list[str] | None = None) -> int | None:
+        """Bytes of the memory-backed regular files the links in `folder` (`names` of them, default
+        all) name, each once (`seen`); None where the folder cannot be read (map_files needs
+        CAP_SYS_ADMIN)."""
+        try:
+            if names is None:
+                names = os.listdir(folder)
+            elif names and not os.access(folder, os.R_OK | os.X_OK):
+                return None
+        except OSError:
+            return None
+        total = 0
+        for name in names:
+            link = f"{folder}/{name}"
+            try:
+                st = os.stat(link)
+            except PermissionError:
+                return None
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if not stat.S_ISREG(st.st_mode) or key in seen:
+                continue
+            seen.add(key)
+            if self._memory_backed(link, st.st_dev):
+                total += st.st_blocks * 512
+        return total
+
+    def _memory_folders(self) -> list[str]:
+        """The shared folders (and the worker's home) that are memory-backed: once."""
+        if self._memory_folder_list is None:
+            self._memory_folder_list = [f for f in (*SHARED_TEMP, str(self.home)) if _on_memory_fs(f)]
+        return self._memory_folder_list
 
     def close(self) -> None:
         """Kill everything the worker started, remove everything its uid wrote."""
@@ -581,6 +633,76 @@ class Jail:
             missing.append("address-space cap (not with a CUDA build of torch: resident memory watched)")
         text = "worker isolation: " + ", ".join(held)
         return text + (f"; missing: {', '.join(missing)}" if missing else "")
+
+
+# statfs(2) magic numbers of file systems whose files are memory (a memfd or a SysV segment lies on
+# the kernel's internal tmpfs)
+MEMORY_FS_MAGIC = (0x01021994, 0x858458F6, 0x958458F6)   # tmpfs, ramfs, hugetlbfs
+FILES_SCANNED = 100_000   # entries a memory-backed folder's scan reads at most, per look
+
+
+def _on_memory_fs(path: str) -> bool:
+    """Whether `path` (followed, a /proc magic link too) lies on a memory-backed file system."""
+    try:
+        fd = os.open(path, os.O_PATH)
+    except OSError:
+        return False
+    try:
+        buf = ctypes.create_string_buffer(256)   # struct statfs; f_type first
+        if _libc.fstatfs(fd, buf) != 0:
+            return False
+        return (ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF) in MEMORY_FS_MAGIC
+    finally:
+        os.close(fd)
+
+
+def _rss_kib(pid: int) -> tuple[int, int, int] | None:
+    """(RssAnon, RssFile, RssShmem) of a process in KiB, from /proc/<pid>/status; None if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return tuple(int(fields.get(k, "0 kB").split()[0]) for k in ("RssAnon", "RssFile", "RssShmem"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _virtual_mappings(pid: int) -> list[str]:
+    """The /proc/<pid>/map_files names of the process's mappings of files on a device-less file
+    system (major 0: tmpfs, memfds, SysV segments among them), read from /proc/<pid>/maps: the
+    rest (libraries, weights on disk) is file-backed resident memory already counted."""
+    names = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) >= 5 and fields[4] != "0" and fields[3].startswith("00:"):
+                    names.append(fields[0])
+    except OSError:
+        pass
+    return names
+
+
+def _files_of(folder: str, uid: int, seen: set) -> int:
+    """Bytes of the regular files `uid` owns under `folder` (any depth, links not followed, at
+    most FILES_SCANNED entries), each once (`seen`)."""
+    total, stack, scanned = 0, [folder], 0
+    while stack and scanned < FILES_SCANNED:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for e in entries:
+            scanned += 1
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(e.path)
+            elif stat.S_ISREG(st.st_mode) and st.st_uid == uid and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
 
 
 def _torch_dir() -> str:

@@ -109,6 +109,7 @@ class Worker:
         self.buffer: channel.OutputBuffer | None = None
         self.layers: str | None = None    # set by `ready`: the layers its hello named
         self.round_trip = 0.0
+        self.watched = time.monotonic()   # when its memory was last looked at (_watch_memory)
         self.handover = (0.0, 0.0)        # set by `ready`: an honest flush's seconds, fixed and per byte
         self.measured = False             # set by `ready`: round_trip holds the measurement
         ours, theirs = socket.socketpair()
@@ -177,10 +178,19 @@ class Worker:
         tail = self.jail.log_tail()
         return WorkerDied(f"{what}: the worker {status}" + (f"; its last output:\n{tail}" if tail else ""))
 
+    def _watch_memory(self, what: str) -> None:
+        """The worker's memory against the cap (a crash past it)."""
+        self.watched = time.monotonic()
+        if self.memory_bytes and self.jail.resident_bytes() > self.memory_bytes:
+            raise self._died(what, f"used more than {self.memory_bytes / 2**30:.1f} GiB of memory (the cap)")
+
     def _answer(self, deadline: float | None, what: str, spin: bool = False,
-                max_payload: int = 0) -> tuple[dict, bytes]:
+                max_payload: int = 0, watch: bool = True) -> tuple[dict, bytes]:
         """Wait for one answer, watching that the worker lives and stays under the memory cap
-        (spinning instead of sleeping inside a timed trace's clock)."""
+        (spinning instead of sleeping inside a timed trace's clock). The memory is looked at every
+        WATCH_SECONDS of a wait and, with `watch` (not inside a clock), when an answer comes more
+        than WATCH_SECONDS after the last look: a worker whose every answer came sooner was never
+        looked at (red-team helper, forty-fourth session)."""
         if spin:
             try:
                 channel.spin_until_readable(self.sock, deadline, lambda: self.proc.poll() is None)
@@ -195,20 +205,22 @@ class Worker:
                 break
             if self.proc.poll() is not None:
                 raise self._died(what, "exited")
-            if self.memory_bytes and self.jail.resident_bytes() > self.memory_bytes:
-                raise self._died(what, f"used more than {self.memory_bytes / 2**30:.1f} GiB of memory (the cap)")
+            self._watch_memory(what)
+        if watch and time.monotonic() - self.watched > WATCH_SECONDS:
+            self._watch_memory(what)
         try:
             header, payload, _ = channel.receive(self.sock, time.monotonic() + MESSAGE_SECONDS, max_payload)
         except channel.ChannelClosed as e:
             raise self._died(what, str(e)) from e
         return header, payload
 
-    def request(self, header: dict, payload: bytes = b"", what: str = "", fds: tuple[int, ...] = ()) -> dict:
+    def request(self, header: dict, payload: bytes = b"", what: str = "", fds: tuple[int, ...] = (),
+                watch: bool = True) -> dict:
         """Send one request, return its answer; a refusal becomes the EvalFailure it names."""
-        return self.exchange(header, payload, what, fds)[0]
+        return self.exchange(header, payload, what, fds, watch=watch)[0]
 
     def exchange(self, header: dict, payload: bytes = b"", what: str = "", fds: tuple[int, ...] = (),
-                 spin: bool = False, max_payload: int = 0) -> tuple[dict, bytes]:
+                 spin: bool = False, max_payload: int = 0, watch: bool = True) -> tuple[dict, bytes]:
         """`request`, with the answer's payload (at most `max_payload` bytes)."""
         header = {**header, "release": self.pending_release}
         self.pending_release = []
@@ -216,7 +228,7 @@ class Worker:
             channel.send(self.sock, header, payload, fds)
         except channel.ChannelClosed as e:
             raise self._died(what, str(e)) from e
-        answer, data = self._answer(None, what, spin, max_payload)
+        answer, data = self._answer(None, what, spin, max_payload, watch)
         if answer.get("ok") is True:
             return answer, data
         kind, error = str(answer.get("kind", CRASH)), str(answer.get("error", "no reason given"))[:4000]
@@ -235,7 +247,7 @@ class Worker:
             self.request({"op": "arm", "engine": 0, "ops": [], "device": self.device, "vocab": 1, "rows": 0,
                           "what": "round trip"}, bytes(16), what="round trip")
             start = time.perf_counter()
-            self.exchange({"op": "trace"}, what="round trip", spin=self.device == "cuda")
+            self.exchange({"op": "trace"}, what="round trip", spin=self.device == "cuda", watch=False)
             times.append(time.perf_counter() - start)
         return sorted(times)[len(times) // 2]
 
@@ -246,9 +258,9 @@ class Worker:
         for _ in range(HANDOVER_CALIBRATION_RUNS):
             self.request({"op": "arm", "engine": 0, "ops": [], "device": self.device, "vocab": vocab, "rows": rows,
                           "what": "handover"}, bytes(16 * vocab), what="handover")
-            self.exchange({"op": "trace"}, what="handover", spin=self.device == "cuda")
+            self.exchange({"op": "trace"}, what="handover", spin=self.device == "cuda", watch=False)
             start = time.perf_counter()
-            self.request({"op": "flush", "device": self.device}, what="handover")
+            self.request({"op": "flush", "device": self.device}, what="handover", watch=False)
             times.append(time.perf_counter() - start)
         return sorted(times)[len(times) // 2]
 
@@ -387,9 +399,10 @@ class RemoteEngine:
         gc.disable()   # no collection of the judge's garbage inside its clock, nor in the handover it watches
         try:
             start = time.perf_counter()
-            answer, digests = w.exchange({"op": "trace"}, payload, what=what, spin=spin, max_payload=8 * rows)
+            answer, digests = w.exchange({"op": "trace"}, payload, what=what, spin=spin, max_payload=8 * rows,
+                                         watch=False)
             end = time.perf_counter()
-            flushed = w.request({"op": "flush", "device": self.device}, what=what)
+            flushed = w.request({"op": "flush", "device": self.device}, what=what, watch=False)
             handed = time.perf_counter()
         finally:
             if gc_was:

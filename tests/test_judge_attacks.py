@@ -1401,6 +1401,48 @@ def test_the_memory_cap_counts_every_process_of_the_worker(recompute_source, wri
     assert "1.0 GiB" in result["error"]
 
 
+SHARED_MEMORY = '''
+import os
+
+_HELD = []
+
+
+def _hold_shared_memory(drop, mib=512):
+    """`mib` in memfds kept open, and `mib` in files under `drop` (/dev/shm), closed: neither is any
+    process's resident memory."""
+    chunk = b"x" * (1 << 20)
+    for i in range(mib // 128):
+        memfd = os.memfd_create("held")
+        shm = os.open(f"{drop}-{i}", os.O_CREAT | os.O_WRONLY, 0o600)
+        for _ in range(128):
+            os.write(memfd, chunk)
+            os.write(shm, chunk)
+        _HELD.append(memfd)
+        os.close(shm)
+
+
+_hold_shared_memory(@DROP@)
+'''
+
+
+@needs_root
+def test_the_memory_cap_counts_memfds_and_shared_memory_files(recompute_source, write_engine, tiny_model, canary):
+    """512 MiB in memfds held open and 512 MiB in /dev/shm files under a 1 GiB cap: memory of the
+    host's that no process's resident size shows (and no bound but the descriptor limit: with the
+    host's memory gone, its OOM killer picks the judge or the agent). The judge must fail it, naming
+    the cap; nothing is left in /dev/shm."""
+    drop = canary(Path("/dev/shm"))
+    try:
+        result = evaluate(write_engine(attacking_engine(recompute_source, top=SHARED_MEMORY, drop=drop)),
+                          tiny_model.config, tiny_model.weight_dir, **QUICK, memory_bytes=SMALL_CAP)
+        assert (result["status"], result["error_kind"]) == ("failed", "crash"), result["error"]
+        assert "1.0 GiB" in result["error"]
+        assert list(Path("/dev/shm").glob(drop.name + "-*")) == []
+    finally:
+        for left in Path("/dev/shm").glob(drop.name + "-*"):
+            left.unlink()
+
+
 # ---- the worker's side of the channel, rewritten by the candidate ----
 
 # Replaces, in the worker, the function that sends its answers: the next answer is SENDS.
