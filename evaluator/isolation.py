@@ -27,6 +27,8 @@ it over a socket (evaluator/channel.py). The jail stacks layers; each says what 
   the CPUs only while one ran, halving the score timed beside it (red-team helper, thirty-eighth
   session). An older kernel refuses the option and the layer is missing.
 - **No new privileges** (PR_SET_NO_NEW_PRIVS): no setuid binary gives anything back.
+- **No new namespaces** (a seccomp filter): no user namespace of its own, whose tmpfs mounts would hold
+  memory the judge's watch cannot see.
 - **Limits** (rlimits): file size, core dumps, processes of its uid, and on CPU with a CPU build
   of torch its address space; and always the judge watches the resident memory of every
   process of its uid (its children count too) against the memory cap.
@@ -346,6 +348,60 @@ def _mount_view(paths: tuple[str, ...]) -> bool:
     return True
 
 
+# seccomp (linux/seccomp.h, linux/filter.h, linux/audit.h): the system calls that make namespaces
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+BPF_LD_W_ABS, BPF_JEQ, BPF_JGE, BPF_JSET, BPF_RET = 0x20, 0x15, 0x35, 0x45, 0x06
+X32_SYSCALL_BIT = 0x40000000
+# audit arch -> (unshare, setns, clone, clone3)
+NAMESPACE_CALLS = {0xC000003E: (272, 308, 56, 435),    # x86_64
+                   0xC00000B7: (97, 268, 220, 435)}    # aarch64
+CLONE_NEW_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+
+
+def _arch() -> int | None:
+    import platform
+    return {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(platform.machine())
+
+
+def _no_new_namespaces() -> bool:
+    """A seccomp filter on this process and everything it starts: unshare and setns refused, clone
+    refused with a CLONE_NEW* flag, clone3 answered ENOSYS (glibc then uses clone). A worker's
+    child, single-threaded, had made a user namespace of its own and mounted a tmpfs there: memory
+    no resident size shows and the judge's memory watch cannot see (red-team helper, forty-fourth
+    session). Needs PR_SET_NO_NEW_PRIVS first; False on an architecture not listed or where the
+    kernel refuses."""
+    arch = _arch()
+    if arch not in NAMESPACE_CALLS:
+        return False
+    unshare, setns, clone, clone3 = NAMESPACE_CALLS[arch]
+    eperm, enosys = SECCOMP_RET_ERRNO | 1, SECCOMP_RET_ERRNO | 38
+    x32 = X32_SYSCALL_BIT if arch == 0xC000003E else 0xFFFFFFFF
+    program = [
+        (BPF_LD_W_ABS, 0, 0, 4),            # 0: arch
+        (BPF_JEQ, 0, 9, arch),              # 1: another arch's call (32-bit compat) -> EPERM
+        (BPF_LD_W_ABS, 0, 0, 0),            # 2: nr
+        (BPF_JGE, 7, 0, x32),               # 3: x32 calls -> EPERM
+        (BPF_JEQ, 6, 0, unshare),           # 4
+        (BPF_JEQ, 5, 0, setns),             # 5
+        (BPF_JEQ, 5, 0, clone3),            # 6: -> ENOSYS
+        (BPF_JEQ, 0, 2, clone),             # 7
+        (BPF_LD_W_ABS, 0, 0, 16),           # 8: clone's flags (args[0], low half)
+        (BPF_JSET, 1, 0, CLONE_NEW_FLAGS),  # 9
+        (BPF_RET, 0, 0, SECCOMP_RET_ALLOW),  # 10
+        (BPF_RET, 0, 0, eperm),             # 11
+        (BPF_RET, 0, 0, enosys),            # 12
+    ]
+    code = b"".join(struct.pack("HBBI", *insn) for insn in program)
+    filters = ctypes.create_string_buffer(code, len(code))
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = Program(len(program), ctypes.addressof(filters))
+    return _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0
+
+
 def enter(spec: JailSpec) -> list[str]:
     """Confine the calling process (the worker, at its start). Returns the layers it holds; a
     required layer that fails raises (the worker then exits and the judge says why)."""
@@ -389,6 +445,8 @@ def enter(spec: JailSpec) -> list[str]:
     if not _prctl(PR_SET_NO_NEW_PRIVS, 1):
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
     held.append("no new privileges")
+    if _no_new_namespaces():
+        held.append("no new namespaces")
     die_with_parent()   # after the uid change, which clears it
     if os.getppid() != spec.judge_pid:
         os._exit(1)   # the judge is gone already

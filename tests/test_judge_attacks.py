@@ -1443,6 +1443,45 @@ def test_the_memory_cap_counts_memfds_and_shared_memory_files(recompute_source, 
             left.unlink()
 
 
+OWN_NAMESPACE = '''
+import subprocess
+import sys
+
+# In a child of its own (unshare refuses a user namespace to a process with threads): a user and
+# mount namespace, and a tmpfs mounted in it, whose files are memory the judge cannot see.
+_IN_A_CHILD = "\\n".join([
+    "import ctypes, os",
+    "libc = ctypes.CDLL(None, use_errno=True)",
+    "if libc.unshare(0x10000000 | 0x00020000) != 0:",
+    "    raise SystemExit('unshare refused: errno %d' % ctypes.get_errno())",
+    "os.mkdir('mnt')",
+    "if libc.mount(b'tmpfs', b'mnt', b'tmpfs', 0, b'size=1g') != 0:",
+    "    raise SystemExit('mount refused: errno %d' % ctypes.get_errno())",
+    "print('mounted')",
+])
+
+
+def _own_namespace():
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", _IN_A_CHILD], capture_output=True, text=True)
+    return (done.stdout + done.stderr).strip()[-200:]
+
+
+_attempt("namespace", _own_namespace)
+_report()
+'''
+
+
+@needs_root
+def test_the_worker_cannot_make_namespaces_of_its_own(recompute_source, write_engine, tiny_model):
+    """A child of the worker made a user namespace and a mount namespace and mounted a tmpfs there
+    (its files: host memory no resident size shows, out of the memory watch's sight). Refused now
+    (a seccomp filter: unshare, setns and clone with CLONE_NEW* flags), and the log names the layer."""
+    result = evaluate(write_engine(attacking_engine(recompute_source, at_import=OWN_NAMESPACE)),
+                      tiny_model.config, tiny_model.weight_dir, **QUICK)
+    assert outcomes(result) == {"namespace": "done: 'unshare refused: errno 1'"}
+    assert "no new namespaces" in result["isolation"]
+
+
 # ---- the worker's side of the channel, rewritten by the candidate ----
 
 # Replaces, in the worker, the function that sends its answers: the next answer is SENDS.
