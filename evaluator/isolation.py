@@ -499,6 +499,7 @@ class Jail:
     log_path: Path = field(init=False)
     _children_before: set[int] = field(init=False)
     _memory_devs: dict = field(init=False, default_factory=dict)   # device -> memory-backed (resident_bytes)
+    _disk_free: dict = field(init=False, default_factory=dict)     # device -> (a folder on it, free bytes at the start)
     _memory_folder_list: list | None = field(init=False, default=None)
 
     def __post_init__(self):
@@ -531,6 +532,28 @@ class Jail:
                 os.chown(path, uid, uid)
             os.chmod(self.home, 0o700)
         self.refresh_cache()
+        for folder in (str(self.home), *SHARED_TEMP):
+            try:
+                dev, free = os.stat(folder).st_dev, _free_bytes(folder)
+            except OSError:
+                continue
+            if dev not in self._disk_free and not _on_memory_fs(folder):   # memory: resident_bytes counts it
+                self._disk_free[dev] = (folder, free)
+
+    def disk_filled(self) -> str | None:
+        """A folder whose file system the worker could write and whose free space fell by more
+        than DISK_SHARE of what it was when the jail was made (and DISK_SLACK), or None. RLIMIT_FSIZE bounds a file, not
+        their number: a worker's fallocate of 512 MiB files filled a host's disk in milliseconds and
+        held it full for its whole verdict, while the agent (its log, its records, exit 3 on ENOSPC)
+        and the judges of other GPUs (their workers' compiler caches) wrote beside it (red-team
+        helper, forty-fourth session)."""
+        for folder, free in self._disk_free.values():
+            try:
+                if free - _free_bytes(folder) > max(DISK_SHARE * free, DISK_SLACK):
+                    return folder
+            except OSError:
+                continue
+        return None
 
     def refresh_cache(self, scope: tuple[str, ...] | None = None) -> None:
         """The shared Triton cache's entries the worker's cache lacks, copied in: at the jail's
@@ -697,6 +720,17 @@ class Jail:
 # the kernel's internal tmpfs)
 MEMORY_FS_MAGIC = (0x01021994, 0x858458F6, 0x958458F6)   # tmpfs, ramfs, hugetlbfs
 FILES_SCANNED = 100_000   # entries a memory-backed folder's scan reads at most, per look
+
+
+# The disk a worker may take on each file system it can write: DISK_SHARE of the free space at its
+# jail's start, and DISK_SLACK whatever that is (others write too: a 512 MiB log of another verdict's).
+DISK_SHARE = 0.5
+DISK_SLACK = 2**30
+
+
+def _free_bytes(folder: str) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
 
 
 def _on_memory_fs(path: str) -> bool:

@@ -179,10 +179,13 @@ class Worker:
         return WorkerDied(f"{what}: the worker {status}" + (f"; its last output:\n{tail}" if tail else ""))
 
     def _watch_memory(self, what: str) -> None:
-        """The worker's memory against the cap (a crash past it)."""
+        """The worker's memory against the cap, and the disks it can write (a crash past either)."""
         self.watched = time.monotonic()
         if self.memory_bytes and self.jail.resident_bytes() > self.memory_bytes:
             raise self._died(what, f"used more than {self.memory_bytes / 2**30:.1f} GiB of memory (the cap)")
+        filled = self.jail.disk_filled()
+        if filled is not None:
+            raise self._died(what, f"took too much of the free disk space of {filled} (more than half)")
 
     def _answer(self, deadline: float | None, what: str, spin: bool = False,
                 max_payload: int = 0, watch: bool = True) -> tuple[dict, bytes]:

@@ -1482,6 +1482,37 @@ def test_the_worker_cannot_make_namespaces_of_its_own(recompute_source, write_en
     assert "no new namespaces" in result["isolation"]
 
 
+FILLS_THE_DISK = '''
+import os
+
+
+def _fill(folder, files=4):
+    """512 MiB files (RLIMIT_FSIZE bounds one file, not their number), allocated at once."""
+    for i in range(files):
+        fd = os.open(os.path.join(folder, f"fill-{i}"), os.O_CREAT | os.O_WRONLY, 0o600)
+        os.posix_fallocate(fd, 0, 512 << 20)
+        os.close(fd)
+
+
+_fill(os.environ["HOME"])
+'''
+
+
+@needs_root
+def test_a_worker_filling_the_disk_is_stopped(recompute_source, write_engine, tiny_model, monkeypatch):
+    """Files of 512 MiB, allocated by the thousand in milliseconds, filled a host's disk and held it
+    full for the whole verdict, while the agent and other GPUs' judges wrote beside it. The judge
+    watches the free space of what the worker can write: past its share (made tiny here: 2 GiB taken,
+    1 GiB allowed) the worker is stopped, a crash; its files go with it."""
+    monkeypatch.setattr(isolation, "DISK_SHARE", 1e-6, raising=False)
+    monkeypatch.setattr(isolation, "DISK_SLACK", 2**30, raising=False)
+    result = evaluate(write_engine(attacking_engine(recompute_source, top=FILLS_THE_DISK,
+                                                    in_prefill="import time; time.sleep(0.3)\n")),
+                      tiny_model.config, tiny_model.weight_dir, **QUICK)
+    assert (result["status"], result["error_kind"]) == ("failed", "crash"), result["error"]
+    assert "free disk space" in result["error"]
+
+
 # ---- the worker's side of the channel, rewritten by the candidate ----
 
 # Replaces, in the worker, the function that sends its answers: the next answer is SENDS.
