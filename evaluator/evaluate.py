@@ -327,7 +327,11 @@ def summary_line(result: dict) -> str:
     score_text = "untimed" if result["score"] is None else f"{result['score']:.4g}"
     verdict = f"score {score_text}" if result["status"] == "passed" else \
         f"{result['error_kind']} at {result['stage']}: {(result['error'] or '').splitlines()[0]}"
-    return f"{result['status']}: {verdict} ({result['seconds']:.1f} s)"
+    line = f"{result['status']}: {verdict} ({result['seconds']:.1f} s)"
+    # Escaped where UTF-8 cannot write it: an engine's exception may hold a lone surrogate (JSON
+    # carries "\\ud800" from the worker), and printing it raised out of the resident judge before
+    # it wrote the verdict (the judge exited; red-team helper, forty-fourth session).
+    return line.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def add_timing_flags(p: argparse.ArgumentParser) -> None:

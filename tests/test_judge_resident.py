@@ -70,6 +70,22 @@ def test_a_verdict_is_the_standalone_commands_in_content(tiny_model, recompute_e
     assert mine[0]["status"] == "passed" and mine[0]["stress"] and mine[1]["error_kind"] == "runtime_error"
 
 
+def test_an_error_utf8_cannot_write_is_a_verdict_from_the_same_judge(tiny_model, recompute_source, write_engine,
+                                                                       tmp_path):
+    """An engine raising with a lone surrogate in its message (the worker's JSON carries it): the
+    judge printed the verdict's line before writing it, the print raised, and the judge exited
+    without a verdict (a start more for each such engine; a series ended there). Now a
+    runtime_error, from the one judge."""
+    from tests.test_judge_attacks import attacking_engine
+    raises = "raise RuntimeError('lone \\ud800 surrogate')\n"
+    engine = write_engine(attacking_engine(recompute_source, in_prefill=raises))
+    s = settings(tiny_model, 1)
+    with Judge(s, tmp_path / "judge") as judge:
+        result = judge.verdict(engine, tmp_path / "verdict", 120, s)
+        assert (result.status, result.error_kind, judge.starts) == ("failed", "runtime_error", 1), result.error
+        assert "surrogate" in (tmp_path / "verdict" / "stdout.txt").read_text()
+
+
 def test_several_verdicts_come_from_one_judge_process(tiny_model, recompute_engine_path, tmp_path):
     """Three verdicts, one process: started once, its start counted in the first verdict only,
     its margin measured once (the same on all), each verdict in a worker of its own."""
