@@ -601,6 +601,28 @@ def silu_mul__llm_7(gate_up):
         marker.unlink(missing_ok=True)
 
 
+def test_a_unit_check_has_a_memory_cap(monkeypatch):
+    """A variant holding 3 GiB in a plain tensor (nothing the policy refuses) passed its unit check:
+    the check's jail had no memory cap and nothing watched it, so model code could take the host's
+    memory while the judge ran beside it. Now it has one (made 2 GiB here): refused."""
+    from agent.providers import proposals
+    from agent.providers.proposals import unit_check, variant_template
+    machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    monkeypatch.setattr(proposals, "UNIT_MEMORY_FRACTION", 2**31 / machine, raising=False)
+    code = '''
+import torch
+_HELD = []
+def silu_mul__llm_7(gate_up):
+    if not _HELD:
+        _HELD.append(torch.ones(3 * 2**30, dtype=torch.uint8))
+    d = gate_up.shape[-1] // 2
+    return torch.nn.functional.silu(gate_up[..., :d]) * gate_up[..., d:]
+'''
+    result = unit_check("silu_mul", variant_template("silu_mul", "llm_7", "cpu", code), "cpu", 300.0, seed=3)
+    assert not result.passed
+    assert "memory" in result.detail.lower() or "allocate" in result.detail, result.detail
+
+
 @pytest.mark.parametrize("where", ["judged", "waiting"])
 def test_a_resumed_run_keeps_the_models_earlier_variants_and_their_names(where, tmp_path, monkeypatch):
     """A run continued with --resume has its earlier model variants in the history, or in the

@@ -35,6 +35,11 @@ REPO = TEMPLATES.parent
 UNIT_WORKER = REPO / "evaluator" / "unit_worker.py"
 _HEADER_LINE = re.compile(r"^\s*#\s*slot:.*$", re.MULTILINE)
 RESULT_TAIL_BYTES = 1 << 20   # of the unit check's output read back (it may print without end)
+# A unit check's memory (every process of its uid, shared memory included: the judge's watch,
+# evaluator/isolation.py Jail.resident_bytes), as a share of the machine's: one slot's calls at its
+# shapes need little, and the judge's worker may hold most of the rest meanwhile.
+UNIT_MEMORY_FRACTION = 0.25
+UNIT_WATCH_SECONDS = 0.2      # how often a unit check's memory and disk use are looked at
 ERROR_LINES = 12  # of a crashed unit check's stderr, sent back to the model
 LOG_LINE = 300    # characters of a timing error kept
 
@@ -220,7 +225,7 @@ def unit_check(slot: str, template: str, device: str, timeout: float, seed: int,
     holding the variant is judged again by the evaluator), so a variant that forges it (its
     correctness or its speed) gains nothing but a whole-engine benchmark. A wait for a recorded
     timing (UNIT_CHECKS) comes out of `timeout`, which the caller bounds by the run's budget."""
-    with UNIT_CHECKS.running() as waited, Jail(device) as jail:
+    with UNIT_CHECKS.running() as waited, Jail(device, unit_memory_cap()) as jail:
         timeout = max(timeout - waited, 0.0)
         src = jail.root / "variant.py"   # the agent's folder: readable by the worker, not replaceable
         src.write_text(template)
@@ -233,10 +238,9 @@ def unit_check(slot: str, template: str, device: str, timeout: float, seed: int,
             argv.append(str(request))
         os.chmod(src, 0o644)
         proc = jail.spawn(argv, pass_fds=())
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return UnitResult(False, f"timeout: the unit check did not finish in {timeout:.0f}s (a hang or far too slow)")
+        stopped = _watch_unit_check(proc, jail, timeout)
+        if stopped is not None:
+            return UnitResult(False, stopped)
         tail = jail.log_tail(RESULT_TAIL_BYTES)
     result = _unit_result(tail)
     if result is None:
@@ -253,6 +257,32 @@ def unit_check(slot: str, template: str, device: str, timeout: float, seed: int,
         return UnitResult(True, f"{head}; closest to tolerance: {result.get('worst_case')}", err, timings, timing_error)
     reason = result.get("error") or result.get("worst_case") or "failed"
     return UnitResult(False, f"{reason}" + (f"\n({head})" if head and not result.get("error") else ""), err)
+
+
+def unit_memory_cap() -> int:
+    return int(UNIT_MEMORY_FRACTION * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _watch_unit_check(proc: subprocess.Popen, jail: Jail, timeout: float) -> str | None:
+    """Wait for the unit check to end; why it was stopped (its timeout, its memory past the jail's
+    cap, the disk it filled), or None when it ended by itself. It had no cap at all: model code
+    that passed the policy held 3 GiB in a plain tensor, and could take the host's memory (the
+    OOM killer then picks among the judge, its worker and the agent) or its disk (red-team helper,
+    forty-fourth session). Its jail kills what is left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            proc.wait(timeout=max(min(UNIT_WATCH_SECONDS, deadline - time.monotonic()), 0.0))
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() >= deadline:
+            return f"timeout: the unit check did not finish in {timeout:.0f}s (a hang or far too slow)"
+        if jail.memory_bytes and jail.resident_bytes() > jail.memory_bytes:
+            return f"memory: the unit check used more than {jail.memory_bytes / 2**30:.1f} GiB (its cap)"
+        filled = jail.disk_filled()
+        if filled is not None:
+            return f"disk: the unit check took too much of the free disk space of {filled}"
 
 
 def _unit_result(tail: str) -> dict | None:
