@@ -500,7 +500,7 @@ class Jail:
     _children_before: set[int] = field(init=False)
     _memory_devs: dict = field(init=False, default_factory=dict)   # device -> memory-backed (resident_bytes)
     _disk_free: dict = field(init=False, default_factory=dict)     # device -> (a folder on it, free bytes at the start)
-    _memory_folder_list: list | None = field(init=False, default=None)
+    _memory_used: dict = field(init=False, default_factory=dict)   # device -> (a memory-backed folder, bytes used at the start)
 
     def __post_init__(self):
         protect_judge()
@@ -537,7 +537,9 @@ class Jail:
                 dev, free = os.stat(folder).st_dev, _free_bytes(folder)
             except OSError:
                 continue
-            if dev not in self._disk_free and not _on_memory_fs(folder):   # memory: resident_bytes counts it
+            if _on_memory_fs(folder):   # memory: resident_bytes counts what it gains
+                self._memory_used.setdefault(dev, (folder, _used_bytes(folder)))
+            elif dev not in self._disk_free:
                 self._disk_free[dev] = (folder, free)
 
     def disk_filled(self) -> str | None:
@@ -621,8 +623,9 @@ class Jail:
         """Memory of the worker and everything it started (every process of its uid, or its session
         when it shares the judge's uid): children count against the cap too. Each process's own pages
         (anonymous and file-backed, as resident), and once each the memory-backed files (tmpfs,
-        memfds, SysV segments) they hold open or map and those its uid left in the memory-backed
-        shared folders (/dev/shm): held in memfds, 2 GiB had passed a 1 GiB cap unseen, and with no
+        memfds, SysV segments) they hold open or map, and what the memory-backed shared folders
+        (/dev/shm) gained since the jail's start (whoever's: a walk for its files can be led past
+        them by decoys, and others write little there): held in memfds, 2 GiB had passed a 1 GiB cap unseen, and with no
         bound but the descriptor limit a worker could take the host's memory, whose OOM killer then
         picks the judge or the agent (red-team helper, forty-fourth session)."""
         if self.proc is None:
@@ -640,8 +643,11 @@ class Jail:
             mapped = self._count_shared(f"/proc/{pid}/map_files", seen, _virtual_mappings(pid))
             total += (anon + file + (0 if mapped is not None else shmem)) * 1024
             total += (mapped or 0) + (self._count_shared(f"/proc/{pid}/fd", seen) or 0)
-        for folder in self._memory_folders():
-            total += _files_of(folder, self.spec.uid, seen) if self.spec.uid is not None else 0
+        for folder, used in self._memory_used.values():   # /dev/shm: what it gained since the jail's start
+            try:
+                total += max(_used_bytes(folder) - used, 0)
+            except OSError:
+                continue
         return total
 
     def _memory_backed(self, link: str, dev: int) -> bool:
@@ -672,18 +678,12 @@ class Jail:
             except OSError:
                 continue
             key = (st.st_dev, st.st_ino)
-            if not stat.S_ISREG(st.st_mode) or key in seen:
+            if not stat.S_ISREG(st.st_mode) or key in seen or st.st_dev in self._memory_used:   # counted whole
                 continue
             seen.add(key)
             if self._memory_backed(link, st.st_dev):
                 total += st.st_blocks * 512
         return total
-
-    def _memory_folders(self) -> list[str]:
-        """The shared folders (and the worker's home) that are memory-backed: once."""
-        if self._memory_folder_list is None:
-            self._memory_folder_list = [f for f in (*SHARED_TEMP, str(self.home)) if _on_memory_fs(f)]
-        return self._memory_folder_list
 
     def close(self) -> None:
         """Kill everything the worker started, remove everything its uid wrote."""
@@ -719,7 +719,6 @@ class Jail:
 # statfs(2) magic numbers of file systems whose files are memory (a memfd or a SysV segment lies on
 # the kernel's internal tmpfs)
 MEMORY_FS_MAGIC = (0x01021994, 0x858458F6, 0x958458F6)   # tmpfs, ramfs, hugetlbfs
-FILES_SCANNED = 100_000   # entries a memory-backed folder's scan reads at most, per look
 
 
 # The disk a worker may take on each file system it can write: DISK_SHARE of the free space at its
@@ -762,39 +761,23 @@ def _virtual_mappings(pid: int) -> list[str]:
     """The /proc/<pid>/map_files names of the process's mappings of files on a device-less file
     system (major 0: tmpfs, memfds, SysV segments among them), read from /proc/<pid>/maps: the
     rest (libraries, weights on disk) is file-backed resident memory already counted."""
-    names = []
+    names, files = [], set()
     try:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
                 fields = line.split(maxsplit=5)
-                if len(fields) >= 5 and fields[4] != "0" and fields[3].startswith("00:"):
+                if len(fields) >= 5 and fields[4] != "0" and fields[3].startswith("00:") \
+                        and (fields[3], fields[4]) not in files:   # one a file: a file mapped 60000 times is one stat
+                    files.add((fields[3], fields[4]))
                     names.append(fields[0])
     except OSError:
         pass
     return names
 
 
-def _files_of(folder: str, uid: int, seen: set) -> int:
-    """Bytes of the regular files `uid` owns under `folder` (any depth, links not followed, at
-    most FILES_SCANNED entries), each once (`seen`)."""
-    total, stack, scanned = 0, [folder], 0
-    while stack and scanned < FILES_SCANNED:
-        try:
-            entries = list(os.scandir(stack.pop()))
-        except OSError:
-            continue
-        for e in entries:
-            scanned += 1
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                stack.append(e.path)
-            elif stat.S_ISREG(st.st_mode) and st.st_uid == uid and (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-    return total
+def _used_bytes(folder: str) -> int:
+    st = os.statvfs(folder)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
 def _torch_dir() -> str:
