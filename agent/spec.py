@@ -120,7 +120,7 @@ def _positive_int(config: dict, key: str, default: int | None = None) -> int:
 def _positive_float(config: dict, key: str, default: float) -> float:
     """The key's value, its default where the config leaves it out. A null is not left out: the
     reference, the engines and transformers 5 all fail on one (float(None)), and it had passed here
-    as the default, so the run ended with no engine instead of this line (unseen-configs sweep, h45)."""
+    as the default, so the run ended with no engine instead of this line (unseen-configs sweep, thirty-ninth session)."""
     if key not in config:
         return default
     value = config[key]

@@ -55,7 +55,7 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 # Flags and counts an HF config may leave out but not set null: transformers 5's config classes refuse
 # a null there, 4.x reads it as false or fails, and this code had read each its own way (a null
 # max_window_layers beside use_sliding_window passed the agent and made every engine raise in
-# create_engine; unseen-configs sweep, h45).
+# create_engine; unseen-configs sweep, thirty-ninth session).
 NOT_NULL = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "max_window_layers")
 # ... and per architecture: a null head_dim is hidden / heads to Llama's and Mistral's configs, but
 # Qwen3's refuses it and Qwen2's attention takes None for the size (transformers fails either way).
@@ -300,7 +300,7 @@ def _check_full_rotary(config: dict) -> None:
     """Refuse partial rotary embeddings wherever a config says so: the top-level key (4.x reads it),
     or inside `rope_parameters` / `rope_scaling`, where transformers 5 moves it and its llama3 path
     reads it (its forward then fails). A null or a non-number is refused alike: a null had ended
-    the agent with a TypeError traceback (unseen-configs sweep, h45)."""
+    the agent with a TypeError traceback (unseen-configs sweep, thirty-ninth session)."""
     for key, holder in (("partial_rotary_factor", config), ("rope_parameters", config.get("rope_parameters")),
                         ("rope_scaling", config.get("rope_scaling"))):
         if not isinstance(holder, dict) or "partial_rotary_factor" not in holder:

@@ -330,7 +330,7 @@ def summary_line(result: dict) -> str:
     line = f"{result['status']}: {verdict} ({result['seconds']:.1f} s)"
     # Escaped where UTF-8 cannot write it: an engine's exception may hold a lone surrogate (JSON
     # carries "\\ud800" from the worker), and printing it raised out of the resident judge before
-    # it wrote the verdict (the judge exited; red-team helper, forty-fourth session).
+    # it wrote the verdict (the judge exited; red-team helper, thirty-ninth session).
     return line.encode("utf-8", "backslashreplace").decode("utf-8")
 
 

@@ -548,7 +548,7 @@ class Jail:
         their number: a worker's fallocate of 512 MiB files filled a host's disk in milliseconds and
         held it full for its whole verdict, while the agent (its log, its records, exit 3 on ENOSPC)
         and the judges of other GPUs (their workers' compiler caches) wrote beside it (red-team
-        helper, forty-fourth session)."""
+        helper, thirty-ninth session)."""
         for folder, free in self._disk_free.values():
             try:
                 if free - _free_bytes(folder) > max(DISK_SHARE * free, DISK_SLACK):
@@ -627,7 +627,7 @@ class Jail:
         (/dev/shm) gained since the jail's start (whoever's: a walk for its files can be led past
         them by decoys, and others write little there): held in memfds, 2 GiB had passed a 1 GiB cap unseen, and with no
         bound but the descriptor limit a worker could take the host's memory, whose OOM killer then
-        picks the judge or the agent (red-team helper, forty-fourth session)."""
+        picks the judge or the agent (red-team helper, thirty-ninth session)."""
         if self.proc is None:
             return 0
         if self.spec.uid is not None:

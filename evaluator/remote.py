@@ -193,7 +193,7 @@ class Worker:
         (spinning instead of sleeping inside a timed trace's clock). The memory is looked at every
         WATCH_SECONDS of a wait and, with `watch` (not inside a clock), when an answer comes more
         than WATCH_SECONDS after the last look: a worker whose every answer came sooner was never
-        looked at (red-team helper, forty-fourth session)."""
+        looked at (red-team helper, thirty-ninth session)."""
         if spin:
             try:
                 channel.spin_until_readable(self.sock, deadline, lambda: self.proc.poll() is None)

@@ -93,7 +93,7 @@ def remove_tree(path: str | os.PathLike) -> None:
     of any depth. Python's shutil.rmtree recurses once a level, and a worker that left a folder
     3000 levels deep in its home raised RecursionError out of its jail's cleanup (the verdict kept
     "passed") and then out of every later judge's start (sweep_stale_jails: every verdict after
-    it a crash, for good; red-team helper, forty-fourth session). `rm -r` walks with fts, to any
+    it a crash, for good; red-team helper, thirty-ninth session). `rm -r` walks with fts, to any
     depth; where there is none, rmtree, whose RecursionError leaves the rest in place."""
     rm = shutil.which("rm") or "/bin/rm"
     try:

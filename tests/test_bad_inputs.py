@@ -54,7 +54,7 @@ VALUE_PROBLEMS: dict[str, tuple[str, str]] = {
     "400-digit rope_theta": (_with("rope_theta", "1" + "0" * 400), "'rope_theta'"),
     "rms_norm_eps past float": (_with("rms_norm_eps", "1e400"), "'rms_norm_eps'"),
     # a null is not a key left out: the reference and the engines raise on float(None), so it had
-    # passed the spec as the default and no engine could pass (unseen-configs sweep, h45)
+    # passed the spec as the default and no engine could pass (unseen-configs sweep, thirty-ninth session)
     "null rms_norm_eps": (_with("rms_norm_eps", "null"), "'rms_norm_eps' must be a positive number, got None"),
     "null rope_theta": (_with("rope_theta", "null"), "'rope_theta' must be a positive number, got None"),
 }

@@ -128,7 +128,7 @@ BROKEN = {
         LLAMA3_SCALING, rope_theta=10000.0, partial_rotary_factor=0.5)),
         "model config key 'rope_parameters.partial_rotary_factor' = 0.5"),
     # a null base beside rope_parameters: transformers 5 reads the inner one, 4.x fails, and the judge and
-    # the engines had raised TypeError on float(None) after the spec had read 10000 (h45)
+    # the engines had raised TypeError on float(None) after the spec had read 10000 (thirty-ninth session)
     "a null rope_theta": ("llama", lambda d: _edit_config(d, rope_theta=None),
                           "'rope_theta' must be a positive number, got None"),
     "a null max_window_layers": ("sharded", lambda d: _edit_config(   # every engine had raised in create_engine
@@ -224,7 +224,7 @@ def test_a_null_head_dim_reads_as_absent_as_in_transformers(tmp_path):
 
 def test_a_folder_without_config_json_is_said_to_lack_it(folders, tmp_path):
     """--weights DIR with no DIR/config.json reads the course's config: the line had said that config
-    lacked 'architectures', as if the folder's own config.json did (unseen-configs sweep, h45)."""
+    lacked 'architectures', as if the folder's own config.json did (unseen-configs sweep, thirty-ninth session)."""
     from agent.judge import REPO
 
     folder = _copy(folders["llama"].folder, tmp_path / "m")

@@ -268,7 +268,7 @@ def _watch_unit_check(proc: subprocess.Popen, jail: Jail, timeout: float) -> str
     cap, the disk it filled), or None when it ended by itself. It had no cap at all: model code
     that passed the policy held 3 GiB in a plain tensor, and could take the host's memory (the
     OOM killer then picks among the judge, its worker and the agent) or its disk (red-team helper,
-    forty-fourth session). Its jail kills what is left."""
+    thirty-ninth session). Its jail kills what is left."""
     deadline = time.monotonic() + timeout
     while True:
         try:
