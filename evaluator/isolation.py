@@ -368,7 +368,7 @@ def _no_new_namespaces() -> bool:
     """A seccomp filter on this process and everything it starts: unshare and setns refused, clone
     refused with a CLONE_NEW* flag, clone3 answered ENOSYS (glibc then uses clone). A worker's
     child, single-threaded, had made a user namespace of its own and mounted a tmpfs there: memory
-    no resident size shows and the judge's memory watch cannot see (red-team helper, forty-fourth
+    no resident size shows and the judge's memory watch cannot see (red-team helper, thirty-ninth
     session). Needs PR_SET_NO_NEW_PRIVS first; False on an architecture not listed or where the
     kernel refuses."""
     arch = _arch()
