@@ -68,6 +68,13 @@ class QueueFull(Exception):
     """The waiting queue is at its bound (the API answers 503 with Retry-After)."""
 
 
+class SchedulerEnded(Exception):
+    """The scheduler thread has ended (stopped, or died): no request can be served (503)."""
+
+
+ENDED = "the server's engine thread has stopped; restart the server"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """What the scheduler needs of a request; limits are checked by the API beforehand."""
@@ -140,6 +147,7 @@ class Scheduler:
         self._freed = 0                 # requests finished since the cap last moved
         self._requeued = 0
         self._stopping = False
+        self._ended = False             # the thread has left its loop: submit refuses, nothing is served
         self._thread = threading.Thread(target=self._run, name="serve-scheduler", daemon=True)
 
     # ---- the asyncio side ----
@@ -157,6 +165,8 @@ class Scheduler:
 
         seq = Sequence(request, emit, make_generator(request.params.seed, self.device))
         with self._wake:
+            if self._ended:
+                raise SchedulerEnded(ENDED)
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (--max-queue {self.max_queue})")
             self._waiting.append(seq)
@@ -195,6 +205,24 @@ class Scheduler:
     # ---- the scheduler thread ----
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:   # stopped, or killed by what the step's guard cannot catch (an engine calling sys.exit)
+            self._end()
+
+    def _end(self) -> None:
+        """Fail every request still held: one in flight when the thread died had waited with no end
+        (its client hung, its stream stayed open)."""
+        with self._wake:
+            self._ended = True
+            held = [s for s in [*self._waiting, *self._live.values()] if not s.done]
+            self._waiting.clear()
+            self._live.clear()
+            for seq in held:
+                seq.done = True
+                seq.emit(Output(error=ENDED, status=503))
+
+    def _loop(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._wake:

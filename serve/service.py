@@ -16,7 +16,8 @@ from serve.model import LoadedModel
 from serve.protocol import ApiError, ChatRequest, CompletionRequest, SamplingFields
 from serve.sampler import SamplingParams
 from serve.settings import ServeSettings
-from serve.scheduler import FINISH_STOP, GenerationRequest, Output, QueueFull, Scheduler, Sequence
+from serve.scheduler import (ENDED, FINISH_STOP, GenerationRequest, Output, QueueFull, Scheduler, SchedulerEnded,
+                             Sequence)
 from serve.tokenizer import ChatTemplateError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; chat: the context left
@@ -110,7 +111,7 @@ class Service:
     def submit(self, job: Job) -> Running:
         """Queue `job` (503 when the queue is full); iterate the result for its text."""
         if self.scheduler.dead:
-            raise ApiError(503, "the server's engine thread has stopped; restart the server", kind="server_error")
+            raise ApiError(503, ENDED, kind="server_error")
         eos = frozenset() if job.ignore_eos else self.model.tokenizer.eos_ids
         request = GenerationRequest(job.prompt_ids, job.max_tokens, job.params, eos)
         try:
@@ -118,6 +119,8 @@ class Service:
         except QueueFull as e:
             raise ApiError(503, f"the server is busy: {e}; retry later", kind="server_overloaded",
                            headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        except SchedulerEnded as e:   # it died (or stopped) since the check above
+            raise ApiError(503, str(e), kind="server_error") from None
         return Running(self.scheduler, seq, outputs, Detokenizer(self.model.tokenizer, job.prompt_ids, job.stops))
 
 

@@ -5,7 +5,6 @@ runs out of KV memory."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 
@@ -443,7 +442,8 @@ def test_an_engine_without_the_api_is_refused_at_load(tmp_path, tiny_model):
 
 def test_a_dead_scheduler_thread_is_a_503_and_health_says_so(tiny_model, recompute_engine_path):
     """What the step's guard cannot catch (an engine calling sys.exit) ends the thread: requests
-    get a 503 at once and /health an error, instead of a wait with no end."""
+    get a 503 at once and /health an error, instead of a wait with no end; the request in flight
+    when it died too (it had hung, its client waiting for ever)."""
     service, _ = make_service(recompute_engine_path, tiny_model.weight_dir)
 
     def step(admitted, decoding):
@@ -453,12 +453,12 @@ def test_a_dead_scheduler_thread_is_a_503_and_health_says_so(tiny_model, recompu
     app = create_app(service)
     client = TestClient(app)
 
-    async def first():   # the request in flight when the thread died: cut short here
+    async def first():   # the request in flight when the thread died
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}), 2)
+            return await asyncio.wait_for(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}), 10)
     try:
-        asyncio.run(first())
+        r = asyncio.run(first())
+        assert r.status_code == 503 and "engine thread has stopped" in r.json()["error"]["message"]
         service.scheduler._thread.join(10)
         assert client.get("/health").status_code == 503
         r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
