@@ -4,7 +4,7 @@ Unknown request fields are accepted and ignored (clients send user, ...), as the
 OpenAI-compatible servers do; fields we read are validated, and a bad one is a 400 naming it.
 Fields whose answer this server cannot give are a 400 naming them when a request asks for
 them (`logprobs`, `top_logprobs`, `echo`, `response_format` other than text, `tools`, `functions`;
-`n` > 1), not ignored: a client would take the answer
+`n` > 1; completions' `best_of` > 1 and `suffix`), not ignored: a client would take the answer
 for what it asked. `logit_bias`, `presence_penalty` and `frequency_penalty` are applied
 (serve/sampler.py).
 """
@@ -138,6 +138,24 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str]
+    # Completions' own fields this server cannot honour: ignored, best_of 3 had answered one plain
+    # sample and a suffix had been dropped (no insertion), the client none the wiser.
+    best_of: int | None = None
+    suffix: Any = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: Any) -> Any:
+        if suffix not in (None, ""):
+            raise ValueError("suffix is not supported by this server (no insertion)")
+        return suffix
 
     @field_validator("prompt")
     @classmethod

@@ -254,6 +254,8 @@ BAD = [
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3}, 400,
      "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),   # had answered one plain sample
+    ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix"),   # had been dropped
 ]
 
 
@@ -285,7 +287,7 @@ def test_logit_bias_forces_and_bans_tokens_and_unasked_fields_pass(served):
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(streamed.text)) == "BBB"
     plain = complete(client, prompt="The", max_tokens=4, temperature=0, logprobs=None, echo=False, logit_bias={},
                      top_logprobs=0, response_format={"type": "text"}, tools=[], presence_penalty=0,
-                     frequency_penalty=0)
+                     frequency_penalty=0, best_of=1, suffix=None)
     assert plain["choices"][0]["text"] == complete(client, prompt="The", max_tokens=4, temperature=0)["choices"][0]["text"]
     assert engine_idle(spy)
 
