@@ -181,12 +181,14 @@ CHAT = _Kind("chatcmpl", "chat.completion.chunk", {"role": "assistant", "content
              protocol.chat_response)
 
 
+# Jobs are made (templates rendered, prompts tokenized) on a worker thread: a prompt of megabytes
+# takes a tokenizer seconds, which had stalled every other request's stream.
 async def _completion(service: Service, req: CompletionRequest, request: Request):
-    return await _respond(service, req, request, service.completion_job(req), COMPLETION)
+    return await _respond(service, req, request, await asyncio.to_thread(service.completion_job, req), COMPLETION)
 
 
 async def _chat(service: Service, req: ChatRequest, request: Request):
-    return await _respond(service, req, request, service.chat_job(req), CHAT)
+    return await _respond(service, req, request, await asyncio.to_thread(service.chat_job, req), CHAT)
 
 
 async def _respond(service: Service, req: protocol.SamplingFields, request: Request, job: Job, kind: _Kind):

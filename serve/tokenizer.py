@@ -133,7 +133,9 @@ class HFTokenizer:
         self.template = ChatTemplate(source if isinstance(source, str) else PLAIN_CHAT_TEMPLATE, special)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL (encode holds it): the server tokenizes off its event loop,
+        # and an 8 MB prompt had stalled every stream for seconds.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

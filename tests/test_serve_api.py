@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
+import time
 
 import httpx
 import pytest
@@ -431,6 +433,36 @@ def test_logits_the_engine_gets_wrong_fail_the_request_and_serving_goes_on(tiny_
         broken[0] = False
         assert client.get("/health").json()["status"] == "ok"
         assert complete(client, prompt="again", max_tokens=3)["usage"]["completion_tokens"] == 3
+    finally:
+        service.stop()
+
+
+def test_a_prompt_slow_to_tokenize_does_not_stall_other_requests(tiny_model, recompute_engine_path):
+    """Prompts are tokenized off the event loop: an 8 MB prompt had held an HF tokenizer (and the
+    loop) for seconds, every other request's stream frozen meanwhile."""
+    service, _ = make_service(recompute_engine_path, tiny_model.weight_dir)
+    tokenizer, entered, left = service.model.tokenizer, threading.Event(), []
+    real = tokenizer.encode
+
+    def slow(text, add_special_tokens):
+        entered.set()
+        time.sleep(0.5)
+        left.append(time.monotonic())
+        return real(text, add_special_tokens)
+    tokenizer.encode = slow
+    service.start()
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(service)), base_url="http://t") as c:
+            long = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}))
+            while not entered.is_set():
+                await asyncio.sleep(0.001)
+            assert (await c.get("/ping")).status_code == 200
+            answered = time.monotonic()
+            assert (await long).status_code == 200
+            return answered
+    try:
+        assert asyncio.run(run()) < left[0]
     finally:
         service.stop()
 
