@@ -124,12 +124,20 @@ def create_app(service: Service) -> FastAPI:
     async def ping() -> dict:
         return {"status": "ok"}
 
+    def card() -> dict:
+        return {"id": service.name, "object": "model", "created": 0, "owned_by": "inference-agent",
+                "max_model_len": service.model.max_context, "vocab_size": service.model.vocab_size}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": service.name, "object": "model", "created": 0,
-                                            "owned_by": "inference-agent",
-                                            "max_model_len": service.model.max_context,
-                                            "vocab_size": service.model.vocab_size}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")   # the client's models.retrieve: had been a 404 for the served model too
+    async def model(model: str) -> dict:
+        if model != service.name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model", kind="not_found_error",
+                           code="model_not_found")
+        return card()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -147,6 +147,8 @@ def test_endpoints_and_shapes(served):
     assert client.get("/ping").status_code == 200
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == service.name
+    assert client.get(f"/v1/models/{service.name}").json() == models["data"][0]   # the client's models.retrieve
+    assert client.get("/v1/models/other").json()["error"]["code"] == "model_not_found"
     chat = client.post("/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "hi"}],
                                                      "max_tokens": 5, "temperature": 0}).json()
     assert chat["object"] == "chat.completion" and chat["model"] == "x"
