@@ -13,6 +13,8 @@ template can neither reach Python internals nor mutate what it is given.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -34,6 +36,21 @@ PLAIN_CHAT_TEMPLATE = (
 
 class ChatTemplateError(ValueError):
     """The chat template could not render these messages (a bad request, answered with 400)."""
+
+
+class TokenizerFileError(ValueError):
+    """A tokenizer file that cannot be read (bad JSON, a chat template that does not compile): the
+    server's one-line start-up error names the file (a broken tokenizer.json had said only
+    "expected ident at line 1 column 2", and a broken tokenizer_config.json "Expecting value")."""
+
+
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Whatever goes wrong inside, as a TokenizerFileError naming `path`."""
+    try:
+        yield
+    except Exception as e:   # noqa: BLE001 - the tokenizers library raises plain Exception
+        raise TokenizerFileError(f"{path} cannot be read: {e}") from e
 
 
 class Tokenizer(Protocol):
@@ -119,18 +136,21 @@ class HFTokenizer:
     def __init__(self, folder: Path):
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tok = _Tokenizer.from_file(str(folder / TOKENIZER_FILE))
-        config = _read_json(folder / TOKENIZER_CONFIG_FILE)
-        special = {k: t for k in ("bos_token", "eos_token", "pad_token", "unk_token")
-                   if (t := _token_text(config.get(k))) is not None}
-        eos = {self._tok.token_to_id(special["eos_token"])} if "eos_token" in special else set()
-        generation_eos = _read_json(folder / GENERATION_CONFIG_FILE).get("eos_token_id")
+        with _reading(folder / TOKENIZER_FILE):
+            self._tok = _Tokenizer.from_file(str(folder / TOKENIZER_FILE))
+        with _reading(folder / TOKENIZER_CONFIG_FILE):
+            config = _read_json(folder / TOKENIZER_CONFIG_FILE)
+            special = {k: t for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                       if (t := _token_text(config.get(k))) is not None}
+            eos = {self._tok.token_to_id(special["eos_token"])} if "eos_token" in special else set()
+            source = config.get("chat_template")
+            if isinstance(source, list):   # several named templates: the default one
+                source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+            self.template = ChatTemplate(source if isinstance(source, str) else PLAIN_CHAT_TEMPLATE, special)
+        with _reading(folder / GENERATION_CONFIG_FILE):
+            generation_eos = _read_json(folder / GENERATION_CONFIG_FILE).get("eos_token_id")
         eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
         self.eos_ids = frozenset(i for i in eos if isinstance(i, int))
-        source = config.get("chat_template")
-        if isinstance(source, list):   # several named templates: the default one
-            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-        self.template = ChatTemplate(source if isinstance(source, str) else PLAIN_CHAT_TEMPLATE, special)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # encode_batch lets go of the GIL (encode holds it): the server tokenizes off its event loop,

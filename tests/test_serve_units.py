@@ -13,7 +13,7 @@ from serve.detokenizer import Detokenizer
 from serve.model import ModelError, resolve_source
 from serve.sampler import SamplingParams, make_generator, sample
 from serve.scheduler import out_of_memory
-from serve.tokenizer import ByteTokenizer, ChatTemplateError, HFTokenizer, load_tokenizer
+from serve.tokenizer import ByteTokenizer, ChatTemplateError, HFTokenizer, TokenizerFileError, load_tokenizer
 
 THINKING_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -104,6 +104,21 @@ def test_chat_template_is_sandboxed(hf_folder, tmp_path, template):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     with pytest.raises(ChatTemplateError):
         HFTokenizer(tmp_path).render_chat([{"role": "user", "content": "hi"}], {})
+
+
+@pytest.mark.parametrize("name, text", [
+    ("tokenizer.json", "not json"),
+    ("tokenizer_config.json", "not json"),
+    ("tokenizer_config.json", json.dumps({"chat_template": "{% if %}"})),   # does not compile
+    ("generation_config.json", "{"),
+])
+def test_unreadable_tokenizer_file_is_named(hf_folder, tmp_path, name, text):
+    """The server's start-up line names the broken file, not only the parser's complaint."""
+    for good in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / good).write_bytes((hf_folder / good).read_bytes())
+    (tmp_path / name).write_text(text)
+    with pytest.raises(TokenizerFileError, match=str(tmp_path / name)):
+        load_tokenizer([tmp_path])
 
 
 def test_sampler_greedy_top_k_and_seeds(test_seed):
