@@ -57,6 +57,8 @@ def default_engine() -> Path:
 
 def resolve_source(engine: Path | None, weights: Path | None, config: Path | None) -> ModelSource:
     engine = (engine or default_engine()).resolve()
+    if engine.is_dir() and (engine / "engine.py").is_file():   # the workspace named instead of its engine
+        raise ModelError(f"--engine {engine} is a folder; its engine is --engine {engine / 'engine.py'}")
     if not engine.is_file():
         last = engine.parent / PREVIOUS / engine.name   # a new run moved the last one aside (agent/workspace.py)
         raise ModelError(f"no engine at {engine}: run `bash run.sh` first, or pass --engine"
@@ -66,8 +68,9 @@ def resolve_source(engine: Path | None, weights: Path | None, config: Path | Non
             raise ModelError("--config needs --weights")
         weights, config = _recorded_inputs(engine)
     weights = weights.resolve()
-    if not weights.is_dir():
-        raise ModelError(f"weights folder {weights} does not exist")
+    if not weights.is_dir():   # a file had been reported as missing
+        raise ModelError(f"weights folder {weights} "
+                         + ("is a file: give the folder that holds it" if weights.exists() else "does not exist"))
     config = config.resolve() if config else _find_config(weights)
     if not config.is_file():
         raise ModelError(f"model config {config} does not exist")

@@ -178,6 +178,15 @@ def test_a_missing_engine_points_at_the_last_runs_when_a_new_run_moved_it_aside(
         resolve_source(tmp_path / "engine.py", None, None)
 
 
+def test_a_workspace_for_engine_or_a_file_for_weights_is_named_as_such(tmp_path):
+    """Not "no engine" for the workspace folder, nor "does not exist" for a weights path that is a file."""
+    (tmp_path / "engine.py").write_text("")
+    with pytest.raises(ModelError, match=r"is a folder; its engine is --engine .*engine\.py"):
+        resolve_source(tmp_path, None, None)
+    with pytest.raises(ModelError, match="is a file"):
+        resolve_source(tmp_path / "engine.py", tmp_path / "engine.py", None)
+
+
 def test_sampler_logit_bias(test_seed):
     """A bias is added to its own row only, before greedy and sampled picks alike; the caller's
     logits are left as they were."""
