@@ -322,8 +322,9 @@ def run_in(ws: Workspace, cfg: RunConfig, args: argparse.Namespace, spec: ModelS
     except ResumeError as e:
         print(f"error: cannot resume: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except OSError as e:
-        print(f"error: cannot write the workspace {cfg.workspace}: {e}", file=sys.stderr)
+    except OSError as e:   # a file in its place had read "[Errno 17] File exists"
+        why = "it is a file, not a folder" if cfg.workspace.is_file() else e
+        print(f"error: cannot write the workspace {cfg.workspace}: {why}", file=sys.stderr)
         return EXIT_WRITE_FAILED
     if previous is not None and args.seed is None and previous.seed is not None:
         cfg = replace(cfg, seed=previous.seed)  # the interrupted run's stress draw, so verdicts compare

@@ -485,6 +485,8 @@ def test_an_unwritable_workspace_is_one_line_and_exit_3(cli_env, tmp_path, capsy
     assert cli.main(cli_args(cli_env, blocker / "ws")) == cli.EXIT_WRITE_FAILED
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: cannot write the workspace") and "Not a directory" in err
+    assert cli.main(cli_args(cli_env, blocker)) == cli.EXIT_WRITE_FAILED   # the workspace itself a file
+    assert capsys.readouterr().err.strip().endswith(f"{blocker}: it is a file, not a folder")
     if os.geteuid() != 0:  # root writes through permissions; the file above stands in for it there
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o555)
