@@ -306,7 +306,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: kill the evaluator
     with contextlib.ExitStack() as held:   # the workspace's lock, until the run ends
-        return run_in(Workspace(cfg.workspace), cfg, args, spec, started, held)
+        try:
+            return run_in(Workspace(cfg.workspace), cfg, args, spec, started, held)
+        except KeyboardInterrupt:   # outside the search's own handling (the hardware measured): had been a traceback
+            print(f"interrupted; {cfg.workspace / 'engine.py'} holds the best engine that passed, if any",
+                  file=sys.stderr)
+            return EXIT_INTERRUPTED
 
 
 def run_in(ws: Workspace, cfg: RunConfig, args: argparse.Namespace, spec: ModelSpec, started: float,

@@ -236,3 +236,34 @@ def test_ctrl_c_while_toy_weights_are_made_is_130_and_leaves_no_partial_file(tmp
     monkeypatch.setattr(cli, "ensure_toy_weights", lambda cfg: interrupted(["--output", str(weights / "x")]))
     assert cli.main(["--config", str(config), "--weights", str(weights), "--workspace", str(tmp_path / "ws")]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["interrupted before the run started; nothing written"]
+
+
+def test_ctrl_c_while_the_agent_imports_is_130_and_one_line(tmp_path):
+    """Ctrl-C in the second or so `python3 -m agent` spends importing (torch) had been a traceback."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'agent.loop':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    done = subprocess.run([sys.executable, "-m", "agent"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 130 and done.stderr.strip().splitlines() == [
+        "interrupted before the run started; nothing written"], done.stderr
+
+
+def test_ctrl_c_while_the_hardware_is_measured_is_130_and_one_line(tiny_model, tmp_path, monkeypatch, capsys):
+    """Between the workspace opening and the search (the hardware measured) a Ctrl-C had escaped main."""
+    from agent import cli
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "hardware", interrupted)
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)   # main's SIGTERM handler stays out of pytest
+    code = cli.main(["--config", str(tiny_model.config_path), "--weights", str(tiny_model.weight_dir),
+                     "--device", "cpu", "--workspace", str(tmp_path / "ws"), "--seed", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and len(err) == 1 and err[0].startswith("interrupted; "), err
+    assert not (tmp_path / "ws" / "engine.py").exists()
