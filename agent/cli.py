@@ -12,6 +12,7 @@ import contextlib
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -261,11 +262,22 @@ def hardware(device: str, config: Path) -> dict:
     return facts
 
 
+def python_command() -> str:
+    """The interpreter the printed commands name: `python3` where that is the one running (the
+    same folder as on PATH: a venv's python3 beside its python), else this one's path. run.sh may
+    have taken $PYTHON or .venv/bin/python, and the `python3` on PATH lack torch (the re-run
+    commands had failed with "No module named 'torch'")."""
+    found = shutil.which("python3")
+    if found and Path(found).parent == Path(sys.executable).parent:
+        return "python3"
+    return shlex.quote(sys.executable)
+
+
 def selftest_commands(cfg: RunConfig) -> list[str]:
     common = (f"--engine {shlex.quote(str(cfg.workspace / 'engine.py'))} --model-config {shlex.quote(str(cfg.config))} "
               f"--weight-dir {shlex.quote(str(cfg.weights))} --device {cfg.device}")
     scripts = REPO / "evaluator"   # absolute: the commands work from any folder
-    return [f"python3 {shlex.quote(str(scripts / name))} {common}"
+    return [f"{python_command()} {shlex.quote(str(scripts / name))} {common}"
             for name in ("test_correctness.py", "stress.py", "benchmark_throughput.py")]
 
 

@@ -674,3 +674,18 @@ def test_the_self_test_commands_the_run_prints_work_from_any_folder(tmp_path):
     for command in cli.selftest_commands(cfg):
         script = Path(shlex.split(command)[1])
         assert script.is_absolute() and script.is_file(), command
+
+
+def test_the_self_test_commands_name_the_interpreter_that_ran(tmp_path, monkeypatch):
+    """`python3` only where PATH's python3 is the running one (a venv's bin): with PYTHON=... or
+    .venv/bin/python the python3 on PATH may lack torch, so the commands name this interpreter."""
+    import shlex
+    from types import SimpleNamespace
+
+    from agent import cli
+    cfg = SimpleNamespace(workspace=tmp_path / "ws", config=tmp_path / "c.json", weights=tmp_path / "w", device="cpu")
+    monkeypatch.setattr(cli.sys, "executable", "/opt/venv/bin/python")
+    monkeypatch.setattr(cli.shutil, "which", lambda name: "/usr/bin/python3")
+    assert {shlex.split(c)[0] for c in cli.selftest_commands(cfg)} == {"/opt/venv/bin/python"}
+    monkeypatch.setattr(cli.shutil, "which", lambda name: "/opt/venv/bin/python3")
+    assert {shlex.split(c)[0] for c in cli.selftest_commands(cfg)} == {"python3"}
