@@ -172,22 +172,44 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
+def whole(smallest: int):
+    """An argparse type: a whole number of at least `smallest` (--input-len 0 or --output-len -5
+    had been sent to the server as they were)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < smallest:
+            raise argparse.ArgumentTypeError(f"{text} is less than {smallest}")
+        return value
+    return parse
+
+
+def levels(text: str) -> list[int]:
+    """--concurrency: positive whole numbers, comma-separated, one at least ("a,b" had read
+    "invalid <lambda> value", and "," run no level at all)."""
+    values = [whole(1)(x.strip()) for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("no concurrency level given")
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python3 -m serve.bench", description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--concurrency", default=",".join(map(str, LEVELS)),
-                   type=lambda s: [int(x) for x in s.split(",") if x])
-    p.add_argument("--requests", type=int, default=64, help="timed requests per concurrency level")
-    p.add_argument("--warmup", type=int, default=2, help="requests before each level, not counted")
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--concurrency", default=",".join(map(str, LEVELS)), type=levels)
+    p.add_argument("--requests", type=whole(1), default=64, help="timed requests per concurrency level")
+    p.add_argument("--warmup", type=whole(0), default=2, help="requests before each level, not counted")
+    p.add_argument("--input-len", type=whole(1), default=1024)
+    p.add_argument("--output-len", type=whole(1), default=1024)
     p.add_argument("--classes", default=",".join(CLASSES), type=lambda s: [x for x in s.split(",") if x])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-serve.json"))
     args = p.parse_args(argv)
     bad = [c for c in args.classes if c not in CLASSES]
-    if bad or any(c < 1 for c in args.concurrency) or args.requests < 1:
-        p.error(f"unknown class {bad[0]}" if bad else "concurrency levels and --requests must be positive")
+    if bad:
+        p.error(f"unknown class {bad[0]}")
     folder = args.out.parent   # checked before the run: a missing one had lost the whole run to a traceback
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         p.error(f"--out {args.out}: the folder {folder} does not exist or cannot be written")

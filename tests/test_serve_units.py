@@ -240,6 +240,20 @@ def test_bench_refuses_an_out_folder_it_cannot_write_before_running(tmp_path, ca
     assert e.value.code == 2 and "does not exist or cannot be written" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, words", [
+    ("--concurrency", "a,b", "'a' is not a whole number"), ("--concurrency", ",", "no concurrency level"),
+    ("--concurrency", "1,0", "0 is less than 1"), ("--input-len", "0", "0 is less than 1"),
+    ("--output-len", "-5", "-5 is less than 1"), ("--warmup", "-1", "-1 is less than 0"),
+    ("--requests", "x", "'x' is not a whole number"),
+])
+def test_bench_refuses_bad_counts_naming_the_flag(capsys, flag, value, words):
+    """Lengths of 0 or less had gone to the server; "a,b" had read "invalid <lambda> value"."""
+    from serve.bench import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--url", "http://127.0.0.1:9", f"{flag}={value}"])
+    assert e.value.code == 2 and f"argument {flag}: {words}" in capsys.readouterr().err
+
+
 def test_bench_names_the_server_it_cannot_reach(tmp_path, capsys):
     from serve.bench import main
     assert main(["--url", "http://127.0.0.1:9", "--concurrency", "1", "--requests", "1", "--warmup", "0",
