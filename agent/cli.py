@@ -284,7 +284,7 @@ def selftest_commands(cfg: RunConfig) -> list[str]:
 def closing_lines(ws: Workspace, entries: list[Entry], cfg: RunConfig, interrupted: bool = False) -> list[str]:
     verdict = ws.installed_verdict()
     if verdict is None and interrupted:   # Ctrl-C before the first verdict had blamed the budget
-        return ["result: no candidate passed: interrupted before a verdict; workspace/engine.py was not written"]
+        return [f"result: no candidate passed: interrupted before a verdict; {ws.engine} was not written"]
     if verdict is None:
         # a budget too short for even the conservative engine's verdict read as a broken engine
         # ("verify: FAILED at unknown (timeout)"; a new-user walkthrough, thirty-third session)
@@ -292,7 +292,7 @@ def closing_lines(ws: Workspace, entries: list[Entry], cfg: RunConfig, interrupt
                                         for e in entries)
         why = (f": the budget ({cfg.budget:.0f} s) ended before a verdict did; give the run more (--budget)"
                if ran_out else "")
-        return [f"result: no candidate passed{why}; workspace/engine.py was not written"]
+        return [f"result: no candidate passed{why}; {ws.engine} was not written"]
     result = EvalResult.from_dict(verdict["result"])
     conservative = entries[0].result if entries and entries[0].result and entries[0].result.passed else None
     ratio = acceptance.speedup(result, conservative) if conservative and verdict["index"] != 1 else None
@@ -426,7 +426,7 @@ def run_search(cfg: RunConfig, spec: ModelSpec, state: SearchState, settings: Ju
                      cfg.parallel, series=judge.series, spares={s.place.label: verdicts(s) for s in spares})
     except (KeyboardInterrupt, SystemExit):
         interrupted = True
-        report.line("interrupted; workspace/engine.py holds the best engine that passed, if any")
+        report.line(f"interrupted; {ws.engine} holds the best engine that passed, if any")
     report.finish(closing_lines(ws, report.entries, cfg, interrupted))
     if interrupted:
         return EXIT_INTERRUPTED
