@@ -542,6 +542,16 @@ class Jail:
             elif dev not in self._disk_free:
                 self._disk_free[dev] = (folder, free)
 
+    def over_limits(self) -> str | None:
+        """Why the jail's processes must be stopped now (their memory past the cap, a disk they
+        filled), or None: the judge's worker and the agent's unit check are watched alike."""
+        if self.memory_bytes and self.resident_bytes() > self.memory_bytes:
+            return f"used more than {self.memory_bytes / 2**30:.1f} GiB of memory (the cap)"
+        filled = self.disk_filled()
+        if filled is not None:
+            return f"took too much of the free disk space of {filled} (more than half)"
+        return None
+
     def disk_filled(self) -> str | None:
         """A folder whose file system the worker could write and whose free space fell by more
         than DISK_SHARE of what it was when the jail was made (and DISK_SLACK), or None. RLIMIT_FSIZE bounds a file, not

@@ -181,11 +181,9 @@ class Worker:
     def _watch_memory(self, what: str) -> None:
         """The worker's memory against the cap, and the disks it can write (a crash past either)."""
         self.watched = time.monotonic()
-        if self.memory_bytes and self.jail.resident_bytes() > self.memory_bytes:
-            raise self._died(what, f"used more than {self.memory_bytes / 2**30:.1f} GiB of memory (the cap)")
-        filled = self.jail.disk_filled()
-        if filled is not None:
-            raise self._died(what, f"took too much of the free disk space of {filled} (more than half)")
+        over = self.jail.over_limits()
+        if over is not None:
+            raise self._died(what, over)
 
     def _answer(self, deadline: float | None, what: str, spin: bool = False,
                 max_payload: int = 0, watch: bool = True) -> tuple[dict, bytes]:

@@ -478,7 +478,7 @@ def test_a_unit_checks_wait_for_a_recorded_timing_comes_out_of_its_timeout(tmp_p
         def __init__(self, device, memory_bytes=None):
             self.root = tmp_path
 
-        def disk_filled(self):
+        def over_limits(self):
             return None
 
         def __enter__(self):

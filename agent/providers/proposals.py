@@ -278,11 +278,9 @@ def _watch_unit_check(proc: subprocess.Popen, jail: Jail, timeout: float) -> str
             pass
         if time.monotonic() >= deadline:
             return f"timeout: the unit check did not finish in {timeout:.0f}s (a hang or far too slow)"
-        if jail.memory_bytes and jail.resident_bytes() > jail.memory_bytes:
-            return f"memory: the unit check used more than {jail.memory_bytes / 2**30:.1f} GiB (its cap)"
-        filled = jail.disk_filled()
-        if filled is not None:
-            return f"disk: the unit check took too much of the free disk space of {filled}"
+        over = jail.over_limits()
+        if over is not None:
+            return f"stopped: the unit check {over}"
 
 
 def _unit_result(tail: str) -> dict | None:
