@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import shlex
@@ -54,6 +55,7 @@ DEVICES = ("auto", "cuda", "cpu")
 # (full), or the all-torch engine's parameters only (params: kernels come from a model alone).
 BUILTIN_WALKS = ("full", "params")
 BANDWIDTH, PEAK = "bandwidth GB/s", "peak TFLOP/s"   # keys of the hardware facts handed to the evaluator
+KEPT_FLOOR = ", kept from the resumed run"   # how the facts of a resumed run say their floor is the run's own
 SEED_RANGE = 1_000_000
 ENV = {"config": "MODEL_CONFIG", "weights": "WEIGHT_DIR", "device": "DEVICE", "budget": "BUDGET",
        "provider": "PROVIDER", "model": "LLM_MODEL", "seed": "SEED", "workspace": "AGENT_WORKSPACE",  # not WORKSPACE: CI sets it
@@ -245,10 +247,14 @@ def ensure_toy_weights(cfg: RunConfig) -> None:
     os.replace(tmp, target)
 
 
-def hardware(device: str, config: Path) -> dict:
+def hardware(device: str, config: Path, recorded: dict | None = None) -> dict:
     """The machine's facts, with its memory bandwidth and GEMM peak measured once per run (a
     known GPU's from the evaluator's table): every evaluation gets them as flags, so each
-    candidate's floor is the same and none spends time or memory measuring again."""
+    candidate's floor is the same and none spends time or memory measuring again. `recorded`:
+    a resumed run's facts, whose floor is kept where the machine is the same one (device, GPU,
+    CPUs, torch): measured again, a busy CPU's bandwidth had read 54.7 against 33.6 GB/s, and the
+    summary's scores before and after the resume were on two floors (a new-user walkthrough,
+    thirty-ninth session)."""
     import torch
 
     from evaluator.common import compute_dtype, load_config
@@ -257,6 +263,11 @@ def hardware(device: str, config: Path) -> dict:
     facts = {"device": device, "cpus": os.cpu_count(), "torch": torch.__version__}
     if device == "cuda":
         facts["gpu"] = torch.cuda.get_device_name(0)
+    recorded = recorded or {}
+    if all(recorded.get(k) == v for k, v in facts.items()) and all(
+            isinstance(recorded.get(k), (int, float)) and 0 < recorded[k] < math.inf for k in (BANDWIDTH, PEAK)):
+        source = str(recorded.get("floor from", "measured")).removesuffix(KEPT_FLOOR)
+        return {**facts, BANDWIDTH: recorded[BANDWIDTH], PEAK: recorded[PEAK], "floor from": source + KEPT_FLOOR}
     hw = detect_hardware(device, compute_dtype(load_config(config), device))
     facts.update({BANDWIDTH: round(hw.bandwidth_gbs, 1), PEAK: round(hw.peak_tflops, 2), "floor from": hw.source})
     return facts
@@ -346,7 +357,7 @@ def run_in(ws: Workspace, cfg: RunConfig, args: argparse.Namespace, spec: ModelS
     if previous is not None and args.seed is None and previous.seed is not None:
         cfg = replace(cfg, seed=previous.seed)  # the interrupted run's stress draw, so verdicts compare
     bench = BENCH[cfg.device]
-    facts = hardware(cfg.device, cfg.config)
+    facts = hardware(cfg.device, cfg.config, previous.hardware if previous is not None else None)
     settings = JudgeSettings(sys.executable, cfg.config, cfg.weights, cfg.device, cfg.seed, stress="quick",
                              cases=bench["cases"], warmup=bench["warmup"], repeat=bench["repeat"],
                              screen_repeat=bench["screen_repeat"],

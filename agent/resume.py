@@ -53,6 +53,7 @@ class Previous:
     seed: int | None = None                               # the interrupted run's stress seed
     waiting: list[Candidate] = field(default_factory=list)   # checked model candidates, not judged yet
     unreadable_waiting: int = 0                           # waiting.json entries that could not be read
+    hardware: dict = field(default_factory=dict)          # the interrupted run's facts (its floor: cli.hardware)
 
     @property
     def best(self) -> Entry | None:
@@ -124,7 +125,8 @@ def load(ws: Workspace, run: dict[str, str]) -> Previous | None:
         raise ResumeError(f"{RESULTS_JSON} has gaps in its candidate numbers; run without --resume")
     while entries and entries[-1].result.unfinished and not entries[-1].accepted:
         entries.pop()   # the budget ran out before its verdict: judged again, like an unfinished one
-    previous = Previous(entries, int(old["seed"]) if str(old.get("seed", "")).isdigit() else None)
+    previous = Previous(entries, int(old["seed"]) if str(old.get("seed", "")).isdigit() else None,
+                        hardware=record["hardware"] if isinstance(record.get("hardware"), dict) else {})
     judged = {e.candidate.key() for e in entries}
     waiting, previous.unreadable_waiting = _waiting(ws)
     # A parent past the record (a challenger built on before its verdict, the run cut meanwhile)

@@ -22,6 +22,7 @@ from agent.plan import Plan
 from agent.records import DEADLINE, Candidate, EvalResult, SearchState
 from agent.report import Reporter
 from agent.workspace import TMP_PREFIX, Workspace, atomic_write
+from evaluator import floor
 
 from tests.conftest import SINGLE_THREAD_ENV
 from tests.fixtures.broken_engines import broken_source
@@ -251,8 +252,15 @@ def test_cli_resume_runs_the_final_an_interrupted_run_left_due(cli_env, tmp_path
     judge = PhaseJudge()
     run_judge_is(judge, monkeypatch)
     monkeypatch.setattr(cli, "make_proposer", lambda *args: ListProposer([]))
+    first_floor = json.loads((ws / "results.json").read_text())["hardware"]
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("the resumed run measured the machine again: its scores would be on another floor")
+    monkeypatch.setattr(floor, "detect_hardware", measured_again)
     assert cli.main(cli_args(cli_env, ws, "--resume")) == cli.EXIT_OK, capsys.readouterr().err
     assert judge.calls == [(fake_render(PLANS[1]), loop.FINAL)]
+    kept = json.loads((ws / "results.json").read_text())["hardware"]
+    assert (kept[cli.BANDWIDTH], kept[cli.PEAK]) == (first_floor[cli.BANDWIDTH], first_floor[cli.PEAK])
     installed = json.loads((ws / "engine.json").read_text())
     assert installed["index"] == 3 and (ws / "engine.py").read_text() == fake_render(PLANS[1])
     record = json.loads((ws / "results.json").read_text())
