@@ -13,8 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from evaluator.checkpoint import (COURSE_EPS, SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, CheckpointError, Conventions,
-                                 conventions, not_a_folder, rope_parameters, stored_dtype_name, with_config_defaults)
-from evaluator.checkpoint import shown as _shown   # a config value quoted briefly, as the evaluator's lines do
+                                 conventions, not_a_folder, rope_parameters, shown, stored_dtype_name, with_config_defaults)
 
 WEIGHTS_FILE = "model.pt"
 REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
@@ -110,10 +109,10 @@ def _positive_int(config: dict, key: str, default: int | None = None) -> int:
     if value is None:
         raise SpecError(f"model config is missing required key '{key}'")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise SpecError(f"model config key '{key}' must be a positive integer, got {_shown(value)}")
+        raise SpecError(f"model config key '{key}' must be a positive integer, got {shown(value)}")
     limit = SIZE_LIMITS.get(key, MAX_SIZE)
     if value > limit:
-        raise SpecError(f"model config key '{key}' is {_shown(value)}, above {limit}: not a size this agent takes")
+        raise SpecError(f"model config key '{key}' is {shown(value)}, above {limit}: not a size this agent takes")
     return value
 
 
@@ -126,7 +125,7 @@ def _positive_float(config: dict, key: str, default: float) -> float:
     value = config[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(
             _as_float(value)):
-        raise SpecError(f"model config key '{key}' must be a positive number, got {_shown(value)}")
+        raise SpecError(f"model config key '{key}' must be a positive number, got {shown(value)}")
     return float(value)
 
 
@@ -149,10 +148,10 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
         raise SpecError(str(e)) from None
     for key, feature in UNSUPPORTED_IF_SET.items() if not conv.hf else ():
         if config.get(key) not in (None, False):
-            raise SpecError(f"unsupported feature: {feature} (model config key '{key}' = {_shown(config[key])})")
+            raise SpecError(f"unsupported feature: {feature} (model config key '{key}' = {shown(config[key])})")
     act = config.get("hidden_act")
     if act is not None and act not in SUPPORTED_ACTIVATIONS:
-        raise SpecError(f"unsupported feature: activation {_shown(act)} (model config key 'hidden_act'; only SwiGLU/silu)")
+        raise SpecError(f"unsupported feature: activation {shown(act)} (model config key 'hidden_act'; only SwiGLU/silu)")
     sizes = {k: _positive_int(config, k) for k in REQUIRED_INTS}
     heads = sizes["num_attention_heads"]
     given = config.get("head_dim")   # null reads as absent, as in transformers
@@ -173,7 +172,7 @@ def spec_from_config(config: dict, config_path: Path, weight_dir: Path) -> Model
         "model config key 'rope_parameters' is not part of the course format: ignored, as the course's "
         "reference ignores it (RoPE reads 'rope_theta')"]
     if not conv.hf and config.get("torch_dtype") is not None and dtype not in KNOWN_DTYPES:   # SPEC.md: anything but bf16 is fp16; a typo should not pass unseen
-        warnings.append(f"model config torch_dtype {_shown(config.get('torch_dtype', dtype))} is neither float16 nor "
+        warnings.append(f"model config torch_dtype {shown(config.get('torch_dtype', dtype))} is neither float16 nor "
                         "bfloat16: the engine computes in float16 on a GPU, as the course's reference does")
     return ModelSpec(
         config_path=config_path, weight_dir=weight_dir, config=config,

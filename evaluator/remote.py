@@ -101,7 +101,6 @@ class Worker:
         self.device = device
         self.diagnose = diagnose          # the worker reports its thread's CPU time a step and its calls'
                                           # device time (two events): a few us more inside the clock
-        self.memory_bytes = memory_bytes
         self.log = log
         self.jail = Jail(device, memory_bytes, triton_cache, tuple(cache_scope))
         self._readable: dict[str, str] = {}
@@ -109,7 +108,7 @@ class Worker:
         self.buffer: channel.OutputBuffer | None = None
         self.layers: str | None = None    # set by `ready`: the layers its hello named
         self.round_trip = 0.0
-        self.watched = time.monotonic()   # when its memory was last looked at (_watch_memory)
+        self.watched = time.monotonic()   # when its memory and disk use were last looked at (_watch_limits)
         self.handover = (0.0, 0.0)        # set by `ready`: an honest flush's seconds, fixed and per byte
         self.measured = False             # set by `ready`: round_trip holds the measurement
         ours, theirs = socket.socketpair()
@@ -178,7 +177,7 @@ class Worker:
         tail = self.jail.log_tail()
         return WorkerDied(f"{what}: the worker {status}" + (f"; its last output:\n{tail}" if tail else ""))
 
-    def _watch_memory(self, what: str) -> None:
+    def _watch_limits(self, what: str) -> None:
         """The worker's memory against the cap, and the disks it can write (a crash past either)."""
         self.watched = time.monotonic()
         over = self.jail.over_limits()
@@ -206,9 +205,9 @@ class Worker:
                 break
             if self.proc.poll() is not None:
                 raise self._died(what, "exited")
-            self._watch_memory(what)
+            self._watch_limits(what)
         if watch and time.monotonic() - self.watched > WATCH_SECONDS:
-            self._watch_memory(what)
+            self._watch_limits(what)
         try:
             header, payload, _ = channel.receive(self.sock, time.monotonic() + MESSAGE_SECONDS, max_payload)
         except channel.ChannelClosed as e:
